@@ -1,0 +1,52 @@
+"""kvroute events: the vLLM-compatible KV event wire schema, hashing, framing and streaming."""
+
+from events.errors import EventDecodeError, EventsError, FramingError
+from events.framing import make_message, pack_seq, parse_message, unpack_seq
+from events.hashing import (
+    BlockHash,
+    BlockKey,
+    RouterKeyer,
+    hash_block_sha256_cbor,
+    hash_blocks_sha256_cbor,
+    none_hash,
+    root_key,
+    router_block_key,
+    router_block_keys,
+    wire_hash,
+)
+from events.schema import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockKey",
+    "BlockRemoved",
+    "BlockStored",
+    "EventDecodeError",
+    "EventsError",
+    "FramingError",
+    "KVCacheEvent",
+    "KVEventBatch",
+    "RouterKeyer",
+    "decode_batch",
+    "encode_batch",
+    "hash_block_sha256_cbor",
+    "hash_blocks_sha256_cbor",
+    "make_message",
+    "none_hash",
+    "pack_seq",
+    "parse_message",
+    "root_key",
+    "router_block_key",
+    "router_block_keys",
+    "unpack_seq",
+    "wire_hash",
+]

@@ -1,0 +1,212 @@
+"""Block hashing: vLLM-compatible ``sha256_cbor`` for engines, fast chained keys for routers.
+
+Two families live here because the worker and the router must agree on them:
+
+* ``sha256_cbor`` block hashes, byte-exact with vLLM: SHA-256 over canonical CBOR of
+  ``[parent_digest, [token ids...], extra_keys or None]``, chained from ``NONE_HASH``.
+  On the wire a hash is the last 8 bytes of its digest as an unsigned big-endian int.
+* Router keys: 64-bit XXH3 chained over the parent key and the tokens' little-endian
+  uint32 bytes, seeded by a namespace seed with the LoRA name and cache salt folded into
+  the root. They never depend on an engine's hash algorithm or seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from array import array
+from collections.abc import Sequence
+from typing import Any, Final, NewType
+
+import cbor2
+import xxhash
+
+__all__ = [
+    "DEFAULT_NONE_HASH_SEED",
+    "BlockHash",
+    "BlockKey",
+    "RouterKeyer",
+    "hash_block_sha256_cbor",
+    "hash_blocks_sha256_cbor",
+    "none_hash",
+    "root_key",
+    "router_block_key",
+    "router_block_keys",
+    "wire_hash",
+]
+
+BlockHash = NewType("BlockHash", bytes)
+"""An engine block hash: the full digest (32 bytes for sha256_cbor)."""
+
+BlockKey = NewType("BlockKey", int)
+"""A router key: an unsigned 64-bit chained XXH3 of a block's prefix."""
+
+DEFAULT_NONE_HASH_SEED: Final = "vllm-none-hash"
+"""vLLM's NONE_HASH seed when ``PYTHONHASHSEED`` is not set."""
+
+_TOKEN_TYPECODE: Final = "I"  # uint32, little-endian on every platform we support
+
+
+def _cbor(value: Any) -> bytes:
+    return cbor2.dumps(value, canonical=True)
+
+
+def none_hash(seed: str | None = None) -> BlockHash:
+    """The parent digest of block 0.
+
+    Args:
+        seed: The seed string; ``None`` means vLLM's rule: ``PYTHONHASHSEED`` when set,
+            else ``"vllm-none-hash"``.
+
+    Returns:
+        ``sha256(cbor(seed))``.
+    """
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_NONE_HASH_SEED
+    return BlockHash(hashlib.sha256(_cbor(seed)).digest())
+
+
+def hash_block_sha256_cbor(
+    parent: bytes, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None = None
+) -> BlockHash:
+    """Hash one full block the way vLLM's ``sha256_cbor`` does.
+
+    Args:
+        parent: The parent block's digest (``none_hash()`` for block 0).
+        token_ids: The block's token ids.
+        extra_keys: LoRA name, multimodal ``(id, offset)`` pairs, cache salt; ``None``
+            when the block has none.
+
+    Returns:
+        The 32-byte SHA-256 digest.
+    """
+    tokens = token_ids if type(token_ids) is list else list(token_ids)
+    return BlockHash(hashlib.sha256(_cbor([parent, tokens, extra_keys])).digest())
+
+
+def hash_blocks_sha256_cbor(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    parent: bytes | None = None,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
+    start_block: int = 0,
+) -> list[BlockHash]:
+    """Hash every full block of ``token_ids``, chained, with vLLM's extra keys.
+
+    Args:
+        token_ids: The tokens of the blocks to hash; a partial last block is ignored.
+        block_size: Tokens per block.
+        parent: Digest of the block before the first one; ``None`` means ``none_hash()``.
+        lora_name: LoRA adapter name, folded into every block's extra keys.
+        cache_salt: Cache salt, folded into block 0's extra keys only.
+        start_block: Index of the first block in its request (the salt applies only when
+            this block is block 0).
+
+    Returns:
+        One digest per full block, in order.
+    """
+    prev = none_hash() if parent is None else parent
+    out: list[BlockHash] = []
+    for i in range(len(token_ids) // block_size):
+        keys: list[Any] = []
+        if lora_name is not None:
+            keys.append(lora_name)
+        if cache_salt is not None and start_block + i == 0:
+            keys.append(cache_salt)
+        chunk = list(token_ids[i * block_size : (i + 1) * block_size])
+        prev = hash_block_sha256_cbor(prev, chunk, tuple(keys) if keys else None)
+        out.append(prev)
+    return out
+
+
+def wire_hash(digest: bytes) -> int:
+    """The 64-bit wire form of a digest: its last 8 bytes, unsigned big-endian."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def root_key(
+    seed: int = 0, lora_name: str | None = None, cache_salt: str | None = None
+) -> BlockKey:
+    """The parent key of block 0 for a request family.
+
+    Args:
+        seed: Namespace seed shared by every router and worker of a cluster.
+        lora_name: LoRA adapter name; requests of different adapters never share keys.
+        cache_salt: Per-tenant cache salt; salted requests never share keys with others.
+
+    Returns:
+        The root key.
+    """
+    if lora_name is None and cache_salt is None:
+        return BlockKey(xxhash.xxh3_64_intdigest(b"kvroute-root", seed))
+    material = _cbor(["kvroute-root", lora_name, cache_salt])
+    return BlockKey(xxhash.xxh3_64_intdigest(material, seed))
+
+
+def router_block_key(parent: int, token_ids: Sequence[int]) -> BlockKey:
+    """The router key of one block, chained from its parent's key.
+
+    Raises:
+        OverflowError: A token id is negative or does not fit in 32 bits.
+    """
+    data = parent.to_bytes(8, "little") + array(_TOKEN_TYPECODE, token_ids).tobytes()
+    return BlockKey(xxhash.xxh3_64_intdigest(data))
+
+
+def router_block_keys(token_ids: Sequence[int], block_size: int, parent: int) -> list[BlockKey]:
+    """Router keys of every full block of ``token_ids``, chained from ``parent``.
+
+    Args:
+        token_ids: The tokens; a partial last block is ignored.
+        block_size: Tokens per block.
+        parent: Key of the block before the first one (``root_key(...)`` for block 0).
+
+    Returns:
+        One key per full block.
+
+    Raises:
+        OverflowError: A token id is negative or does not fit in 32 bits.
+    """
+    raw = array(_TOKEN_TYPECODE, token_ids).tobytes()
+    step = block_size * 4
+    digest = xxhash.xxh3_64_intdigest
+    keys: list[BlockKey] = []
+    prev = parent
+    for offset in range(0, (len(raw) // step) * step, step):
+        prev = digest(prev.to_bytes(8, "little") + raw[offset : offset + step])
+        keys.append(BlockKey(prev))
+    return keys
+
+
+class RouterKeyer:
+    """Computes router keys for requests of one cluster (a fixed seed).
+
+    Invariant: for any tokens ``t`` and split point ``k * block_size``, the keys of
+    ``t`` equal the keys of ``t[:k*bs]`` followed by the keys of ``t[k*bs:]`` chained
+    from the last key of the first part, so keys computed from a ``BlockStored`` that
+    starts mid-request agree with keys computed from the whole prompt.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._plain_root = root_key(seed)
+
+    def root(self, lora_name: str | None = None, cache_salt: str | None = None) -> BlockKey:
+        """Root key for a request family (see :func:`root_key`)."""
+        if lora_name is None and cache_salt is None:
+            return self._plain_root
+        return root_key(self.seed, lora_name, cache_salt)
+
+    def keys(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[BlockKey]:
+        """Keys of every full block of a request's tokens, from block 0."""
+        return router_block_keys(token_ids, block_size, self.root(lora_name, cache_salt))
+
