@@ -159,7 +159,7 @@ def test_every_wire_hash_form_survives(value: int | bytes) -> None:
         (enc([1.0, [{"type": "BlockRemoved", "block_hashes": "x", "medium": None}]]), "bad_field"),
         (enc([1.0, [["BlockStored", [1], None, ["a"], 4]]]), "bad_field"),
         (enc([1.0, [["BlockStored", [1], None, [1]]]]), "bad_field"),
-        (enc([1.0, [{"type": "BlockRemoved", "block_hashes": [1.5], "medium": None}]]), "bad_field"),
+        (enc([1.0, [{"type": "BlockRemoved", "block_hashes": [1.5], "medium": 1}]]), "bad_field"),
     ],
 )
 def test_malformed_payloads_raise_a_counted_decode_error(payload: bytes, reason: str) -> None:
