@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+
+import cbor2
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -110,3 +113,15 @@ def test_router_keys_split_invariant(tokens: list[int], block_size: int, split: 
     head = keyer.keys(tokens[:cut], block_size)
     parent = head[-1] if head else keyer.root()
     assert head + router_block_keys(tokens[cut:], block_size, parent) == whole
+
+
+@given(
+    parent=st.binary(min_size=32, max_size=32) | st.binary(max_size=40),
+    tokens=st.lists(st.integers(0, 2**40), max_size=40),
+    extra=st.none() | st.tuples(st.text(max_size=5)) | st.tuples(st.text(), st.integers()),
+)
+def test_fast_cbor_path_equals_canonical_cbor(
+    parent: bytes, tokens: list[int], extra: tuple[object, ...] | None
+) -> None:
+    expected = hashlib.sha256(cbor2.dumps([parent, tokens, extra], canonical=True)).digest()
+    assert hash_block_sha256_cbor(parent, tokens, extra) == expected
