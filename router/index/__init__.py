@@ -1,5 +1,6 @@
 """The global prefix index: the ``PrefixIndex`` seam and its implementations."""
 
 from router.index.base import IndexStats, PrefixIndex, PrefixMatch, WorkerId
+from router.index.memory import MemoryPrefixIndex
 
-__all__ = ["IndexStats", "PrefixIndex", "PrefixMatch", "WorkerId"]
+__all__ = ["IndexStats", "MemoryPrefixIndex", "PrefixIndex", "PrefixMatch", "WorkerId"]

@@ -1,0 +1,296 @@
+"""Engine-hash bridge: folds one worker's KV events into changes of router-key index entries.
+
+The router never trusts an engine's hash algorithm: for each ``BlockStored`` it computes
+its own chained keys from the token ids (:func:`events.hashing.router_block_keys`),
+chaining from the router key of the event's parent, found in this per-worker map
+engine hash -> router key. ``BlockRemoved`` goes through the same map. Every physical
+copy is reference-counted per (engine hash, tier), and every router key per tier, so an
+entry leaves the index only when its last copy on that tier is removed.
+
+The bridge is I/O-free: it produces :class:`EntryChange` records (the final presence
+mask of each touched router key) that an index writes, and :func:`fold_batch` drives it
+over a whole batch, shared by every ``PrefixIndex`` implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from events.hashing import BlockKey, RouterKeyer, router_block_keys
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
+from router.errors import OrphanParentError
+
+__all__ = [
+    "CPU_MASK",
+    "GPU_MASK",
+    "BridgeCounters",
+    "Changes",
+    "EntryChange",
+    "WorkerBridge",
+    "cache_salt_of",
+    "fold_batch",
+    "tier_mask",
+]
+
+GPU_MASK: Final = 1
+"""Presence bit of a block held on the GPU tier (medium ``"GPU"`` or unspecified)."""
+CPU_MASK: Final = 2
+"""Presence bit of a block held on a slower tier (``"CPU"``, ``"STORAGE"``, ...)."""
+
+_MAX_TOKEN: Final = 0xFFFF_FFFF
+
+
+def tier_mask(medium: str | None) -> int:
+    """The presence bit of a medium: GPU for ``"GPU"`` or ``None``, else CPU."""
+    return GPU_MASK if medium is None or medium.upper() == "GPU" else CPU_MASK
+
+
+def cache_salt_of(event: BlockStored) -> str | None:
+    """The cache salt a chain-starting ``BlockStored`` carries in block 0's extra keys.
+
+    vLLM puts the LoRA name, multimodal ``(id, offset)`` pairs and the cache salt
+    untagged into block 0's extra keys; the salt is the string that is not the LoRA name.
+    """
+    if event.parent_block_hash is not None or not event.extra_keys:
+        return None
+    first = event.extra_keys[0]
+    if not isinstance(first, (list, tuple)):
+        return None
+    salts = [k for k in first if isinstance(k, str) and k != event.lora_name]
+    return salts[-1] if salts else None
+
+
+@dataclass(frozen=True, slots=True)
+class EntryChange:
+    """How one worker's entry for a router key changes.
+
+    Attributes:
+        key: The router key.
+        tag: The router key of block 0 of the key's chain (its prefix family); a
+            cluster index places all keys of a family on one shard.
+        old_mask: Tier bits held before the batch (0: absent).
+        new_mask: Tier bits held after it (0: the entry leaves).
+    """
+
+    key: BlockKey
+    tag: BlockKey
+    old_mask: int
+    new_mask: int
+
+
+Changes = dict[BlockKey, EntryChange]
+"""Changes of one batch segment, by router key, in first-touched order."""
+
+
+@dataclass(slots=True)
+class BridgeCounters:
+    """What the bridge skipped, by reason (exported as Prometheus counters by ingest)."""
+
+    malformed: int = 0
+    unknown_removals: int = 0
+    orphans: int = 0
+    ignored_groups: int = 0
+
+
+@dataclass(slots=True)
+class _Copies:
+    """Physical copies of one engine hash on one worker.
+
+    NOTE: ``gpu + cpu >= 1`` while the hash is in the bridge; at 0 it is deleted.
+    """
+
+    key: BlockKey
+    gpu: int = 0
+    cpu: int = 0
+
+
+@dataclass(slots=True)
+class _KeyState:
+    """Copies of one router key on one worker, over all engine hashes mapping to it.
+
+    NOTE: ``gpu`` / ``cpu`` equal the sums of the ``_Copies`` counts that map here.
+    """
+
+    tag: BlockKey
+    gpu: int = 0
+    cpu: int = 0
+
+    @property
+    def mask(self) -> int:
+        return (GPU_MASK if self.gpu else 0) | (CPU_MASK if self.cpu else 0)
+
+
+class _Orphan(Exception):
+    def __init__(self, parent: WireHash) -> None:
+        super().__init__(parent)
+        self.parent = parent
+
+
+@dataclass(slots=True)
+class WorkerBridge:
+    """Per-worker map engine hash -> router key with reference-counted copies.
+
+    Args:
+        keyer: The cluster's router key function (its seed).
+    """
+
+    keyer: RouterKeyer
+    counters: BridgeCounters = field(default_factory=BridgeCounters)
+    _copies: dict[WireHash, _Copies] = field(default_factory=dict)
+    _keys: dict[BlockKey, _KeyState] = field(default_factory=dict)
+
+    @property
+    def num_hashes(self) -> int:
+        """Distinct engine hashes currently held."""
+        return len(self._copies)
+
+    def entries(self) -> dict[BlockKey, tuple[BlockKey, int]]:
+        """Every held router key with its family tag and tier mask."""
+        return {key: (state.tag, state.mask) for key, state in self._keys.items()}
+
+    def has_hash(self, block_hash: WireHash) -> bool:
+        """True when the engine hash is held on some tier."""
+        return block_hash in self._copies
+
+    def reset(self) -> Changes:
+        """Forget everything; returns the removal of every held entry."""
+        changes = {
+            key: EntryChange(key, state.tag, state.mask, 0) for key, state in self._keys.items()
+        }
+        self._copies.clear()
+        self._keys.clear()
+        return changes
+
+    def store(self, event: BlockStored, changes: Changes) -> None:
+        """Fold one ``BlockStored`` into ``changes``.
+
+        A malformed event (token count not ``len(block_hashes) * block_size``, token ids
+        outside uint32, a bad block size) is counted and skipped whole.
+
+        Raises:
+            _Orphan: The parent hash is unknown; nothing of the event was folded.
+        """
+        if not _is_well_formed(event):
+            self.counters.malformed += 1
+            return
+        if event.group_idx not in (None, 0):
+            # Only the first KV cache group describes the full prefix; others (sliding
+            # window, hybrid models) would claim prefixes the worker cannot serve.
+            self.counters.ignored_groups += 1
+            return
+        if event.parent_block_hash is None:
+            parent_key: int = self.keyer.root(event.lora_name, cache_salt_of(event))
+            tag: BlockKey | None = None
+        else:
+            parent = self._copies.get(event.parent_block_hash)
+            if parent is None:
+                self.counters.orphans += 1
+                raise _Orphan(event.parent_block_hash)
+            parent_key = parent.key
+            tag = self._keys[parent.key].tag
+        keys = router_block_keys(event.token_ids, event.block_size, parent_key)
+        if tag is None:
+            tag = keys[0]
+        mask = tier_mask(event.medium)
+        for block_hash, key in zip(event.block_hashes, keys, strict=True):
+            copies = self._copies.get(block_hash)
+            if copies is None:
+                copies = self._copies[block_hash] = _Copies(key)
+            # NOTE: a hash re-stored with other tokens keeps its first key: the index
+            # already holds that one and children chain from it.
+            self._add(copies, mask, +1, tag, changes)
+
+    def remove(self, event: BlockRemoved, changes: Changes) -> None:
+        """Fold one ``BlockRemoved`` into ``changes``; unknown copies are counted."""
+        if event.group_idx not in (None, 0):
+            self.counters.ignored_groups += 1
+            return
+        mask = tier_mask(event.medium)
+        for block_hash in event.block_hashes:
+            copies = self._copies.get(block_hash)
+            if copies is None or not (copies.gpu if mask == GPU_MASK else copies.cpu):
+                self.counters.unknown_removals += 1
+                continue
+            self._add(copies, mask, -1, self._keys[copies.key].tag, changes)
+            if copies.gpu == 0 and copies.cpu == 0:
+                del self._copies[block_hash]
+
+    def _add(self, copies: _Copies, mask: int, delta: int, tag: BlockKey, changes: Changes) -> None:
+        key = copies.key
+        state = self._keys.get(key)
+        if state is None:
+            state = self._keys[key] = _KeyState(tag)
+        before = state.mask
+        if mask == GPU_MASK:
+            copies.gpu += delta
+            state.gpu += delta
+        else:
+            copies.cpu += delta
+            state.cpu += delta
+        after = state.mask
+        if after == before:
+            return
+        previous = changes.get(key)
+        old = before if previous is None else previous.old_mask
+        changes[key] = EntryChange(key, state.tag, old, after)
+        if after == 0:
+            del self._keys[key]
+
+
+def _is_well_formed(event: BlockStored) -> bool:
+    size = event.block_size
+    if size <= 0 or not event.block_hashes:
+        return False
+    if len(event.token_ids) != size * len(event.block_hashes):
+        return False
+    return all(0 <= t <= _MAX_TOKEN for t in event.token_ids)
+
+
+async def fold_batch(
+    worker_id: str,
+    bridge: WorkerBridge,
+    batch: KVEventBatch,
+    write: Callable[[Changes], Awaitable[None]],
+    clear: Callable[[], Awaitable[None]],
+) -> None:
+    """Apply a batch through ``bridge``: the shared body of every ``PrefixIndex.apply``.
+
+    Changes are written in segments: everything up to an ``AllBlocksCleared`` is written,
+    then ``clear`` empties the worker (also entries the bridge does not know, e.g. after
+    a router restart), then the rest follows.
+
+    Args:
+        worker_id: The worker the batch came from.
+        bridge: That worker's bridge.
+        batch: The decoded batch.
+        write: Writes one segment's changes to the index.
+        clear: Drops every entry of the worker from the index and resets the bridge.
+
+    Raises:
+        OrphanParentError: A ``BlockStored`` has an unknown parent; the events before it
+            were applied and written.
+    """
+    changes: Changes = {}
+    for position, event in enumerate(batch.events):
+        if isinstance(event, BlockStored):
+            try:
+                bridge.store(event, changes)
+            except _Orphan as orphan:
+                await _flush(write, changes)
+                raise OrphanParentError(worker_id, orphan.parent, position) from None
+        elif isinstance(event, BlockRemoved):
+            bridge.remove(event, changes)
+        elif isinstance(event, AllBlocksCleared):
+            await _flush(write, changes)
+            changes = {}
+            await clear()
+    await _flush(write, changes)
+
+
+async def _flush(write: Callable[[Changes], Awaitable[None]], changes: Changes) -> None:
+    effective = {k: c for k, c in changes.items() if c.old_mask != c.new_mask}
+    if effective:
+        await write(effective)
+
