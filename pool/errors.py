@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-__all__ = ["PoolError"]
+__all__ = ["NoFreeBlocksError", "PoolError"]
 
 
 class PoolError(Exception):
     """Base of every error raised by the ``pool`` package."""
+
+
+class NoFreeBlocksError(PoolError, ValueError):
+    """The pool has fewer free blocks than were asked for (vLLM raises ``ValueError``)."""
