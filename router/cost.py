@@ -1,0 +1,154 @@
+"""The routing cost model: what sending one request to one worker costs, in tokens of work.
+
+A candidate's score is the prefill work it would do for the request (prompt tokens minus
+the prefix it already caches, CPU-tier blocks saving only a fraction of theirs) plus the
+work already waiting on it (queued prefill tokens, decode tokens in flight, a fixed cost
+per in-flight request), each with a weight. Lower is better. There is no threshold at
+which the cache stops counting: a cached prefix is always worth exactly the tokens it
+saves, and load always costs what it delays. That also settles the shared-system-prompt
+case: a prefix every worker caches lowers every score by the same amount and cannot
+attract traffic; a prefix only one worker caches attracts requests only until that
+worker's extra queue outweighs the tokens it saves.
+
+Everything here is pure: no clock, no I/O; randomness comes from the caller's generator.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.errors import RouterError
+from router.load import WorkerLoad
+
+__all__ = ["CostBreakdown", "CostConfigError", "CostWeights", "choose", "score_candidate"]
+
+
+class CostConfigError(RouterError, ValueError):
+    """A cost weight or the temperature is out of range."""
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    """Weights of the cost model; every term is in tokens of prefill work.
+
+    Attributes:
+        prefill: Per prompt token the candidate would compute for this request.
+        queued_prefill: Per prompt token already queued on the candidate.
+        decode: Per output token still to be generated on the candidate (decode shares
+            the accelerator with prefill, so it delays this request too).
+        per_request: Fixed cost per request in flight on the candidate (scheduling and
+            memory pressure that token counts miss).
+        cpu_hit: Fraction of a CPU-tier cached token's prefill that is saved (loading it
+            back is cheaper than computing it, but not free); GPU-tier tokens save 1.
+        temperature: 0 picks the lowest score. Above 0, candidates are sampled with
+            probability proportional to ``exp(-(score - best) / (temperature * prompt))``:
+            a candidate whose cost exceeds the best by ``temperature`` times the prompt
+            length is ``e`` times less likely than the best.
+    """
+
+    prefill: float = 1.0
+    queued_prefill: float = 1.0
+    decode: float = 4.0
+    per_request: float = 256.0
+    cpu_hit: float = 0.5
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "queued_prefill", "decode", "per_request", "temperature"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise CostConfigError(f"cost weight {name} must be finite and >= 0, got {value}")
+        if not 0.0 <= self.cpu_hit <= 1.0:
+            raise CostConfigError(f"cost weight cpu_hit must be in [0, 1], got {self.cpu_hit}")
+
+
+@dataclass(frozen=True, slots=True)
+class CostBreakdown:
+    """One candidate's score and the terms it is made of (all in tokens, unweighted).
+
+    Attributes:
+        cached_tokens: Prompt tokens counted as cached (CPU tier already weighted), at
+            most ``prompt - 1`` since an engine always computes the last prompt token.
+        prefill_tokens: Prompt tokens the candidate would compute for this request.
+        queued_prefill_tokens: Prefill already queued on the candidate.
+        decode_tokens: Decode tokens in flight on the candidate.
+        num_requests: Requests in flight on the candidate.
+        score: The weighted sum; lower is better.
+    """
+
+    cached_tokens: float
+    prefill_tokens: float
+    queued_prefill_tokens: int
+    decode_tokens: int
+    num_requests: int
+    score: float
+
+
+def score_candidate(
+    num_prompt_tokens: int, cached_tokens: float, load: WorkerLoad, weights: CostWeights
+) -> CostBreakdown:
+    """Score sending a request to one candidate.
+
+    Args:
+        num_prompt_tokens: The request's prompt length.
+        cached_tokens: Tokens of its prefix the candidate holds (CPU tier weighted, e.g. by
+            ``PrefixMatch.weighted_tokens(block_size, weights.cpu_hit)``).
+        load: The candidate's outstanding work.
+        weights: The cost weights.
+
+    Returns:
+        The score and its terms.
+    """
+    cached = min(max(cached_tokens, 0.0), float(max(num_prompt_tokens - 1, 0)))
+    prefill = num_prompt_tokens - cached
+    score = (
+        weights.prefill * prefill
+        + weights.queued_prefill * load.queued_prefill_tokens
+        + weights.decode * load.decode_tokens
+        + weights.per_request * load.num_requests
+    )
+    return CostBreakdown(
+        cached_tokens=cached,
+        prefill_tokens=prefill,
+        queued_prefill_tokens=load.queued_prefill_tokens,
+        decode_tokens=load.decode_tokens,
+        num_requests=load.num_requests,
+        score=score,
+    )
+
+
+def choose(
+    scores: Sequence[float],
+    *,
+    temperature: float,
+    scale: float,
+    rng: random.Random | None = None,
+    tie_break: int = 0,
+) -> int:
+    """Index of the candidate to route to.
+
+    Args:
+        scores: One score per candidate; lower is better. Must not be empty.
+        temperature: 0 for the lowest score; see :attr:`CostWeights.temperature`.
+        scale: Tokens the temperature is relative to (the request's prompt length).
+        rng: Randomness for sampling (seeded by the caller for reproducible runs);
+            required when ``temperature > 0``.
+        tie_break: With ``temperature == 0``, which of several equal best scores wins
+            (``tie_break`` modulo their number), so a caller that rotates it spreads ties
+            instead of always favouring the first candidate.
+
+    Returns:
+        An index into ``scores``.
+    """
+    assert scores, "choose() needs at least one candidate"
+    best = min(scores)
+    if temperature > 0:
+        assert rng is not None, "sampling with a temperature needs a generator"
+        width = temperature * max(scale, 1.0)
+        weights = [math.exp(-(s - best) / width) for s in scores]
+        return rng.choices(range(len(scores)), weights=weights)[0]
+    ties = [i for i, s in enumerate(scores) if s == best]
+    return ties[tie_break % len(ties)]

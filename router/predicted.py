@@ -1,0 +1,125 @@
+"""Predicted entries: the prefixes the router just routed, credited to their worker for a while.
+
+A worker announces a block with ``BlockStored`` only once it has computed it, which is
+after queueing and prefill. Siblings of a request that arrive before then would see no
+worker holding their prefix and scatter over the cluster. Right after a decision the
+router therefore credits the chosen worker with the request's keys for ``ttl_s``; lookups
+treat a credited key like a cached GPU block. The same store, with a long TTL and no
+events at all, is the route history of the ``approximate`` policy.
+
+Time is passed in by the caller (``now_s``, any monotonic clock), so the store is pure
+and the simulator can run it on simulated time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from events.hashing import BlockKey
+from router.cost import CostConfigError
+from router.index.base import WorkerId
+
+__all__ = ["PredictedEntries"]
+
+
+class PredictedEntries:
+    """Short-lived (key, worker) credits with a memory bound.
+
+    Args:
+        ttl_s: How long a credit lasts after the decision that made it.
+        max_entries: Bound on stored credits; past it the oldest are dropped early
+            (forgetting a prediction is safe, it only costs a possible cache miss).
+
+    NOTE: ``_expiry[key][worker]`` is the expiry of the newest credit of that pair; every
+    credit also appends ``(expiry, key, worker)`` to ``_order``, which is sorted by expiry
+    because the TTL is fixed and ``now_s`` never decreases. A popped ``_order`` item
+    deletes its pair only if the pair's expiry is still that item's (no newer credit).
+    ``len(_order) <= max_entries`` after every call, which bounds both structures.
+    """
+
+    def __init__(self, ttl_s: float, max_entries: int = 1_000_000) -> None:
+        if not ttl_s > 0:
+            raise CostConfigError(f"predicted-entry ttl_s must be > 0, got {ttl_s}")
+        if max_entries < 1:
+            raise CostConfigError(f"predicted max_entries must be >= 1, got {max_entries}")
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._expiry: dict[BlockKey, dict[WorkerId, float]] = {}
+        self._order: deque[tuple[float, BlockKey, WorkerId]] = deque()
+
+    def __len__(self) -> int:
+        """Stored (key, worker) credits, expired ones not yet purged included."""
+        return sum(len(workers) for workers in self._expiry.values())
+
+    def credit(self, worker_id: WorkerId, keys: Sequence[BlockKey], now_s: float) -> None:
+        """Credit ``worker_id`` with ``keys`` (a request's prefix) until ``now_s + ttl_s``."""
+        expiry = now_s + self.ttl_s
+        table = self._expiry
+        order = self._order
+        for key in keys:
+            workers = table.get(key)
+            if workers is None:
+                table[key] = {worker_id: expiry}
+            else:
+                workers[worker_id] = expiry
+            order.append((expiry, key, worker_id))
+        self._purge(now_s)
+
+    def lookup(
+        self, keys: Sequence[BlockKey], workers: Iterable[WorkerId], now_s: float
+    ) -> dict[WorkerId, int]:
+        """Per worker, how many leading ``keys`` it is credited with.
+
+        Args:
+            keys: A request's router keys from block 0.
+            workers: The candidates to report on.
+            now_s: The current time on the clock given to :meth:`credit`.
+
+        Returns:
+            Candidates credited with at least block 0, mapped to their prefix length.
+        """
+        self._purge(now_s)
+        result: dict[WorkerId, int] = {}
+        if not keys:
+            return result
+        first = self._expiry.get(keys[0])
+        if first is None:
+            return result
+        alive = [w for w in workers if first.get(w, 0.0) > now_s]
+        depth = 1
+        for key in keys[1:]:
+            if not alive:
+                break
+            credited = self._expiry.get(key, {})
+            still: list[WorkerId] = []
+            for w in alive:
+                if credited.get(w, 0.0) > now_s:
+                    still.append(w)
+                else:
+                    result[w] = depth
+            alive = still
+            depth += 1
+        for w in alive:
+            result[w] = depth
+        return result
+
+    def forget(self, worker_id: WorkerId) -> None:
+        """Drop every credit of a worker (it left, restarted or was resynced)."""
+        for key in [k for k, ws in self._expiry.items() if worker_id in ws]:
+            workers = self._expiry[key]
+            del workers[worker_id]
+            if not workers:
+                del self._expiry[key]
+        # _order keeps the worker's items; they are skipped when popped (pair absent).
+
+    def _purge(self, now_s: float) -> None:
+        order = self._order
+        table = self._expiry
+        while order and (order[0][0] <= now_s or len(order) > self.max_entries):
+            expiry, key, worker_id = order.popleft()
+            workers = table.get(key)
+            if workers is not None and workers.get(worker_id) == expiry:
+                del workers[worker_id]
+                if not workers:
+                    del table[key]

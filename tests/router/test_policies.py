@@ -1,0 +1,190 @@
+"""Tests of the routing policies: exact choices, explanations and balance."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from events.hashing import BlockKey, RouterKeyer
+from router.cost import CostConfigError, CostWeights
+from router.index.base import PrefixMatch, WorkerId
+from router.load import MemoryLoadTracker, WorkerLoad, routed
+from router.policies import (
+    DEFAULT_POLICY,
+    POLICY_NAMES,
+    Candidate,
+    PolicyConfig,
+    RouteRequest,
+    build_candidates,
+    make_policy,
+)
+
+BS = 16
+W = [WorkerId(f"w{i}") for i in range(4)]
+KEYER = RouterKeyer(seed=1)
+
+
+def request(tokens: list[int], output: int = 0) -> RouteRequest:
+    return RouteRequest(KEYER.keys(tokens, BS), len(tokens), BS, output)
+
+
+def test_every_name_builds_a_policy_of_that_name() -> None:
+    assert DEFAULT_POLICY == "cache_aware"
+    for name in POLICY_NAMES:
+        assert make_policy(name).name == name
+    with pytest.raises(CostConfigError, match="unknown policy 'nope'"):
+        make_policy("nope")
+
+
+def test_cache_aware_prefers_the_longest_prefix_and_explains_itself() -> None:
+    policy = make_policy("cache_aware", PolicyConfig(weights=CostWeights(per_request=10.0)))
+    req = request(list(range(64)))
+    candidates = build_candidates(
+        W[:3],
+        {W[0]: WorkerLoad(1, 0, 0)},
+        matches={W[0]: PrefixMatch(3, 3, 0), W[1]: PrefixMatch(1, 1, 0)},
+        predicted={W[2]: 2},
+    )
+    d = policy.decide(req, candidates)
+    assert d.worker_id == W[0]
+    assert d.policy == "cache_aware"
+    assert d.prefill_tokens == 16
+    assert [(c.worker_id, c.matched_tokens, c.predicted_tokens, c.score) for c in d.candidates] == [
+        (W[0], 48, 48, 16.0 + 10.0),
+        (W[1], 16, 16, 48.0),
+        (W[2], 0, 32, 32.0),
+    ]
+    assert d.chosen.load == WorkerLoad(1, 0, 0)
+
+
+def test_cache_aware_weighs_cpu_tier_blocks() -> None:
+    policy = make_policy("cache_aware", PolicyConfig(weights=CostWeights(cpu_hit=0.25)))
+    req = request(list(range(64)))
+    candidates = build_candidates(
+        W[:2], {}, matches={W[0]: PrefixMatch(3, 1, 2), W[1]: PrefixMatch(2, 2, 0)}
+    )
+    d = policy.decide(req, candidates)
+    assert [c.score for c in d.candidates] == [64 - 16 - 0.25 * 32, 64 - 32]
+    assert d.worker_id == W[1]
+
+
+def test_cache_aware_leaves_a_cached_worker_once_its_queue_outweighs_the_saving() -> None:
+    policy = make_policy("cache_aware", PolicyConfig(weights=CostWeights(per_request=0.0)))
+    req = request(list(range(64)))
+    matches = {W[0]: PrefixMatch(3, 3, 0)}
+    stays = policy.decide(req, build_candidates(W[:2], {W[0]: WorkerLoad(1, 47, 0)}, matches))
+    leaves = policy.decide(req, build_candidates(W[:2], {W[0]: WorkerLoad(1, 49, 0)}, matches))
+    assert (stays.worker_id, leaves.worker_id) == (W[0], W[1])
+
+
+def test_approximate_sees_only_its_route_history() -> None:
+    policy = make_policy("approximate")
+    assert not policy.uses_index and policy.credit_ttl_s == PolicyConfig().history_ttl_s
+    req = request(list(range(64)))
+    d = policy.decide(
+        req, build_candidates(W[:2], {}, matches={W[0]: PrefixMatch(4, 4, 0)}, predicted={W[1]: 1})
+    )
+    assert d.worker_id == W[1]
+    assert [c.matched_tokens for c in d.candidates] == [64, 0]
+
+
+def _route_burst(
+    policy_name: str,
+    reqs: list[RouteRequest],
+    matches: dict[WorkerId, PrefixMatch],
+    learned: PrefixMatch | None = None,
+) -> Counter[WorkerId]:
+    """Route requests one after another, adding each one's load and never finishing any.
+
+    With ``learned``, a worker that gets a request caches that prefix from then on.
+    """
+    policy = make_policy(policy_name)
+    tracker = MemoryLoadTracker()
+
+    async def run() -> Counter[WorkerId]:
+        counts: Counter[WorkerId] = Counter()
+        for req in reqs:
+            loads = await tracker.snapshot(W)
+            d = policy.decide(req, build_candidates(W, loads, matches))
+            await tracker.add(d.worker_id, routed(d.prefill_tokens, req.num_output_tokens))
+            counts[d.worker_id] += 1
+            if learned is not None:
+                matches[d.worker_id] = learned
+        return counts
+
+    return asyncio.run(run())
+
+
+def test_a_system_prompt_one_worker_caches_does_not_pile_everything_on_it() -> None:
+    # 64 requests share a 2,048-token system prompt that only w0 caches, then differ.
+    system = list(range(2048))
+    reqs = [request(system + [5000 + i] * 64, output=100) for i in range(64)]
+    system_match = PrefixMatch(128, 128, 0)
+    # Worst case: the others never learn it. w0 then takes requests while its total work
+    # stays below theirs: it computes 64 tokens per request, they compute 2,112.
+    static = _route_burst("cache_aware", reqs, {W[0]: system_match})
+    assert static == {W[0]: 37, W[1]: 9, W[2]: 9, W[3]: 9}
+    # Realistic case: a worker caches the system prompt once it computed it; after one
+    # request each, affinity to it is gone and the burst spreads (w0 less its head start).
+    learning = _route_burst("cache_aware", reqs, {W[0]: system_match}, learned=system_match)
+    assert sorted(learning.values()) == [15, 15, 16, 18]
+
+
+def test_a_system_prompt_every_worker_caches_spreads_evenly() -> None:
+    system = list(range(2048))
+    reqs = [request(system + [5000 + i] * 64, output=100) for i in range(64)]
+    everyone = {w: PrefixMatch(128, 128, 0) for w in W}
+    assert _route_burst("cache_aware", reqs, everyone) == {w: 16 for w in W}
+
+
+def test_round_robin_random_and_least_loaded() -> None:
+    req = request(list(range(32)))
+    cands = build_candidates(W, {W[0]: WorkerLoad(2, 0, 0), W[2]: WorkerLoad(1, 0, 0)})
+    rr = make_policy("round_robin")
+    assert [rr.decide(req, cands).worker_id for _ in range(5)] == [W[0], W[1], W[2], W[3], W[0]]
+    seq = [
+        make_policy("random", PolicyConfig(seed=3)).decide(req, cands).worker_id for _ in range(2)
+    ]
+    assert seq[0] == seq[1]
+    rnd = make_policy("random", PolicyConfig(seed=3))
+    assert set(rnd.decide(req, cands).worker_id for _ in range(200)) == set(W)
+    ll = make_policy("least_loaded")
+    picks = [ll.decide(req, cands) for _ in range(4)]
+    assert [d.worker_id for d in picks] == [W[1], W[3], W[1], W[3]]
+    assert [c.score for c in picks[0].candidates] == [2.0, 0.0, 1.0, 0.0]
+
+
+def test_consistent_hash_is_sticky_per_prefix_and_bounded() -> None:
+    policy = make_policy("consistent_hash", PolicyConfig(hash_load_factor=1.25))
+    family = [request([7] * 16 + [i] * 16) for i in range(10)]
+    idle = build_candidates(W, {})
+    owners = {policy.decide(r, idle).worker_id for r in family}
+    assert len(owners) == 1
+    owner = owners.pop()
+    # With the owner at the bound (ceil(1.25 * 5 / 4) = 2 after this request), it moves on.
+    loads = {w: WorkerLoad(1, 0, 0) for w in W}
+    loads[owner] = WorkerLoad(2, 0, 0)
+    moved = policy.decide(family[0], build_candidates(W, loads))
+    assert moved.worker_id != owner
+    # Under any sequence of routed requests, no worker exceeds the bound.
+    counts = _route_burst("consistent_hash", [request([3] * 16)] * 40, {})
+    assert max(counts.values()) <= 13  # ceil(1.25 * 40 / 4)
+    # A prompt without a full block goes to the least loaded worker.
+    assert policy.decide(request([1, 2]), build_candidates(W, loads)).worker_id != owner
+
+
+def test_consistent_hash_keeps_most_prefixes_when_a_worker_leaves() -> None:
+    policy = make_policy("consistent_hash")
+    reqs = [request([i] * 16) for i in range(200)]
+    before = [policy.decide(r, build_candidates(W, {})).worker_id for r in reqs]
+    after = [policy.decide(r, build_candidates(W[:3], {})).worker_id for r in reqs]
+    moved = [b for b, a in zip(before, after, strict=True) if a != b]
+    assert set(moved) == {W[3]}
+
+
+def test_candidate_defaults() -> None:
+    c = Candidate(WorkerId("x"))
+    assert (c.load, c.match, c.num_predicted_blocks) == (WorkerLoad(), PrefixMatch(), 0)
+    assert BlockKey(1) == 1

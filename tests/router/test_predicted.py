@@ -1,0 +1,97 @@
+"""Tests of predicted entries: exact prefix credit, TTL, bounded memory."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.hashing import BlockKey
+from router.cost import CostConfigError
+from router.index.base import WorkerId
+from router.predicted import PredictedEntries
+
+A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
+
+
+def keys(*values: int) -> list[BlockKey]:
+    return [BlockKey(v) for v in values]
+
+
+def test_lookup_reports_each_workers_credited_prefix() -> None:
+    p = PredictedEntries(ttl_s=10.0)
+    p.credit(A, keys(1, 2, 3, 4), now_s=0.0)
+    p.credit(B, keys(1, 2), now_s=0.0)
+    p.credit(C, keys(2, 3), now_s=0.0)  # not a prefix of the request below
+    assert p.lookup(keys(1, 2, 3, 9), [A, B, C], now_s=1.0) == {A: 3, B: 2}
+    assert p.lookup(keys(1, 2, 3, 9), [B], now_s=1.0) == {B: 2}
+    assert p.lookup(keys(7), [A, B, C], now_s=1.0) == {}
+    assert p.lookup([], [A], now_s=1.0) == {}
+
+
+def test_credits_expire_after_ttl_and_a_new_credit_extends_them() -> None:
+    p = PredictedEntries(ttl_s=10.0)
+    p.credit(A, keys(1, 2), now_s=0.0)
+    p.credit(A, keys(1), now_s=5.0)
+    assert p.lookup(keys(1, 2), [A], now_s=9.999) == {A: 2}
+    assert p.lookup(keys(1, 2), [A], now_s=10.0) == {A: 1}
+    assert len(p) == 1
+    assert p.lookup(keys(1, 2), [A], now_s=15.0) == {}
+    assert len(p) == 0
+
+
+def test_memory_is_bounded_by_dropping_the_oldest_credits() -> None:
+    p = PredictedEntries(ttl_s=100.0, max_entries=3)
+    p.credit(A, keys(1, 2), now_s=0.0)
+    p.credit(B, keys(1, 2), now_s=1.0)
+    assert len(p) == 3
+    assert p.lookup(keys(1, 2), [A, B], now_s=2.0) == {B: 2}
+
+
+def test_forget_drops_one_worker() -> None:
+    p = PredictedEntries(ttl_s=100.0)
+    p.credit(A, keys(1, 2), now_s=0.0)
+    p.credit(B, keys(1), now_s=0.0)
+    p.forget(A)
+    assert p.lookup(keys(1, 2), [A, B], now_s=1.0) == {B: 1}
+    assert len(p) == 1
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(CostConfigError, match="ttl_s"):
+        PredictedEntries(ttl_s=0.0)
+    with pytest.raises(CostConfigError, match="max_entries"):
+        PredictedEntries(ttl_s=1.0, max_entries=0)
+
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from([A, B, C]),
+        st.lists(st.integers(0, 5), min_size=1, max_size=5),
+        st.floats(0.0, 4.0),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=_ops, probe=st.lists(st.integers(0, 5), max_size=6))
+def test_matches_a_naive_model_when_unbounded(
+    ops: list[tuple[WorkerId, list[int], float]], probe: list[int]
+) -> None:
+    p = PredictedEntries(ttl_s=3.0)
+    model: dict[tuple[int, WorkerId], float] = {}
+    now = 0.0
+    for worker, ks, step in ops:
+        now += step
+        p.credit(worker, keys(*ks), now_s=now)
+        for k in ks:
+            model[(k, worker)] = now + 3.0
+        expected = {}
+        for w in (A, B, C):
+            depth = 0
+            while depth < len(probe) and model.get((probe[depth], w), 0.0) > now:
+                depth += 1
+            if depth:
+                expected[w] = depth
+        assert p.lookup(keys(*probe), [A, B, C], now_s=now) == expected
