@@ -1,0 +1,166 @@
+"""A Hypothesis state machine over KVCacheManager + BlockPool, checking pool invariants.
+
+Requests over a 4-token alphabet with 2-token blocks share prefixes and duplicate hashes
+often; the engine steps (admit, decode, finish, preempt), explicit evictions and resets
+interleave freely. After every step the pool's accounting, its free queue and its cache map
+must agree, and replaying the drained events into a multiset must give exactly the hashes
+the pool caches, one per physical copy.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from events.hashing import wire_hash
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
+from pool.request import Request
+
+NUM_BLOCKS = 9
+BS = 2
+TOKENS = st.integers(0, 3)
+# Prompts that share prefixes, some an exact multiple of the block size (their last block
+# is recomputed by the next identical prompt: a hash cached in two physical blocks).
+PROMPTS = st.one_of(
+    st.sampled_from([[0, 1], [0, 1, 2, 3], [0, 1, 2, 3, 0], [0, 1, 2, 2], [3, 3, 3, 3, 3, 3]]),
+    st.lists(TOKENS, min_size=1, max_size=9),
+)
+
+
+def replay(events: list[KVCacheEvent], index: Counter[int]) -> None:
+    """Apply events to a multiset of wire hashes, as a reference-counting consumer does."""
+    for event in events:
+        if isinstance(event, BlockStored):
+            assert len(event.token_ids) == len(event.block_hashes) * event.block_size
+            for block_hash in event.block_hashes:
+                assert isinstance(block_hash, int)
+                index[block_hash] += 1
+        elif isinstance(event, BlockRemoved):
+            for block_hash in event.block_hashes:
+                assert isinstance(block_hash, int)
+                assert index[block_hash] > 0, "BlockRemoved of a hash that is not cached"
+                index[block_hash] -= 1
+                if not index[block_hash]:
+                    del index[block_hash]
+        else:
+            assert isinstance(event, AllBlocksCleared)
+            index.clear()
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = KVCacheManager(
+            KVCacheConfig(num_blocks=NUM_BLOCKS, block_size=BS, enable_kv_cache_events=True)
+        )
+        self.pool = self.manager.block_pool
+        self.running: dict[str, Request] = {}
+        self.replayed: Counter[int] = Counter()
+        self.num_requests = 0
+
+    @rule(
+        prompt=PROMPTS,
+        lora_name=st.sampled_from([None, None, "l"]),
+        cache_salt=st.sampled_from([None, None, "s"]),
+    )
+    def admit(self, prompt: list[int], lora_name: str | None, cache_salt: str | None) -> None:
+        self.num_requests += 1
+        request = self.manager.make_request(
+            f"r{self.num_requests}", prompt, lora_name=lora_name, cache_salt=cache_salt
+        )
+        hits, num_hit_tokens = self.manager.get_computed_blocks(request)
+        assert num_hit_tokens == len(hits) * BS <= request.num_tokens - 1
+        assert [b.block_hash for b in hits] == request.block_hashes[: len(hits)]
+        num_free = self.pool.get_num_free_blocks()
+        new_blocks = self.manager.allocate_slots(
+            request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits
+        )
+        if new_blocks is None:
+            assert self.pool.get_num_free_blocks() == num_free
+            assert self.manager.get_block_ids(request.request_id) == []
+            return
+        request.num_computed_tokens = request.num_tokens
+        self.running[request.request_id] = request
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), token=TOKENS)
+    def decode(self, data: st.DataObject, token: int) -> None:
+        request = self.running[data.draw(st.sampled_from(sorted(self.running)))]
+        request.append_output_token_ids(token)
+        if self.manager.allocate_slots(request, 1) is None:
+            self.manager.free(request)  # preempted
+            del self.running[request.request_id]
+        else:
+            request.num_computed_tokens += 1
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        request_id = data.draw(st.sampled_from(sorted(self.running)))
+        self.manager.free(self.running.pop(request_id))
+
+    @rule(block_ids=st.lists(st.integers(0, NUM_BLOCKS - 1), max_size=3))
+    def evict(self, block_ids: list[int]) -> None:
+        self.pool.evict_blocks(block_ids)
+
+    @rule()
+    def reset(self) -> None:
+        assert self.manager.reset_prefix_cache() is (not self.running)
+
+    @invariant()
+    def free_plus_referenced_is_capacity(self) -> None:
+        referenced = [b for b in self.pool.blocks if b.ref_cnt > 0 and not b.is_null]
+        assert self.pool.get_num_free_blocks() + len(referenced) == NUM_BLOCKS - 1
+
+    @invariant()
+    def free_queue_holds_exactly_the_unreferenced_blocks(self) -> None:
+        queued = self.pool.free_block_queue.get_all_free_blocks()
+        assert len(queued) == self.pool.get_num_free_blocks()
+        assert all(b.ref_cnt == 0 and not b.is_null for b in queued)
+        expected = {b.block_id for b in self.pool.blocks if b.ref_cnt == 0 and not b.is_null}
+        assert sorted(b.block_id for b in queued) == sorted(expected)
+
+    @invariant()
+    def ref_counts_match_the_running_requests(self) -> None:
+        held: Counter[int] = Counter()
+        for request_id, request in self.running.items():
+            block_ids = self.manager.get_block_ids(request_id)
+            assert len(block_ids) == -(-request.num_computed_tokens // BS)
+            held.update(block_ids)
+        assert {b.block_id: b.ref_cnt for b in self.pool.blocks if b.ref_cnt} == dict(held)
+
+    @invariant()
+    def cache_map_and_block_hashes_agree(self) -> None:
+        cache = self.pool.cached_block_hash_to_block
+        cached = list(cache.blocks())
+        for block in cached:
+            assert block.block_hash is not None
+            assert cache.get_one_block(block.block_hash) is not None
+            assert cache.pop(block.block_hash, block.block_id) is block
+            cache.insert(block.block_hash, block)
+        hashed = sorted(b.block_id for b in self.pool.blocks if b.block_hash is not None)
+        assert sorted(b.block_id for b in cached) == hashed
+        assert cache.num_blocks == len(hashed)
+
+    @invariant()
+    def replayed_events_equal_the_cached_multiset(self) -> None:
+        replay(self.pool.take_events(), self.replayed)
+        cached = Counter(
+            wire_hash(b.block_hash)
+            for b in self.pool.cached_block_hash_to_block.blocks()
+            if b.block_hash is not None
+        )
+        assert self.replayed == cached
+
+    @invariant()
+    def stats_are_consistent(self) -> None:
+        stats = self.manager.prefix_cache_stats
+        assert 0 <= stats.hits <= stats.queries
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
