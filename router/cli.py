@@ -22,7 +22,10 @@ class Command(NamedTuple):
     summary: str
 
 
-COMMANDS: Final[dict[str, Command]] = {}
+COMMANDS: Final[dict[str, Command]] = {
+    "cluster": Command("router.cluster_cli", "run a local cluster on a workload and report"),
+    "worker": Command("pool.worker_cli", "run a serving worker: model, paged KV cache, HTTP, events"),
+}
 
 _USAGE: Final = """usage: kvroute COMMAND [ARGS...]
 

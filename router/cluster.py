@@ -1,0 +1,643 @@
+"""Run a whole local kvroute cluster and measure one workload through it, once per policy.
+
+:func:`run_cluster` uses the Redis it is given or starts one, then, for each policy:
+starts N ``kvroute worker`` subprocesses and a ``kvroute router`` subprocess in front of
+them, waits for their health checks, sends the workload through the router's
+``/v1/completions`` with a fixed number of requests in flight, and stops every process
+again, so each policy starts from cold caches and an empty index (its own namespace).
+Workers are subprocesses started with ``python -m router worker``: this module imports
+nothing from ``pool``.
+
+NOTE: every process this module starts is registered in a :class:`ProcessGroup` before
+anything else can fail, and the group stops them all on exit, error or Ctrl-C; on Linux
+children are also asked to die with their parent, so even a SIGKILL leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.errors import RouterError
+from router.redis_server import RedisServer, free_port
+from router.workload import Workload, WorkloadRequest, ideal_hit_tokens
+
+__all__ = [
+    "ClusterConfig",
+    "ClusterError",
+    "ClusterReport",
+    "PolicyRun",
+    "ProcessGroup",
+    "RequestResult",
+    "WorkerStats",
+    "run_cluster",
+]
+
+_LOG: Final = logging.getLogger(__name__)
+_HOST: Final = "127.0.0.1"
+_PR_SET_PDEATHSIG: Final = 1
+
+
+class ClusterError(RouterError, RuntimeError):
+    """A process of the cluster did not start, died, or the workload could not run."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How to build the local cluster and drive it.
+
+    Attributes:
+        num_workers: Worker processes.
+        policies: Routing policies to run the workload under, in order.
+        redis_url: An existing Redis to use; ``None`` starts a private one.
+        num_blocks: KV cache blocks per worker.
+        block_size: Tokens per block.
+        concurrency: Requests in flight at once (a closed loop).
+        worker_args: Extra ``kvroute worker`` flags (e.g. model size).
+        router_args: Extra ``kvroute router`` flags (e.g. cost weights).
+        startup_timeout_s: How long a process may take to answer its health check.
+        request_timeout_s: How long one request may take.
+        log_dir: Where each process's stdout/stderr goes (``NAME.log``).
+    """
+
+    num_workers: int = 4
+    policies: tuple[str, ...] = ("cache_aware", "round_robin")
+    redis_url: str | None = None
+    num_blocks: int = 512
+    block_size: int = 16
+    concurrency: int = 4
+    worker_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 120.0
+    request_timeout_s: float = 120.0
+    log_dir: Path = field(default_factory=lambda: Path("kvroute-cluster-logs"))
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1 or self.concurrency < 1 or not self.policies:
+            raise ClusterError(
+                "need at least one worker, one request in flight and one policy, got "
+                f"{self.num_workers}, {self.concurrency}, {self.policies}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestResult:
+    """What one request measured.
+
+    Attributes:
+        prompt_tokens: Prompt length.
+        cached_tokens: Prompt tokens the worker served from its prefix cache.
+        output_tokens: Tokens generated.
+        ttft_s: Seconds from sending to the first generated token.
+        latency_s: Seconds from sending to the end of the response.
+        error: Why it failed; ``None`` when it succeeded.
+    """
+
+    prompt_tokens: int
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the request succeeded."""
+        return self.error is None
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (0-100) of ``values``; 0 when empty."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil without floats drifting
+    return ordered[min(len(ordered), int(rank)) - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """What one worker served during a run, from its own ``/metrics``.
+
+    Attributes:
+        worker_id: The worker.
+        num_requests: Completions it finished.
+        prompt_tokens: Prompt tokens it was sent.
+        cached_tokens: Prompt tokens it found in its prefix cache.
+    """
+
+    worker_id: str
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens it had to compute (its prefill load)."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+def _imbalance(values: Sequence[int]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 0.0
+
+
+@dataclass(frozen=True)
+class PolicyRun:
+    """The workload's results under one policy.
+
+    Attributes:
+        policy: The routing policy.
+        workers: What each worker served.
+        results: One per request, in workload order.
+        wall_s: Seconds from the first request sent to the last answer.
+    """
+
+    policy: str
+    workers: tuple[WorkerStats, ...]
+    results: tuple[RequestResult, ...]
+    wall_s: float
+
+    @property
+    def num_failed(self) -> int:
+        """Requests that failed."""
+        return sum(not r.ok for r in self.results)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the successful requests."""
+        return sum(r.prompt_tokens for r in self.results if r.ok)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from a prefix cache."""
+        return sum(r.cached_tokens for r in self.results if r.ok)
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached over prompt tokens."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def ttft_p50_s(self) -> float:
+        """Median time to first token."""
+        return percentile([r.ttft_s for r in self.results if r.ok], 50)
+
+    @property
+    def ttft_p99_s(self) -> float:
+        """99th percentile time to first token."""
+        return percentile([r.ttft_s for r in self.results if r.ok], 99)
+
+    @property
+    def throughput_rps(self) -> float:
+        """Successful requests per second of wall time."""
+        ok = len(self.results) - self.num_failed
+        return ok / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def requests_per_worker(self) -> dict[str, int]:
+        """Requests each worker finished."""
+        return {w.worker_id: w.num_requests for w in self.workers}
+
+    @property
+    def load_imbalance(self) -> float:
+        """Most requests on one worker over the mean (1.0 is perfectly even)."""
+        return _imbalance([w.num_requests for w in self.workers])
+
+    @property
+    def prefill_imbalance(self) -> float:
+        """Most prompt tokens computed by one worker over the mean."""
+        return _imbalance([w.computed_tokens for w in self.workers])
+
+    def summary(self) -> dict[str, Any]:
+        """The figures of the report, JSON-ready."""
+        return {
+            "policy": self.policy,
+            "requests": len(self.results),
+            "failed": self.num_failed,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_rate": self.hit_rate,
+            "ttft_p50_s": self.ttft_p50_s,
+            "ttft_p99_s": self.ttft_p99_s,
+            "throughput_rps": self.throughput_rps,
+            "wall_s": self.wall_s,
+            "requests_per_worker": self.requests_per_worker,
+            "load_imbalance": self.load_imbalance,
+            "prefill_imbalance": self.prefill_imbalance,
+            "workers": {
+                w.worker_id: {
+                    "requests": w.num_requests,
+                    "prompt_tokens": w.prompt_tokens,
+                    "cached_tokens": w.cached_tokens,
+                }
+                for w in self.workers
+            },
+        }
+
+
+@dataclass(frozen=True)
+class ClusterReport:
+    """Every policy's run of one workload.
+
+    Attributes:
+        workload: Description of the workload.
+        num_requests: Requests in the workload.
+        ideal_hit_rate: Hit rate of one infinite cache over the workload (the bound).
+        runs: One per policy, in the order run.
+    """
+
+    workload: str
+    num_requests: int
+    ideal_hit_rate: float
+    runs: tuple[PolicyRun, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as one JSON object (``policies`` maps a name to its figures)."""
+        return {
+            "workload": self.workload,
+            "num_requests": self.num_requests,
+            "ideal_hit_rate": self.ideal_hit_rate,
+            "policies": {run.policy: run.summary() for run in self.runs},
+        }
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ProcessGroup:
+    """Subprocesses that live and die together, each logging to its own file.
+
+    Args:
+        log_dir: Directory of the ``NAME.log`` files (created if missing).
+        stop_timeout_s: How long a process gets to exit after SIGTERM before SIGKILL.
+    """
+
+    def __init__(self, log_dir: Path, stop_timeout_s: float = 10.0) -> None:
+        self.log_dir = log_dir
+        self._stop_timeout_s = stop_timeout_s
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, argv: Sequence[str]) -> subprocess.Popen[bytes]:
+        """Start ``argv`` as process ``name`` (its own session, so Ctrl-C reaches us only).
+
+        Raises:
+            ClusterError: A process of that name is already running.
+        """
+        if name in self._procs:
+            raise ClusterError(f"process {name!r} is already running")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        self._procs[name] = proc
+        _LOG.debug("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
+        return proc
+
+    def check_alive(self) -> None:
+        """Raise if any process has exited.
+
+        Raises:
+            ClusterError: Names the process, its exit code and the end of its log.
+        """
+        for name, proc in self._procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise ClusterError(
+                    f"{name} exited with code {code}; last lines of its log:\n{self.log_tail(name)}"
+                )
+
+    def log_tail(self, name: str, num_chars: int = 2000) -> str:
+        """The end of a process's log."""
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
+
+    def stop(self, names: Sequence[str] | None = None) -> None:
+        """Stop some processes (all when ``None``): SIGTERM, wait, then SIGKILL."""
+        chosen = list(self._procs) if names is None else [n for n in names if n in self._procs]
+        for name in chosen:
+            with contextlib.suppress(ProcessLookupError):
+                self._procs[name].terminate()
+        deadline = time.monotonic() + self._stop_timeout_s
+        for name in chosen:
+            proc = self._procs.pop(name)
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _LOG.warning("%s did not exit on SIGTERM; killing it", name)
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into ``KeyboardInterrupt`` so cleanup runs as it does on Ctrl-C."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _python_m(*args: str) -> list[str]:
+    return [sys.executable, "-m", "router", *args]
+
+
+@dataclass(frozen=True, slots=True)
+class _WorkerPorts:
+    worker_id: str
+    http: int
+    events: int
+    replay: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{_HOST}:{self.http}"
+
+    @property
+    def events_endpoint(self) -> str:
+        return f"tcp://{_HOST}:{self.events}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://{_HOST}:{self.replay}"
+
+
+def _worker_argv(ports: _WorkerPorts, config: ClusterConfig) -> list[str]:
+    return _python_m(
+        "worker",
+        "--id", ports.worker_id,
+        "--host", _HOST,
+        "--port", str(ports.http),
+        "--events", ports.events_endpoint,
+        "--replay", ports.replay_endpoint,
+        "--num-blocks", str(config.num_blocks),
+        "--block-size", str(config.block_size),
+        *config.worker_args,
+    )  # fmt: skip
+
+
+def _router_argv(
+    workers: Sequence[_WorkerPorts],
+    *,
+    policy: str,
+    redis_url: str,
+    namespace: str,
+    port: int,
+    config: ClusterConfig,
+) -> list[str]:
+    argv = _python_m(
+        "router",
+        "--redis", redis_url,
+        "--namespace", namespace,
+        "--host", _HOST,
+        "--port", str(port),
+        "--policy", policy,
+    )  # fmt: skip
+    for w in workers:
+        argv += [
+            "--worker",
+            f"{w.worker_id}={w.url},events={w.events_endpoint},replay={w.replay_endpoint},"
+            f"block-size={config.block_size}",
+        ]
+    return [*argv, *config.router_args]
+
+
+async def _wait_healthy(
+    session: aiohttp.ClientSession, url: str, group: ProcessGroup, deadline: float
+) -> None:
+    """Poll ``GET url/health`` until it answers 200, a process dies, or time runs out."""
+    while True:
+        group.check_alive()
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(2)) as resp:
+                if resp.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"{url}/health did not answer 200 in time")
+        await asyncio.sleep(0.1)  # polling a process we started; nothing to wait on
+
+
+async def _send(
+    session: aiohttp.ClientSession, router_url: str, request: WorkloadRequest
+) -> RequestResult:
+    """Send one streaming completion through the router and time it."""
+    body = {
+        "prompt": list(request.token_ids),
+        "max_tokens": request.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    num_prompt = len(request.token_ids)
+    start = time.perf_counter()
+    ttft_s: float | None = None
+    usage: dict[str, Any] = {}
+    try:
+        async with session.post(f"{router_url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:300]
+                return RequestResult(num_prompt, error=f"HTTP {resp.status}: {text}")
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if ttft_s is None and chunk.get("choices"):
+                    ttft_s = time.perf_counter() - start
+                usage = chunk.get("usage") or usage
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        return RequestResult(num_prompt, error=f"{type(exc).__name__}: {exc}")
+    latency_s = time.perf_counter() - start
+    return RequestResult(
+        prompt_tokens=num_prompt,
+        cached_tokens=_cached_tokens(usage),
+        output_tokens=int(usage.get("completion_tokens", 0)),
+        ttft_s=latency_s if ttft_s is None else ttft_s,
+        latency_s=latency_s,
+    )
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int:
+    """``usage.cached_tokens`` (kvroute) or ``usage.prompt_tokens_details.cached_tokens``."""
+    if "cached_tokens" in usage:
+        return int(usage["cached_tokens"])
+    details = usage.get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens", 0))
+
+
+async def _worker_stats(session: aiohttp.ClientSession, worker: _WorkerPorts) -> WorkerStats:
+    """Read what a worker served from its Prometheus ``/metrics``."""
+    async with session.get(f"{worker.url}/metrics") as resp:
+        if resp.status != 200:
+            raise ClusterError(f"{worker.url}/metrics answered HTTP {resp.status}")
+        text = await resp.text()
+    totals: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, sample.labels.get("kind", ""))
+            totals[key] = totals.get(key, 0.0) + sample.value
+    return WorkerStats(
+        worker_id=worker.worker_id,
+        num_requests=int(totals.get(("kvroute_worker_requests_total", ""), 0)),
+        prompt_tokens=int(totals.get(("kvroute_worker_tokens_total", "prompt"), 0)),
+        cached_tokens=int(totals.get(("kvroute_worker_prefix_hit_tokens_total", ""), 0)),
+    )
+
+
+ProgressFn = Callable[[str, RequestResult], None]
+"""Called with the policy name after each request finishes."""
+
+
+async def _drive(
+    session: aiohttp.ClientSession,
+    router_url: str,
+    policy: str,
+    workload: Workload,
+    concurrency: int,
+    progress: ProgressFn | None,
+) -> tuple[list[RequestResult], float]:
+    """Send every request, ``concurrency`` at a time, in workload order."""
+    results: list[RequestResult | None] = [None] * len(workload.requests)
+    pending = iter(enumerate(workload.requests))
+
+    async def client() -> None:
+        for i, request in pending:
+            results[i] = result = await _send(session, router_url, request)
+            if progress is not None:
+                progress(policy, result)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall_s = time.perf_counter() - start
+    return [r for r in results if r is not None], wall_s
+
+
+def _unique_ports(count: int) -> list[int]:
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return list(ports)
+
+
+async def _run_policy(
+    policy: str,
+    workload: Workload,
+    config: ClusterConfig,
+    redis_url: str,
+    group: ProcessGroup,
+    progress: ProgressFn | None,
+) -> PolicyRun:
+    """Start cold workers and a router with ``policy``, drive the workload, stop them."""
+    ports = _unique_ports(3 * config.num_workers + 1)
+    workers = [
+        _WorkerPorts(f"worker-{i}", *ports[3 * i : 3 * i + 3]) for i in range(config.num_workers)
+    ]
+    names = [w.worker_id for w in workers] + ["router"]
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
+    try:
+        for w in workers:
+            group.start(w.worker_id, _worker_argv(w, config))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            deadline = time.monotonic() + config.startup_timeout_s
+            await asyncio.gather(*(_wait_healthy(session, w.url, group, deadline) for w in workers))
+            namespace = f"cluster-{uuid.uuid4().hex[:8]}-{policy}"
+            router_argv = _router_argv(
+                workers,
+                policy=policy,
+                redis_url=redis_url,
+                namespace=namespace,
+                port=ports[-1],
+                config=config,
+            )
+            group.start("router", router_argv)
+            router_url = f"http://{_HOST}:{ports[-1]}"
+            await _wait_healthy(session, router_url, group, deadline)
+            _LOG.info("%s: %d workers and the router are up", policy, len(workers))
+            results, wall_s = await _drive(
+                session, router_url, policy, workload, config.concurrency, progress
+            )
+            group.check_alive()
+            stats = await asyncio.gather(*(_worker_stats(session, w) for w in workers))
+    finally:
+        group.stop(names)
+    return PolicyRun(policy, tuple(stats), tuple(results), wall_s)
+
+
+def run_cluster(
+    workload: Workload,
+    config: ClusterConfig | None = None,
+    progress: ProgressFn | None = None,
+) -> ClusterReport:
+    """Run ``workload`` through a fresh local cluster once per policy.
+
+    Args:
+        workload: The requests to send.
+        config: The cluster; ``None`` means the defaults.
+        progress: Called after every request (e.g. to advance a progress bar).
+
+    Returns:
+        The report of every policy's run.
+
+    Raises:
+        ClusterError: A process failed to start or died.
+        RedisServerError: No Redis was given and none could be started.
+    """
+    config = config or ClusterConfig()
+    runs: list[PolicyRun] = []
+    with _terminate_as_interrupt(), contextlib.ExitStack() as stack:
+        redis_url = config.redis_url or stack.enter_context(RedisServer()).url
+        group = stack.enter_context(ProcessGroup(config.log_dir))
+        for policy in config.policies:
+            runs.append(
+                asyncio.run(_run_policy(policy, workload, config, redis_url, group, progress))
+            )
+    prompts = [r.token_ids for r in workload.requests]
+    total = workload.num_prompt_tokens
+    ideal = ideal_hit_tokens(prompts, config.block_size) / total if total else 0.0
+    return ClusterReport(workload.description, len(workload.requests), ideal, tuple(runs))

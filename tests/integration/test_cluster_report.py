@@ -1,0 +1,111 @@
+"""The cluster's pieces that need no workers: figures, report text, plot, process group."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.cluster import (
+    ClusterConfig,
+    ClusterError,
+    ClusterReport,
+    PolicyRun,
+    ProcessGroup,
+    RequestResult,
+    WorkerStats,
+    percentile,
+)
+from router.cluster_cli import format_report, write_plot
+
+
+def _run(policy: str, cached: list[int], served: list[tuple[int, int, int]]) -> PolicyRun:
+    results = tuple(
+        RequestResult(prompt_tokens=100, cached_tokens=c, output_tokens=2, ttft_s=0.01 * (i + 1))
+        for i, c in enumerate(cached)
+    )
+    workers = tuple(WorkerStats(f"worker-{i}", *s) for i, s in enumerate(served))
+    return PolicyRun(policy, workers, results, wall_s=2.0)
+
+
+def _report() -> ClusterReport:
+    aware = _run("cache_aware", [0, 96, 96, 48], [(2, 200, 96), (2, 200, 144)])
+    rr = _run("round_robin", [0, 0, 48, 0], [(3, 300, 48), (1, 100, 0)])
+    return ClusterReport("4 test requests", 4, 0.75, (aware, rr))
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    assert percentile([float(i) for i in range(1, 101)], 100) == 100.0
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_policy_run_figures() -> None:
+    run = _report().runs[0]
+    assert run.cached_tokens == 240
+    assert run.prompt_tokens == 400
+    assert run.hit_rate == 0.6
+    assert run.ttft_p50_s == 0.02
+    assert run.ttft_p99_s == 0.04
+    assert run.throughput_rps == 2.0
+    assert run.requests_per_worker == {"worker-0": 2, "worker-1": 2}
+    assert run.load_imbalance == 1.0
+    # Computed tokens 104 and 56: max / mean = 104 / 80.
+    assert run.prefill_imbalance == 1.3
+    failed = PolicyRun("x", (), (RequestResult(10, error="HTTP 503"),), wall_s=1.0)
+    assert failed.num_failed == 1
+    assert failed.hit_rate == 0.0
+    assert failed.throughput_rps == 0.0
+
+
+def test_report_text_has_every_figure_and_the_ratio_to_the_baseline() -> None:
+    text = format_report(_report())
+    lines = text.splitlines()
+    assert lines[0] == "workload: 4 test requests"
+    assert "(the bound): 75.0 %" in lines[1]
+    header = next(line for line in lines if "cache_aware/round_robin" in line)
+    assert header.split() == ["cache_aware", "round_robin", "cache_aware/round_robin"]
+    hit = next(line for line in lines if line.startswith("prefix hit rate"))
+    assert hit.split()[-5:] == ["60.0", "%", "12.0", "%", "5.00x"]
+    cached = next(line for line in lines if line.startswith("cached tokens"))
+    assert cached.split()[-3:] == ["240", "48", "5.00x"]
+    load = next(line for line in lines if line.startswith("load max/mean (requests)"))
+    assert load.split()[-3:] == ["1.00", "1.50", "0.67x"]
+    assert lines[-2].split() == ["worker-0", "2", "3"]
+    assert lines[-1].split() == ["worker-1", "2", "1"]
+
+
+def test_plot_is_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "cluster.png"
+    write_plot(_report(), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_config_rejects_an_empty_cluster() -> None:
+    with pytest.raises(ClusterError, match="at least one worker"):
+        ClusterConfig(num_workers=0)
+
+
+def test_process_group_stops_everything_and_reports_deaths(tmp_path: Path) -> None:
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    with ProcessGroup(tmp_path, stop_timeout_s=10.0) as group:
+        a = group.start("a", sleeper)
+        b = group.start("b", sleeper)
+        with pytest.raises(ClusterError, match="already running"):
+            group.start("a", sleeper)
+        dying = group.start("dying", [sys.executable, "-c", "print('bye'); raise SystemExit(3)"])
+        dying.wait(timeout=60)
+        with pytest.raises(ClusterError, match=r"dying exited with code 3[\s\S]*bye"):
+            group.check_alive()
+        group.stop(["dying", "a"])
+        assert a.poll() is not None
+        assert b.poll() is None
+    assert b.poll() is not None
+    # A stopped process is really gone (no zombie left to signal).
+    with pytest.raises(ProcessLookupError):
+        os.kill(b.pid, 0)
