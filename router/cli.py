@@ -24,7 +24,7 @@ class Command(NamedTuple):
 
 COMMANDS: Final[dict[str, Command]] = {
     "cluster": Command("router.cluster_cli", "run a local cluster on a workload and report"),
-    "worker": Command("pool.worker_cli", "run a serving worker: model, paged KV cache, HTTP, events"),
+    "worker": Command("pool.worker_cli", "serve completions over a paged KV cache, publish events"),
 }
 
 _USAGE: Final = """usage: kvroute COMMAND [ARGS...]
