@@ -141,7 +141,21 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A consistent view of the engine's load and counters, taken between steps."""
+    """A consistent view of the engine's load and counters, taken between steps.
+
+    Attributes:
+        num_running: Requests holding blocks and decoding.
+        num_waiting: Requests queued (new or preempted).
+        num_free_blocks: Blocks that can be allocated (cached ones included).
+        num_usable_blocks: Blocks of the pool, the null block excluded.
+        usage: Fraction of the usable blocks held by requests.
+        prefix_query_tokens: Tokens of admitted requests, counted at each admission.
+        prefix_hit_tokens: Of those, tokens found in the prefix cache.
+        num_preemptions: Requests preempted so far.
+        num_steps: Steps run so far.
+        num_batches_published: Event batches the sink accepted.
+        num_batches_dropped: Event batches the sink dropped.
+    """
 
     num_running: int
     num_waiting: int
@@ -194,6 +208,9 @@ class Engine:
         event_sink: Where KV event batches go; ``None`` publishes nothing.
         eos_token_id: The end-of-sequence id, or ``None``.
         step_observer: Called on the engine thread with each step's duration in seconds.
+
+    Attributes:
+        step_observer: The step observer; may be set before :meth:`start`.
     """
 
     def __init__(
@@ -218,7 +235,7 @@ class Engine:
         self.config = config or EngineConfig()
         self.eos_token_id = eos_token_id
         self._sink = event_sink
-        self._observer = step_observer
+        self.step_observer = step_observer
         self._generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
         self._chains = CachedChains(kv_cache_manager.block_size)
         # NOTE: touched only by the engine thread (or by step() callers when not started).
@@ -401,8 +418,8 @@ class Engine:
             self._execute(scheduled)
         self._publish_events()
         self._num_steps += 1
-        if self._observer is not None:
-            self._observer(time.perf_counter() - started)
+        if self.step_observer is not None:
+            self.step_observer(time.perf_counter() - started)
 
     def _run(self) -> None:
         try:

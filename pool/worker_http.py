@@ -1,0 +1,420 @@
+"""The worker's HTTP API (aiohttp): completions, health, metrics, prefix-cache reset, snapshot.
+
+Handlers run on the asyncio loop and never touch the engine's state directly: requests go
+to the engine thread through :meth:`Engine.submit` / :meth:`Engine.call`, and outputs come
+back through ``loop.call_soon_threadsafe`` into a per-request queue.
+
+Endpoints:
+
+* ``POST /v1/completions``: body ``{"prompt": str | list[int], "max_tokens": int = 16,
+  "stream": bool = false, "temperature": float = 0.0, "ignore_eos": bool = false,
+  "seed": int | null}``. Response (OpenAI style): ``{"id", "object": "text_completion",
+  "created", "model", "choices": [{"index": 0, "text", "token_ids", "finish_reason"}],
+  "usage": {"prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens",
+  "prompt_tokens_details": {"cached_tokens"}}}``. With ``stream``, Server-Sent Events:
+  one ``data: {chunk}`` per generated token (``choices[0].text`` is the new text,
+  ``token_ids`` the new ids), the last chunk carries ``finish_reason`` and ``usage``, then
+  ``data: [DONE]``. ``cached_tokens`` counts the prompt tokens found in the prefix cache.
+* ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "running", "waiting",
+  "free_blocks", "total_blocks", "usage"}``; 503 while draining.
+* ``GET /metrics``: Prometheus text, from the worker's own ``CollectorRegistry``.
+* ``POST /v1/reset_prefix_cache``: ``{"success": true}`` (an ``AllBlocksCleared`` event
+  is published), or 409 ``{"success": false, "error"}`` while requests hold blocks.
+* ``GET /v1/snapshot``: every cached block as parent-first runs, each shaped like a
+  ``BlockStored`` event::
+
+      {"worker_id": "w0", "block_size": 16, "hash_algo": "sha256_cbor", "medium": "GPU",
+       "next_seq": 42,
+       "runs": [{"parent_block_hash": null, "block_hashes": [h0, h1],
+                 "token_ids": [...32 ids...]}, ...]}
+
+  Hashes are the wire ints of the events (unsigned 64-bit, beyond JavaScript's exact
+  range). The snapshot reflects exactly the event batches with seq < ``next_seq``: a
+  router applies it, then the live stream from ``next_seq`` on.
+
+Errors are JSON ``{"error": {"message", "type"}}`` with a 4xx status for bad requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from events.tokenizer import Tokenizer
+from pool.engine import (
+    Engine,
+    EngineClosedError,
+    EngineStats,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+)
+
+__all__ = ["WorkerHTTP", "WorkerInfo"]
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_TIMEOUT_S: Final = 30.0
+_JSON: Final = "application/json"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the worker says about itself.
+
+    Attributes:
+        worker_id: The worker's id in the cluster.
+        model_name: The ``model`` field of completions.
+        hash_algo: The block hash algorithm of its events.
+        medium: The ``medium`` of its events.
+    """
+
+    worker_id: str
+    model_name: str = "kvroute-tiny"
+    hash_algo: str = "sha256_cbor"
+    medium: str = "GPU"
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+class _EngineCollector(Collector):
+    """Exposes the engine's gauges and counters as of the last scrape."""
+
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
+
+    def collect(self) -> list[Metric]:
+        s = self.stats
+        if s is None:
+            return []
+        return [
+            _gauge("kvroute_worker_requests_running", "Requests running.", s.num_running),
+            _gauge("kvroute_worker_requests_waiting", "Requests waiting.", s.num_waiting),
+            _gauge("kvroute_worker_free_blocks", "Free KV blocks.", s.num_free_blocks),
+            _gauge("kvroute_worker_kv_cache_usage", "Fraction of KV blocks in use.", s.usage),
+            _counter(
+                "kvroute_worker_prefix_query_tokens",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_query_tokens,
+            ),
+            _counter(
+                "kvroute_worker_prefix_hit_tokens",
+                "Prompt tokens found in the prefix cache.",
+                s.prefix_hit_tokens,
+            ),
+            _counter("kvroute_worker_preemptions", "Requests preempted.", s.num_preemptions),
+            _counter(
+                "kvroute_worker_event_batches_published",
+                "KV event batches handed to the publisher.",
+                s.num_batches_published,
+            ),
+            _counter(
+                "kvroute_worker_event_batches_dropped",
+                "KV event batches dropped (publisher queue full).",
+                s.num_batches_dropped,
+            ),
+        ]
+
+
+def _gauge(name: str, doc: str, value: float) -> Metric:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> Metric:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class WorkerHTTP:
+    """The aiohttp application of one worker.
+
+    Args:
+        engine: The started engine.
+        tokenizer: Turns text prompts into ids and ids into text.
+        info: Identity of the worker.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        info: WorkerInfo,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.info = info
+        self.registry = CollectorRegistry()
+        self._collector = _EngineCollector()
+        self.registry.register(self._collector)
+        self.step_seconds = Histogram(
+            "kvroute_worker_step_seconds",
+            "Duration of one engine step.",
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+        )
+        self._requests = Counter(
+            "kvroute_worker_requests",
+            "Completions finished, by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        engine.step_observer = self.step_seconds.observe
+        self._tokens = Counter(
+            "kvroute_worker_tokens", "Tokens served, by kind.", ["kind"], registry=self.registry
+        )
+        self.app = web.Application()
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+                web.post("/v1/reset_prefix_cache", self._reset),
+                web.get("/v1/snapshot", self._snapshot),
+            ]
+        )
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on ``host:port`` (0: any free port).
+
+        Returns:
+            The port in effect.
+        """
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        return int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        """Close the listener and the open connections."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _on_engine(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wait_for(asyncio.wrap_future(self.engine.call(fn)), _ENGINE_TIMEOUT_S)
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            prompt, params, stream = self._parse_completion(await request.read())
+            self.engine.validate(prompt, params)
+        except _BadRequest as exc:
+            return _error(exc.status, str(exc), exc.kind)
+        except InvalidRequestError as exc:
+            return _error(400, str(exc))
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+
+        def deliver(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        try:
+            self.engine.submit(request_id, prompt, params, deliver)
+        except EngineClosedError as exc:
+            return _error(503, str(exc), "unavailable")
+        finished = False
+        try:
+            if stream:
+                response = await self._stream(request, request_id, outputs)
+            else:
+                response = await self._collect(request_id, outputs)
+            finished = True
+            return response
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
+
+    def _parse_completion(self, raw: bytes) -> tuple[list[int], SamplingParams, bool]:
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise _BadRequest(400, f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise _BadRequest(400, "the body must be a JSON object")
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            tokens = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            tokens = prompt
+        else:
+            raise _BadRequest(400, "'prompt' must be a string or a list of token ids (ints)")
+        params = SamplingParams(
+            max_tokens=_int_field(body, "max_tokens", 16),
+            temperature=_float_field(body, "temperature", 0.0),
+            ignore_eos=_bool_field(body, "ignore_eos", False),
+            seed=None if body.get("seed") is None else _int_field(body, "seed", 0),
+        )
+        return tokens, params, _bool_field(body, "stream", False)
+
+    async def _collect(
+        self, request_id: str, outputs: asyncio.Queue[RequestOutput]
+    ) -> web.Response:
+        token_ids: list[int] = []
+        async for out in _until_finished(outputs):
+            token_ids.extend(out.new_token_ids)
+            last = out
+        self._count(last)
+        if last.finish_reason == "abort":
+            return _error(503, "the request was aborted: the engine stopped", "unavailable")
+        text = self.tokenizer.decode(token_ids)
+        body = self._chunk(request_id, text, token_ids, last.finish_reason)
+        body["usage"] = _usage(last)
+        return web.json_response(body)
+
+    async def _stream(
+        self, request: web.Request, request_id: str, outputs: asyncio.Queue[RequestOutput]
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response.headers["Cache-Control"] = "no-cache"
+        await response.prepare(request)
+        token_ids: list[int] = []
+        sent = ""
+        async for out in _until_finished(outputs):
+            token_ids.extend(out.new_token_ids)
+            text = self.tokenizer.decode(token_ids)
+            if not out.finished:
+                # Hold back an incomplete UTF-8 sequence until its last byte arrives.
+                text = text.rstrip("\ufffd")
+            delta = text[len(sent) :] if text.startswith(sent) else ""
+            sent += delta
+            chunk = self._chunk(request_id, delta, out.new_token_ids, out.finish_reason)
+            if out.finished:
+                self._count(out)
+                chunk["usage"] = _usage(out)
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _chunk(
+        self, request_id: str, text: str, token_ids: list[int], reason: str | None
+    ) -> dict[str, Any]:
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": self.info.model_name,
+            "choices": [
+                {"index": 0, "text": text, "token_ids": token_ids, "finish_reason": reason}
+            ],
+        }
+
+    def _count(self, last: RequestOutput) -> None:
+        self._requests.labels(last.finish_reason).inc()
+        self._tokens.labels("prompt").inc(last.num_prompt_tokens)
+        self._tokens.labels("generated").inc(last.num_output_tokens)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        stats = await self._on_engine(self.engine.stats)
+        accepting = self.engine.is_accepting
+        body = {
+            "status": "ok" if accepting else "draining",
+            "worker_id": self.info.worker_id,
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "free_blocks": stats.num_free_blocks,
+            "total_blocks": stats.num_usable_blocks,
+            "usage": stats.usage,
+        }
+        return web.json_response(body, status=200 if accepting else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self._collector.stats = await self._on_engine(self.engine.stats)
+        return web.Response(
+            body=generate_latest(self.registry),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        if await self._on_engine(self.engine.reset_prefix_cache):
+            return web.json_response({"success": True})
+        return web.json_response(
+            {
+                "success": False,
+                "error": "requests are running and hold KV blocks; retry when the worker is idle",
+            },
+            status=409,
+        )
+
+    async def _snapshot(self, request: web.Request) -> web.Response:
+        snap = await self._on_engine(self.engine.snapshot)
+        info = self.info
+        body = {
+            "worker_id": info.worker_id,
+            "block_size": snap.block_size,
+            "hash_algo": info.hash_algo,
+            "medium": info.medium,
+            "next_seq": snap.next_seq,
+            "runs": snap.runs,
+        }
+        return web.json_response(body)
+
+
+async def _until_finished(outputs: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    while True:
+        out = await outputs.get()
+        yield out
+        if out.finished:
+            return
+
+
+def _int_field(body: dict[str, Any], name: str, default: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _BadRequest(400, f"{name!r} must be an integer, got {value!r}")
+    return value
+
+
+def _float_field(body: dict[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise _BadRequest(400, f"{name!r} must be a number, got {value!r}")
+    return float(value)
+
+
+def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _BadRequest(400, f"{name!r} must be true or false, got {value!r}")
+    return value
+
+
+def _usage(last: RequestOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": last.num_prompt_tokens,
+        "completion_tokens": last.num_output_tokens,
+        "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
+        "cached_tokens": last.num_cached_tokens,
+        "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
+    }
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
