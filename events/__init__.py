@@ -1,5 +1,7 @@
 """kvroute events: the vLLM-compatible KV event wire schema, hashing, framing and streaming."""
 
+from events.curve import CurveClientConfig, CurveKeyPair, CurveServerConfig
+from events.endpoints import Endpoint
 from events.errors import EventDecodeError, EventsError, FramingError
 from events.framing import make_message, pack_seq, parse_message, unpack_seq
 from events.hashing import (
@@ -14,6 +16,7 @@ from events.hashing import (
     router_block_keys,
     wire_hash,
 )
+from events.publisher import EventPublisher, PublisherConfig
 from events.schema import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,6 +26,14 @@ from events.schema import (
     decode_batch,
     encode_batch,
 )
+from events.subscriber import (
+    EventSink,
+    EventSubscriber,
+    ReceivedBatch,
+    SubscriberConfig,
+    WorkerCounters,
+    WorkerStream,
+)
 
 __all__ = [
     "AllBlocksCleared",
@@ -30,12 +41,24 @@ __all__ = [
     "BlockKey",
     "BlockRemoved",
     "BlockStored",
+    "CurveClientConfig",
+    "CurveKeyPair",
+    "CurveServerConfig",
+    "Endpoint",
     "EventDecodeError",
+    "EventPublisher",
+    "EventSink",
+    "EventSubscriber",
     "EventsError",
     "FramingError",
     "KVCacheEvent",
     "KVEventBatch",
+    "PublisherConfig",
+    "ReceivedBatch",
     "RouterKeyer",
+    "SubscriberConfig",
+    "WorkerCounters",
+    "WorkerStream",
     "decode_batch",
     "encode_batch",
     "hash_block_sha256_cbor",

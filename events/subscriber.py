@@ -1,0 +1,510 @@
+"""EventSubscriber: consumes many workers' KV event streams with gap, replay and restart recovery.
+
+One asyncio task per worker reads that worker's SUB socket, so one worker's replay or slow
+sink never stalls another worker. Per worker, batches reach the :class:`EventSink` strictly
+in seq order and exactly once. A seq gap is closed by a vLLM-compatible replay over DEALER;
+what replay cannot close is signalled with ``on_resync_needed``, a seq at or below the last
+one with ``on_reset`` (a publisher restart). Malformed messages are counted, logged at a
+limited rate and skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Final, Protocol
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from events.curve import CurveClientConfig, configure_client
+from events.errors import EventDecodeError, EventsError, FramingError
+from events.framing import END_OF_REPLAY_SEQ, Frame, pack_seq, parse_message, unpack_seq
+from events.schema import KVEventBatch, decode_batch
+
+__all__ = [
+    "EventSink",
+    "EventSubscriber",
+    "ReceivedBatch",
+    "SubscriberConfig",
+    "SubscriberError",
+    "WorkerCounters",
+    "WorkerStream",
+]
+
+_log = logging.getLogger(__name__)
+
+_HANDSHAKE_FAILED: Final = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_monitor_ids = itertools.count()
+
+
+class SubscriberError(EventsError, ValueError):
+    """A worker id is unknown or already subscribed."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedBatch:
+    """One batch as delivered to the sink.
+
+    Attributes:
+        worker_id: The worker that published it.
+        seq: Its sequence number in that worker's current publisher lifetime.
+        batch: The decoded events.
+        payload: The raw msgpack payload, as received (for recorders).
+        recv_ts: Wall-clock time in seconds when it was received.
+        replayed: ``True`` if it came through replay rather than the live stream.
+    """
+
+    worker_id: str
+    seq: int
+    batch: KVEventBatch
+    payload: bytes
+    recv_ts: float
+    replayed: bool
+
+
+class EventSink(Protocol):
+    """Consumer of a subscriber's deliveries; all calls for one worker are sequential."""
+
+    async def on_batch(self, received: ReceivedBatch) -> None:
+        """Apply one batch (per worker: in seq order, exactly once)."""
+
+    async def on_reset(self, worker_id: str, seq: int) -> None:
+        """The worker's publisher restarted: ``seq`` is at or below the last one seen."""
+
+    async def on_resync_needed(self, worker_id: str, reason: str) -> None:
+        """Batches of the worker were lost for good; its state must be rebuilt."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStream:
+    """Where one worker publishes; the subscriber always connects to these addresses.
+
+    Attributes:
+        worker_id: The worker's identity (unique per subscriber).
+        endpoint: The worker's PUB address, e.g. ``tcp://127.0.0.1:5557``.
+        replay_endpoint: The worker's replay ROUTER address; ``None``: gaps cannot be
+            replayed and always resync.
+        topic: Topic prefix to subscribe to (``b""`` = everything).
+        curve: CURVE client settings when the worker's sockets are CURVE servers.
+    """
+
+    worker_id: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: bytes = b""
+    curve: CurveClientConfig | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberConfig:
+    """Settings of an :class:`EventSubscriber`.
+
+    Attributes:
+        replay_timeout_s: Longest silence accepted from a replay endpoint before the
+            replay is abandoned and the worker resynced.
+        hwm: Receive high-water mark of each SUB socket, in messages.
+        max_drain: Messages handled from one worker before yielding to other tasks.
+        log_interval_s: Repeats of one warning per (worker, reason) are logged at most
+            this often, with the number suppressed.
+    """
+
+    replay_timeout_s: float = 5.0
+    hwm: int = 100_000
+    max_drain: int = 256
+    log_interval_s: float = 10.0
+
+
+@dataclass
+class WorkerCounters:
+    """What happened on one worker's stream.
+
+    Attributes:
+        num_batches: Batches delivered to the sink (live and replayed).
+        num_replayed: Of those, batches delivered through replay.
+        num_gaps: Seq gaps seen on the live stream.
+        num_missed: Seqs missing in those gaps (before any replay).
+        num_replays: Replay requests made.
+        num_resets: Publisher restarts seen.
+        num_duplicates: Batches received again and skipped (replay overlap).
+        num_handshake_failures: Failed ZeroMQ handshakes (wrong CURVE keys, not allowed).
+        malformed: Malformed messages skipped, by reason.
+        resyncs: Resync signals, by reason.
+    """
+
+    num_batches: int = 0
+    num_replayed: int = 0
+    num_gaps: int = 0
+    num_missed: int = 0
+    num_replays: int = 0
+    num_resets: int = 0
+    num_duplicates: int = 0
+    num_handshake_failures: int = 0
+    malformed: collections.Counter[str] = field(default_factory=collections.Counter)
+    resyncs: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def snapshot(self) -> WorkerCounters:
+        """An independent copy."""
+        return dataclasses.replace(
+            self,
+            malformed=collections.Counter(self.malformed),
+            resyncs=collections.Counter(self.resyncs),
+        )
+
+
+class _RateLimitedLog:
+    """Logs one warning per key at most every ``interval_s``, counting the suppressed ones."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._next_s: dict[tuple[str, str], float] = {}
+        self._suppressed: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def warning(self, key: tuple[str, str], message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next_s.get(key, 0.0):
+            self._suppressed[key] += 1
+            return
+        self._next_s[key] = now + self._interval_s
+        suppressed = self._suppressed.pop(key, 0)
+        if suppressed:
+            message += f" ({suppressed} similar warnings suppressed)"
+        _log.warning(message, *args)
+
+
+@dataclass(eq=False)
+class _Worker:
+    stream: WorkerStream
+    sock: zmq.asyncio.Socket
+    drain: zmq.Socket[bytes]
+    monitor: zmq.asyncio.Socket
+    counters: WorkerCounters = field(default_factory=WorkerCounters)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # NOTE: last_seq is the highest seq delivered (-1 after a reset: the new lifetime
+    # starts at 0); live_seq the highest seen on the live stream. While the live stream
+    # lags behind what a replay delivered, live_seq < seq <= last_seq is a duplicate.
+    last_seq: int | None = None
+    live_seq: int | None = None
+    replaying: bool = False
+
+
+class EventSubscriber:
+    """Subscribes to the KV event streams of many workers and feeds one sink.
+
+    The first message from a worker is accepted whatever its seq (the subscriber may join
+    a stream late; batches before it are not requested). Use :meth:`request_replay` to ask
+    for earlier ones.
+
+    Args:
+        sink: Receives batches, resets and resync signals.
+        config: Timeouts and limits.
+    """
+
+    def __init__(self, sink: EventSink, config: SubscriberConfig | None = None) -> None:
+        self._sink = sink
+        self._config = config or SubscriberConfig()
+        self._context = zmq.asyncio.Context()
+        self._workers: dict[str, _Worker] = {}
+        self._stopped = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._warn = _RateLimitedLog(self._config.log_interval_s)
+
+    @property
+    def worker_ids(self) -> list[str]:
+        """The subscribed workers, in subscription order."""
+        return list(self._workers)
+
+    def last_seq(self, worker_id: str) -> int | None:
+        """The highest seq delivered for ``worker_id`` (``None`` before the first)."""
+        return self._worker(worker_id).last_seq
+
+    def counters(self, worker_id: str) -> WorkerCounters:
+        """A snapshot of ``worker_id``'s counters."""
+        return self._worker(worker_id).counters.snapshot()
+
+    async def add_worker(self, stream: WorkerStream) -> None:
+        """Subscribe to a worker's stream and start reading it.
+
+        Raises:
+            SubscriberError: The worker id is already subscribed.
+        """
+        if stream.worker_id in self._workers:
+            raise SubscriberError(f"worker {stream.worker_id!r} is already subscribed")
+        sock = self._context.socket(zmq.SUB)
+        sock.linger = 0
+        sock.rcvhwm = self._config.hwm
+        if stream.curve is not None:
+            configure_client(sock, stream.curve)
+        monitor = sock.get_monitor_socket(
+            _HANDSHAKE_FAILED, addr=f"inproc://kvroute-monitor-{next(_monitor_ids)}"
+        )
+        sock.subscribe(stream.topic)
+        sock.connect(stream.endpoint)
+        worker = _Worker(stream, sock, zmq.Socket.shadow(sock.underlying), monitor)
+        self._workers[stream.worker_id] = worker
+        for coro in (self._read(worker), self._watch_handshakes(worker)):
+            task = asyncio.create_task(coro, name=f"kv-events[{stream.worker_id}]")
+            task.add_done_callback(self._on_task_done)
+            worker.tasks.append(task)
+
+    async def remove_worker(self, worker_id: str) -> None:
+        """Stop reading a worker's stream and forget its state and counters.
+
+        Raises:
+            SubscriberError: The worker is not subscribed.
+        """
+        worker = self._worker(worker_id)
+        del self._workers[worker_id]
+        for task in worker.tasks:
+            task.cancel()
+        await asyncio.gather(*worker.tasks, return_exceptions=True)
+        worker.sock.disable_monitor()
+        worker.monitor.close(linger=0)
+        worker.sock.close(linger=0)
+
+    async def request_replay(self, worker_id: str, from_seq: int) -> bool:
+        """Deliver again the worker's batches from ``from_seq`` on, then resume live.
+
+        Batches already delivered are delivered again (``replayed=True``), in order; the
+        caller asked for them and must be ready to apply them. Live batches of that worker
+        wait until the replay ends. May be awaited from inside the sink's ``on_batch``.
+
+        Returns:
+            ``True`` if every batch from ``from_seq`` was replayed; ``False`` if not, in
+            which case ``on_resync_needed`` was signalled.
+
+        Raises:
+            SubscriberError: The worker is not subscribed.
+        """
+        worker = self._worker(worker_id)
+        if asyncio.current_task() in worker.tasks:
+            return await self._replay(worker, from_seq, redeliver=True)
+        async with worker.lock:
+            return await self._replay(worker, from_seq, redeliver=True)
+
+    async def run(self) -> None:
+        """Wait until :meth:`close`; re-raises the first failure of a reader (a sink error)."""
+        await self._stopped.wait()
+        if self._failure is not None:
+            await self.close()
+            raise self._failure
+
+    async def close(self) -> None:
+        """Unsubscribe from every worker and release the sockets (idempotent)."""
+        for worker_id in list(self._workers):
+            await self.remove_worker(worker_id)
+        if not self._context.closed:
+            self._context.term()
+        self._stopped.set()
+
+    async def __aenter__(self) -> EventSubscriber:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _worker(self, worker_id: str) -> _Worker:
+        try:
+            return self._workers[worker_id]
+        except KeyError:
+            raise SubscriberError(f"worker {worker_id!r} is not subscribed") from None
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        _log.error("event reader %s failed", task.get_name(), exc_info=task.exception())
+        if self._failure is None:
+            self._failure = task.exception()
+        self._stopped.set()
+
+    async def _read(self, worker: _Worker) -> None:
+        sock, drain, max_drain = worker.sock, worker.drain, self._config.max_drain
+        while True:
+            frames: list[bytes] = await sock.recv_multipart()
+            async with worker.lock:
+                await self._on_live(worker, frames)
+                # Drain what is already queued without a future per message.
+                for _ in range(max_drain):
+                    try:
+                        frames = drain.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self._on_live(worker, frames)
+
+    async def _watch_handshakes(self, worker: _Worker) -> None:
+        stream = worker.stream
+        while True:
+            event = parse_monitor_message(await worker.monitor.recv_multipart())
+            worker.counters.num_handshake_failures += 1
+            self._warn.warning(
+                (stream.worker_id, "handshake"),
+                "worker %s: handshake with %s failed (event %s); check its CURVE keys "
+                "and this subscriber's place on its allow-list",
+                stream.worker_id,
+                stream.endpoint,
+                event["event"],
+            )
+
+    async def _on_live(self, worker: _Worker, frames: list[bytes]) -> None:
+        recv_ts = time.time()
+        try:
+            _, seq, payload = parse_message(frames)
+        except FramingError as exc:
+            self._malformed(worker, exc)
+            return
+        last = worker.last_seq
+        if last is not None:
+            if seq <= last:
+                if worker.live_seq is not None and seq > worker.live_seq:
+                    worker.live_seq = seq
+                    worker.counters.num_duplicates += 1
+                    return
+                await self._reset(worker, seq)
+                last = worker.last_seq = -1
+            worker.live_seq = seq
+            if seq > last + 1:
+                await self._gap(worker, last + 1, seq)
+                delivered = worker.last_seq
+                assert delivered is not None
+                if seq <= delivered:  # the replay delivered it
+                    worker.counters.num_duplicates += 1
+                    return
+        worker.live_seq = seq
+        await self._deliver(worker, seq, payload, recv_ts, replayed=False)
+
+    async def _deliver(
+        self, worker: _Worker, seq: int, payload: Frame, recv_ts: float, *, replayed: bool
+    ) -> None:
+        if worker.last_seq is None or seq > worker.last_seq:
+            worker.last_seq = seq
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            self._malformed(worker, exc)
+            return
+        counters = worker.counters
+        counters.num_batches += 1
+        counters.num_replayed += replayed
+        await self._sink.on_batch(
+            ReceivedBatch(worker.stream.worker_id, seq, batch, bytes(payload), recv_ts, replayed)
+        )
+
+    async def _reset(self, worker: _Worker, seq: int) -> None:
+        worker.counters.num_resets += 1
+        self._warn.warning(
+            (worker.stream.worker_id, "reset"),
+            "worker %s: seq %d after %d: publisher restarted, resetting its stream",
+            worker.stream.worker_id,
+            seq,
+            worker.last_seq,
+        )
+        await self._sink.on_reset(worker.stream.worker_id, seq)
+
+    async def _gap(self, worker: _Worker, first_missing: int, seq: int) -> None:
+        counters = worker.counters
+        counters.num_gaps += 1
+        counters.num_missed += seq - first_missing
+        self._warn.warning(
+            (worker.stream.worker_id, "gap"),
+            "worker %s: gap of %d batches before seq %d; replaying from %d",
+            worker.stream.worker_id,
+            seq - first_missing,
+            seq,
+            first_missing,
+        )
+        await self._replay(worker, first_missing, redeliver=False)
+
+    async def _resync(self, worker: _Worker, reason: str) -> None:
+        worker.counters.resyncs[reason] += 1
+        self._warn.warning(
+            (worker.stream.worker_id, f"resync:{reason}"),
+            "worker %s: events lost for good (%s); its state needs a resync",
+            worker.stream.worker_id,
+            reason,
+        )
+        await self._sink.on_resync_needed(worker.stream.worker_id, reason)
+
+    def _malformed(self, worker: _Worker, exc: EventDecodeError) -> None:
+        worker.counters.malformed[exc.reason] += 1
+        self._warn.warning(
+            (worker.stream.worker_id, f"malformed:{exc.reason}"),
+            "worker %s: skipped a malformed message: %s",
+            worker.stream.worker_id,
+            exc,
+        )
+
+    async def _replay(self, worker: _Worker, from_seq: int, *, redeliver: bool) -> bool:
+        stream = worker.stream
+        if worker.replaying:
+            await self._resync(worker, "replay_nested")
+            return False
+        if stream.replay_endpoint is None:
+            await self._resync(worker, "no_replay_endpoint")
+            return False
+        worker.replaying = True
+        worker.counters.num_replays += 1
+        dealer = self._context.socket(zmq.DEALER)
+        try:
+            dealer.linger = 0
+            dealer.rcvhwm = 0  # bounded by the publisher's buffer; never truncate a replay
+            if stream.curve is not None:
+                configure_client(dealer, stream.curve)
+            dealer.connect(stream.replay_endpoint)
+            await dealer.send_multipart([b"", pack_seq(from_seq)])
+            reason = await self._receive_replay(worker, dealer, from_seq, redeliver)
+        finally:
+            dealer.close(linger=0)
+            worker.replaying = False
+        if reason is not None:
+            await self._resync(worker, reason)
+            return False
+        _log.info("worker %s: replayed from seq %d", stream.worker_id, from_seq)
+        return True
+
+    async def _receive_replay(
+        self, worker: _Worker, dealer: zmq.asyncio.Socket, from_seq: int, redeliver: bool
+    ) -> str | None:
+        """Apply replies until the end marker; returns why the replay failed, or ``None``."""
+        timeout_ms = int(self._config.replay_timeout_s * 1000)
+        expected = from_seq
+        while True:
+            if not await dealer.poll(timeout=timeout_ms):
+                return "replay_timeout"
+            frames: list[bytes] = await dealer.recv_multipart()
+            if len(frames) != 4 or frames[0] != b"":
+                self._malformed(
+                    worker,
+                    FramingError("bad_replay_frames", f"expected 4 frames, got {len(frames)}"),
+                )
+                continue
+            if frames[2] == END_OF_REPLAY_SEQ:
+                return "replay_empty" if expected == from_seq else None
+            try:
+                seq = unpack_seq(frames[2])
+            except FramingError as exc:
+                self._malformed(worker, exc)
+                continue
+            if seq != expected:
+                return "replay_buffer_overrun" if expected == from_seq else "replay_hole"
+            expected += 1
+            if redeliver or worker.last_seq is None or seq > worker.last_seq:
+                await self._deliver(worker, seq, frames[3], time.time(), replayed=True)
+            else:
+                worker.counters.num_duplicates += 1
