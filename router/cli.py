@@ -24,6 +24,7 @@ class Command(NamedTuple):
 
 COMMANDS: Final[dict[str, Command]] = {
     "cluster": Command("router.cluster_cli", "run a local cluster on a workload and report"),
+    "keys": Command("events.cli_keys", "generate a CURVE key pair for authenticated event streams"),
     "worker": Command("pool.worker_cli", "serve completions over a paged KV cache, publish events"),
 }
 
