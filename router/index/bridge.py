@@ -91,6 +91,7 @@ class BridgeCounters:
     malformed: int = 0
     unknown_removals: int = 0
     orphans: int = 0
+    detached: int = 0
     ignored_groups: int = 0
 
 
@@ -104,6 +105,9 @@ class _Copies:
     key: BlockKey
     gpu: int = 0
     cpu: int = 0
+    # NOTE: a detached hash chains from an unknown ancestor: it has no router key and
+    # no index entry (a lookup from block 0 could never reach it).
+    detached: bool = False
 
 
 @dataclass(slots=True)
@@ -134,9 +138,13 @@ class WorkerBridge:
 
     Args:
         keyer: The cluster's router key function (its seed).
+        tolerate_orphans: Store a ``BlockStored`` with an unknown parent as detached
+            (counted, never indexed) instead of raising; set once a worker's history is
+            known to be lost (resync without snapshot) or while loading a snapshot.
     """
 
     keyer: RouterKeyer
+    tolerate_orphans: bool = False
     counters: BridgeCounters = field(default_factory=BridgeCounters)
     _copies: dict[WireHash, _Copies] = field(default_factory=dict)
     _keys: dict[BlockKey, _KeyState] = field(default_factory=dict)
@@ -185,9 +193,13 @@ class WorkerBridge:
             tag: BlockKey | None = None
         else:
             parent = self._copies.get(event.parent_block_hash)
-            if parent is None:
+            if parent is None and not self.tolerate_orphans:
                 self.counters.orphans += 1
                 raise _Orphan(event.parent_block_hash)
+            if parent is None or parent.detached:
+                self.counters.detached += 1
+                self._store_detached(event, changes)
+                return
             parent_key = parent.key
             tag = self._keys[parent.key].tag
         keys = router_block_keys(event.token_ids, event.block_size, parent_key)
@@ -213,9 +225,23 @@ class WorkerBridge:
             if copies is None or not (copies.gpu if mask == GPU_MASK else copies.cpu):
                 self.counters.unknown_removals += 1
                 continue
-            self._add(copies, mask, -1, self._keys[copies.key].tag, changes)
+            if copies.detached:
+                _count(copies, mask, -1)
+            else:
+                self._add(copies, mask, -1, self._keys[copies.key].tag, changes)
             if copies.gpu == 0 and copies.cpu == 0:
                 del self._copies[block_hash]
+
+    def _store_detached(self, event: BlockStored, changes: Changes) -> None:
+        mask = tier_mask(event.medium)
+        for block_hash in event.block_hashes:
+            copies = self._copies.get(block_hash)
+            if copies is None:
+                copies = self._copies[block_hash] = _Copies(BlockKey(0), detached=True)
+            if copies.detached:
+                _count(copies, mask, +1)
+            else:  # another copy of a hash already held with a key: count it there
+                self._add(copies, mask, +1, self._keys[copies.key].tag, changes)
 
     def _add(self, copies: _Copies, mask: int, delta: int, tag: BlockKey, changes: Changes) -> None:
         key = copies.key
@@ -223,12 +249,8 @@ class WorkerBridge:
         if state is None:
             state = self._keys[key] = _KeyState(tag)
         before = state.mask
-        if mask == GPU_MASK:
-            copies.gpu += delta
-            state.gpu += delta
-        else:
-            copies.cpu += delta
-            state.cpu += delta
+        _count(copies, mask, delta)
+        _count(state, mask, delta)
         after = state.mask
         if after == before:
             return
@@ -237,6 +259,13 @@ class WorkerBridge:
         changes[key] = EntryChange(key, state.tag, old, after)
         if after == 0:
             del self._keys[key]
+
+
+def _count(counts: _Copies | _KeyState, mask: int, delta: int) -> None:
+    if mask == GPU_MASK:
+        counts.gpu += delta
+    else:
+        counts.cpu += delta
 
 
 def _is_well_formed(event: BlockStored) -> bool:

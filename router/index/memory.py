@@ -106,10 +106,17 @@ class MemoryPrefixIndex:
         return match_prefix((self._holders.get(k, empty) for k in keys), workers)
 
     async def clear_worker(self, worker_id: WorkerId) -> None:
-        """Drop every entry and the bridge of one worker; O(its entries)."""
-        bridge = self._bridges.pop(worker_id, None)
+        """Drop every entry of one worker and reset its bridge; O(its entries)."""
+        bridge = self._bridges.get(worker_id)
         if bridge is not None:
             self._write(worker_id, bridge.reset())
+
+    async def worker_entries(self, worker_id: WorkerId) -> dict[BlockKey, int]:
+        """Every entry of one worker: router key -> tier mask (for checks)."""
+        bridge = self._bridges.get(worker_id)
+        if bridge is None:
+            return {}
+        return {key: mask for key, (_, mask) in bridge.entries().items()}
 
     async def stats(self) -> IndexStats:
         """Entries (key, worker, tier), distinct keys and workers holding any entry."""

@@ -1,0 +1,148 @@
+"""Redis connections for the router: URL parsing (password, ``rediss://`` TLS), cluster detection.
+
+One asyncio client type per deployment: ``redis.asyncio.Redis`` for a single node,
+``redis.asyncio.RedisCluster`` when the server reports ``cluster_enabled:1`` (or the
+caller says so). Both speak hiredis when it is installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from router.errors import RouterError
+
+__all__ = [
+    "RedisClient",
+    "RedisConnectError",
+    "RedisOptions",
+    "connect",
+    "is_cluster",
+    "redact_url",
+    "reply_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+RedisClient: TypeAlias = "aioredis.Redis | RedisCluster"
+"""An asyncio client of a single node or of a Redis Cluster (bytes replies)."""
+
+_SCHEMES = ("redis", "rediss", "unix")
+
+
+class RedisConnectError(RouterError, ConnectionError):
+    """A Redis URL is invalid or its server cannot be reached."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisOptions:
+    """How to reach Redis beyond what the URL says.
+
+    Attributes:
+        cluster: ``True``/``False`` forces the client type; ``None`` asks the server.
+        tls_ca_file: CA bundle that signed the server certificate (``rediss://``).
+        tls_verify: Verify the server certificate (turn off only for tests).
+        socket_timeout_s: Timeout of every socket operation.
+    """
+
+    cluster: bool | None = None
+    tls_ca_file: str | None = None
+    tls_verify: bool = True
+    socket_timeout_s: float = 5.0
+
+
+def reply_bytes(value: object) -> bytes:
+    """A Redis reply element as bytes (clients here never decode responses).
+
+    Raises:
+        RedisConnectError: The element is not bytes (a client with ``decode_responses``).
+    """
+    if not isinstance(value, bytes):
+        raise RedisConnectError(
+            f"expected a bytes reply, got {type(value).__name__}: connect with "
+            "router.redis_conn.connect(), which keeps replies as bytes"
+        )
+    return value
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password replaced by ``***`` (for logs and error messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _kwargs(url: str, options: RedisOptions) -> dict[str, Any]:
+    scheme = urlsplit(url).scheme
+    if scheme not in _SCHEMES:
+        raise RedisConnectError(
+            f"Redis URL {redact_url(url)!r} must start with redis://, rediss:// or unix://"
+        )
+    kwargs: dict[str, Any] = {
+        "socket_timeout": options.socket_timeout_s,
+        "socket_connect_timeout": options.socket_timeout_s,
+        "decode_responses": False,
+    }
+    if scheme == "rediss":
+        if options.tls_ca_file is not None:
+            kwargs["ssl_ca_certs"] = options.tls_ca_file
+        if not options.tls_verify:
+            kwargs["ssl_cert_reqs"] = "none"
+            kwargs["ssl_check_hostname"] = False
+    return kwargs
+
+
+async def is_cluster(client: aioredis.Redis) -> bool:
+    """True when the server runs in cluster mode (``INFO cluster``)."""
+    info = await client.info("cluster")
+    return bool(int(info.get("cluster_enabled", 0)))
+
+
+async def connect(url: str, options: RedisOptions | None = None) -> RedisClient:
+    """Connect to Redis and check it answers.
+
+    Args:
+        url: ``redis://[user:password@]host:port/db``, ``rediss://...`` (TLS) or
+            ``unix:///path/to/socket``.
+        options: Client type, TLS and timeouts.
+
+    Returns:
+        A connected single-node or cluster client.
+
+    Raises:
+        RedisConnectError: The URL is malformed or the server does not answer.
+    """
+    options = options or RedisOptions()
+    kwargs = _kwargs(url, options)
+    try:
+        cluster = options.cluster
+        if cluster is None:
+            probe = aioredis.from_url(url, **kwargs)
+            try:
+                cluster = await is_cluster(probe)
+            finally:
+                await probe.aclose()
+        client: RedisClient
+        if cluster:
+            client = RedisCluster.from_url(url, **kwargs)
+            await client.initialize()
+        else:
+            client = aioredis.from_url(url, **kwargs)
+        await client.ping()
+    except (RedisError, OSError, ValueError) as exc:
+        raise RedisConnectError(
+            f"cannot reach Redis at {redact_url(url)}: {exc}; check the URL, password "
+            "and TLS settings and that the server is running"
+        ) from exc
+    log.info("connected to Redis %s (%s)", redact_url(url), "cluster" if cluster else "single")
+    return client

@@ -1,0 +1,116 @@
+"""Router test fixtures: a local three-master Redis Cluster on free loopback ports."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+
+import pytest
+import redis
+
+from router.index.base import WorkerId
+from router.index.layout import KeyLayout
+from router.index.memory import MemoryPrefixIndex
+from router.index.redis_index import RedisPrefixIndex
+from router.index.registry import WorkerRegistry
+from router.redis_conn import RedisClient, connect
+from router.redis_server import RedisServer, free_port
+
+_SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+
+
+def _wait_cluster_ok(clients: list[redis.Redis], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        infos = [c.cluster("INFO") for c in clients]
+        states = [
+            i if isinstance(i, dict) else dict(
+                line.split(":", 1) for line in i.decode().split() if ":" in line
+            )
+            for i in infos
+        ]
+        if all(
+            str(s.get("cluster_state")) == "ok" and int(s.get("cluster_known_nodes", 0)) == 3
+            for s in states
+        ):
+            return
+        time.sleep(0.05)  # polling cluster convergence with a deadline; no event to wait on
+    raise TimeoutError(f"Redis Cluster did not converge within {timeout_s}s")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url() -> Iterator[str]:
+    """URL of one node of a private three-master Redis Cluster (slots assigned here)."""
+    bus_ports = [free_port() for _ in _SLOT_RANGES]
+    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+    servers = [
+        RedisServer(extra_args=[*args, "--cluster-port", str(bus_port)]) for bus_port in bus_ports
+    ]
+    try:
+        for server in servers:
+            server.start()
+        clients = [redis.Redis(host=s.host, port=s.port) for s in servers]
+        for client, (first, last) in zip(clients, _SLOT_RANGES, strict=True):
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+        for server, bus_port in zip(servers[1:], bus_ports[1:], strict=True):
+            clients[0].execute_command("CLUSTER", "MEET", server.host, server.port, bus_port)
+        _wait_cluster_ok(clients, timeout_s=30.0)
+        for client in clients:
+            client.close()
+        yield servers[0].url
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@dataclass
+class IndexEnv:
+    """An index under test and how to make it writable for a worker."""
+
+    index: MemoryPrefixIndex | RedisPrefixIndex
+    registry: WorkerRegistry | None = None
+
+    async def prepare(self, worker_id: str) -> None:
+        """Take the worker's lease (Redis) so the index accepts its writes."""
+        if self.registry is None or not isinstance(self.index, RedisPrefixIndex):
+            return
+        lease = await self.registry.acquire(WorkerId(worker_id))
+        assert lease is not None
+        self.index.use_lease(WorkerId(worker_id), lease.token)
+
+
+OpenIndex = Callable[[], AbstractAsyncContextManager[IndexEnv]]
+
+
+async def drop_namespace(client: RedisClient, layout: KeyLayout) -> None:
+    """Delete every key of a test namespace (tests never flush a shared server)."""
+    async for key in client.scan_iter(match=layout.prefix + "*", count=1000):
+        await client.delete(key)
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+def open_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
+    """Opens the index kind under test: in memory, Redis single node, Redis Cluster."""
+    kind = request.param
+    url = None
+    if kind == "redis":
+        url = request.getfixturevalue("redis_url")
+    elif kind == "cluster":
+        url = request.getfixturevalue("redis_cluster_url")
+
+    @asynccontextmanager
+    async def factory() -> AsyncIterator[IndexEnv]:
+        if url is None:
+            yield IndexEnv(MemoryPrefixIndex())
+            return
+        client = await connect(url)
+        layout = KeyLayout(namespace)
+        try:
+            yield IndexEnv(RedisPrefixIndex(client, layout), WorkerRegistry(client, layout))
+        finally:
+            await drop_namespace(client, layout)
+            await client.aclose()
+
+    return factory

@@ -1,0 +1,208 @@
+"""Contract of ``PrefixIndex``: the same suite over memory, Redis and Redis Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+import pytest
+
+from events.hashing import RouterKeyer
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
+from router.errors import OrphanParentError
+from router.index.base import IndexStats, PrefixMatch, WorkerId
+from router.index.redis_index import RedisPrefixIndex
+from tests.router.conftest import IndexEnv, OpenIndex
+
+BS = 4
+KEYER = RouterKeyer()
+W1, W2, W3 = WorkerId("w1"), WorkerId("w2"), WorkerId("w3")
+TOKENS = list(range(100, 132))  # 8 blocks of 4
+KEYS = KEYER.keys(TOKENS, BS)
+
+
+def stored(
+    hashes: Sequence[WireHash],
+    parent: WireHash | None,
+    first_block: int,
+    medium: str | None = "GPU",
+    tokens: Sequence[int] = TOKENS,
+    lora_name: str | None = None,
+    extra_keys: list[object] | None = None,
+) -> BlockStored:
+    """A BlockStored of consecutive blocks of ``tokens`` starting at ``first_block``."""
+    start = first_block * BS
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=parent,
+        token_ids=list(tokens[start : start + BS * len(hashes)]),
+        block_size=BS,
+        lora_id=None,
+        medium=medium,
+        lora_name=lora_name,
+        extra_keys=extra_keys,
+    )
+
+
+def removed(hashes: Sequence[WireHash], medium: str | None = "GPU") -> BlockRemoved:
+    return BlockRemoved(block_hashes=list(hashes), medium=medium)
+
+
+def batch(*events: BlockStored | BlockRemoved | AllBlocksCleared) -> KVEventBatch:
+    return KVEventBatch(ts=1.0, events=list(events))
+
+
+def run(open_index: OpenIndex, body: Callable[[IndexEnv], Awaitable[None]]) -> None:
+    async def main() -> None:
+        async with open_index() as env:
+            for worker in (W1, W2, W3):
+                await env.prepare(worker)
+            await body(env)
+
+    asyncio.run(main())
+
+
+def m(gpu: int, cpu: int = 0) -> PrefixMatch:
+    return PrefixMatch(gpu + cpu, gpu, cpu)
+
+
+def test_chain_lookup_all_and_candidates(open_index: OpenIndex) -> None:
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        await idx.apply(W1, batch(stored([1, 2, 3], None, 0), stored([4, 5], 3, 3)))
+        await idx.apply(W2, batch(stored([11, 12], None, 0)))
+        assert await idx.lookup(KEYS) == {W1: m(5), W2: m(2)}
+        assert await idx.lookup(KEYS, [W2]) == {W2: m(2)}
+        assert await idx.lookup(KEYS, [W3]) == {}
+        assert await idx.lookup(KEYS[:1], [W1, W2, W3]) == {W1: m(1), W2: m(1)}
+        assert await idx.lookup([], [W1]) == {}
+        assert await idx.lookup(KEYS, []) == {}
+        # Another prompt sharing block 0 only.
+        other = KEYER.keys(TOKENS[:4] + [7] * 28, BS)
+        assert await idx.lookup(other) == {W1: m(1), W2: m(1)}
+
+    run(open_index, body)
+
+
+def test_removal_cuts_the_prefix_and_duplicates_are_refcounted(open_index: OpenIndex) -> None:
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        await idx.apply(W1, batch(stored([1, 2, 3, 4], None, 0)))
+        await idx.apply(W1, batch(stored([4], 3, 3)))  # a second physical copy of block 3
+        await idx.apply(W1, batch(removed([4])))
+        assert await idx.lookup(KEYS) == {W1: m(4)}
+        await idx.apply(W1, batch(removed([4])))
+        assert await idx.lookup(KEYS) == {W1: m(3)}
+        await idx.apply(W1, batch(removed([2])))
+        assert await idx.lookup(KEYS) == {W1: m(1)}
+        await idx.apply(W1, batch(removed([99, 2])))  # unknown and already-removed copies
+        assert await idx.lookup(KEYS) == {W1: m(1)}
+        assert await idx.stats() == _stats(env, entries=2, keys=2, workers=1)
+
+    run(open_index, body)
+
+
+def test_tiers_split_gpu_and_cpu(open_index: OpenIndex) -> None:
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        await idx.apply(W1, batch(stored([1, 2], None, 0), stored([3, 4], 2, 2, medium="CPU")))
+        await idx.apply(W1, batch(stored([2], 1, 1, medium="CPU")))  # offloaded copy
+        assert await idx.lookup(KEYS) == {W1: m(2, 2)}
+        await idx.apply(W1, batch(removed([2], medium="GPU")))
+        assert await idx.lookup(KEYS) == {W1: m(1, 3)}
+        await idx.apply(W2, batch(stored([1], None, 0, medium=None)))  # unspecified = GPU
+        assert await idx.lookup(KEYS, [W2]) == {W2: m(1)}
+        assert await idx.stats() == _stats(env, entries=5, keys=4, workers=2)
+
+    run(open_index, body)
+
+
+def test_all_blocks_cleared_and_clear_worker(open_index: OpenIndex) -> None:
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        await idx.apply(W1, batch(stored([1, 2, 3], None, 0)))
+        await idx.apply(W2, batch(stored([1, 2], None, 0)))
+        await idx.apply(W1, batch(AllBlocksCleared(), stored([7], None, 0)))
+        assert await idx.lookup(KEYS) == {W1: m(1), W2: m(2)}
+        await idx.clear_worker(W2)
+        assert await idx.lookup(KEYS) == {W1: m(1)}
+        # The cleared worker's old hashes are forgotten: its parent 2 is now unknown.
+        with pytest.raises(OrphanParentError):
+            await idx.apply(W2, batch(stored([3], 2, 2)))
+        assert await idx.stats() == _stats(env, entries=1, keys=1, workers=1)
+
+    run(open_index, body)
+
+
+def test_orphan_parent_applies_the_events_before_it(open_index: OpenIndex) -> None:
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        with pytest.raises(OrphanParentError) as info:
+            await idx.apply(
+                W1, batch(stored([1, 2], None, 0), stored([4], 333, 3), stored([3], 2, 2))
+            )
+        assert (info.value.worker_id, info.value.parent_hash, info.value.num_applied) == (
+            W1,
+            333,
+            1,
+        )
+        assert await idx.lookup(KEYS) == {W1: m(2)}
+
+    run(open_index, body)
+
+
+def test_malformed_events_never_corrupt(open_index: OpenIndex) -> None:
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        await idx.apply(W1, batch(stored([1, 2], None, 0)))
+        bad_count = BlockStored([3, 4], 2, [1, 2, 3], BS, None, "GPU", None)
+        bad_token = BlockStored([3], 2, [1, 2, -3, 4], BS, None, "GPU", None)
+        bad_size = BlockStored([3], 2, [], 0, None, "GPU", None)
+        no_blocks = BlockStored([], 2, [], BS, None, "GPU", None)
+        await idx.apply(W1, batch(bad_count, bad_token, bad_size, no_blocks, stored([3], 2, 2)))
+        assert await idx.lookup(KEYS) == {W1: m(3)}
+        assert await idx.stats() == _stats(env, entries=3, keys=3, workers=1)
+
+    run(open_index, body)
+
+
+def test_lora_and_salt_get_their_own_keys(open_index: OpenIndex) -> None:
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        await idx.apply(W1, batch(stored([1, 2], None, 0, lora_name="ad1", extra_keys=[["ad1"]])))
+        await idx.apply(W2, batch(stored([1, 2], None, 0, extra_keys=[["tenant-a"], None])))
+        assert await idx.lookup(KEYS) == {}
+        lora_keys = KEYER.keys(TOKENS, BS, lora_name="ad1")
+        salt_keys = KEYER.keys(TOKENS, BS, cache_salt="tenant-a")
+        assert await idx.lookup(lora_keys) == {W1: m(2)}
+        assert await idx.lookup(salt_keys) == {W2: m(2)}
+
+    run(open_index, body)
+
+
+def test_bytes_hashes_and_mixed_workers(open_index: OpenIndex) -> None:
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        h = [bytes([i]) * 32 for i in range(3)]
+        await idx.apply(W3, batch(stored(h[:2], None, 0), stored(h[2:], h[1], 2)))
+        await idx.apply(W3, batch(removed([h[0]])))
+        assert await idx.lookup(KEYS) == {}
+        assert await idx.lookup(KEYS, [W3]) == {}
+        assert await idx.worker_entries(W3) == {KEYS[1]: 1, KEYS[2]: 1}
+
+    run(open_index, body)
+
+
+def _stats(env: IndexEnv, entries: int, keys: int, workers: int) -> IndexStats:
+    # Memory is known to the Redis implementation only (the server's used_memory).
+    memory = _Positive() if isinstance(env.index, RedisPrefixIndex) else None
+    return IndexStats(entries, keys, workers, memory)  # type: ignore[arg-type]
+
+
+class _Positive:
+    """Equal to any positive int (a server's memory use is not a fixed number)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, int) and other > 0
+
+    __hash__ = None  # type: ignore[assignment]
