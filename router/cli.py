@@ -25,6 +25,7 @@ class Command(NamedTuple):
 COMMANDS: Final[dict[str, Command]] = {
     "cluster": Command("router.cluster_cli", "run a local cluster on a workload and report"),
     "keys": Command("events.cli_keys", "generate a CURVE key pair for authenticated event streams"),
+    "sim": Command("router.sim.cli", "replay a Mooncake trace over simulated workers, per policy"),
     "worker": Command("pool.worker_cli", "serve completions over a paged KV cache, publish events"),
 }
 

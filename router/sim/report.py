@@ -1,0 +1,219 @@
+"""Simulator results: per-policy figures from request outcomes, as a table, JSON or a plot."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from router.sim.engine import RequestOutcome
+from router.sim.trace import IdealHits, SimRequest
+from router.workload import TRACE_BLOCK_TOKENS
+
+__all__ = ["PolicyResult", "format_table", "percentile", "plot_results", "summarize"]
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of sorted values, nearest-rank; 0.0 when empty."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, math.ceil(q / 100.0 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def _imbalance(values: Sequence[int]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyResult:
+    """The figures of one policy over one trace.
+
+    Attributes:
+        policy: The policy's name.
+        num_requests: Requests replayed.
+        num_blocks: Trace blocks (512 tokens, the last of a request maybe partial).
+        num_hit_blocks: Whole trace blocks found in the chosen workers' caches.
+        num_tokens: Prompt tokens.
+        num_hit_tokens: Prompt tokens found in the chosen workers' caches.
+        num_predicted_tokens: Prompt tokens the router expected to hit.
+        ideal: The infinite-cache ideal of the trace.
+        requests_per_worker: Requests each worker served.
+        prefill_tokens_per_worker: Prompt tokens each worker computed.
+        ttft_p50_s: Median time to first token (simulated).
+        ttft_p90_s: 90th percentile TTFT.
+        ttft_p99_s: 99th percentile TTFT.
+        wall_s: Wall-clock seconds the simulation took.
+    """
+
+    policy: str
+    num_requests: int
+    num_blocks: int
+    num_hit_blocks: int
+    num_tokens: int
+    num_hit_tokens: int
+    num_predicted_tokens: int
+    ideal: IdealHits
+    requests_per_worker: tuple[int, ...]
+    prefill_tokens_per_worker: tuple[int, ...]
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    wall_s: float
+
+    @property
+    def hit_rate_blocks(self) -> float:
+        """Hit trace blocks over all trace blocks (comparable with the ideal)."""
+        return self.num_hit_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def hit_rate_tokens(self) -> float:
+        """Hit prompt tokens over all prompt tokens."""
+        return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0
+
+    @property
+    def ratio_to_ideal(self) -> float:
+        """Block hit rate over the infinite-cache ideal's."""
+        ideal = self.ideal.hit_rate_blocks
+        return self.hit_rate_blocks / ideal if ideal else 1.0
+
+    @property
+    def request_imbalance(self) -> float:
+        """Max over mean of the requests each worker served."""
+        return _imbalance(self.requests_per_worker)
+
+    @property
+    def prefill_imbalance(self) -> float:
+        """Max over mean of the prompt tokens each worker computed."""
+        return _imbalance(self.prefill_tokens_per_worker)
+
+    @property
+    def load_imbalance(self) -> float:
+        """The worse of :attr:`request_imbalance` and :attr:`prefill_imbalance`."""
+        return max(self.request_imbalance, self.prefill_imbalance)
+
+    def to_json(self) -> dict[str, Any]:
+        """The figures as a JSON-ready dict (the keys ``kvroute sim --json`` promises first)."""
+        return {
+            "hit_rate_blocks": self.hit_rate_blocks,
+            "hit_rate_tokens": self.hit_rate_tokens,
+            "ideal_hit_rate_blocks": self.ideal.hit_rate_blocks,
+            "load_imbalance": self.load_imbalance,
+            "ttft_p50_s": self.ttft_p50_s,
+            "ttft_p99_s": self.ttft_p99_s,
+            "ideal_hit_rate_tokens": self.ideal.hit_rate_tokens,
+            "ratio_to_ideal": self.ratio_to_ideal,
+            "request_imbalance": self.request_imbalance,
+            "prefill_imbalance": self.prefill_imbalance,
+            "ttft_p90_s": self.ttft_p90_s,
+            "predicted_hit_tokens": self.num_predicted_tokens,
+            "hit_tokens": self.num_hit_tokens,
+            "requests_per_worker": list(self.requests_per_worker),
+            "prefill_tokens_per_worker": list(self.prefill_tokens_per_worker),
+            "num_requests": self.num_requests,
+            "wall_s": self.wall_s,
+        }
+
+
+def summarize(
+    policy: str,
+    requests: Sequence[SimRequest],
+    outcomes: Sequence[RequestOutcome],
+    ideal: IdealHits,
+    num_workers: int,
+    wall_s: float,
+) -> PolicyResult:
+    """Aggregate one run's outcomes (in trace order, one per request)."""
+    per_worker_requests = [0] * num_workers
+    per_worker_prefill = [0] * num_workers
+    hit_blocks = hit_tokens = predicted = 0
+    for request, outcome in zip(requests, outcomes, strict=True):
+        assert request.index == outcome.index
+        per_worker_requests[outcome.worker] += 1
+        per_worker_prefill[outcome.worker] += outcome.prefill_tokens
+        hit_tokens += outcome.hit_tokens
+        hit_blocks += outcome.hit_tokens // TRACE_BLOCK_TOKENS
+        predicted += outcome.predicted_tokens
+    ttfts = sorted(o.ttft_s for o in outcomes)
+    return PolicyResult(
+        policy=policy,
+        num_requests=len(requests),
+        num_blocks=ideal.num_blocks,
+        num_hit_blocks=hit_blocks,
+        num_tokens=ideal.num_tokens,
+        num_hit_tokens=hit_tokens,
+        num_predicted_tokens=predicted,
+        ideal=ideal,
+        requests_per_worker=tuple(per_worker_requests),
+        prefill_tokens_per_worker=tuple(per_worker_prefill),
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p90_s=percentile(ttfts, 90),
+        ttft_p99_s=percentile(ttfts, 99),
+        wall_s=wall_s,
+    )
+
+
+def format_table(results: Sequence[PolicyResult], baseline: str | None = None) -> str:
+    """A fixed-width table, one row per policy, with the ratio to ``baseline``'s hit rate."""
+    by_name = {r.policy: r for r in results}
+    base = by_name.get(baseline) if baseline else None
+    header = (
+        f"{'policy':<16}{'hit blk':>8}{'hit tok':>8}{'/ideal':>8}"
+        f"{'/' + (baseline or 'base')[:10]:>12}{'max/mean req':>13}{'max/mean pf':>12}"
+        f"{'TTFT p50':>10}{'p90':>8}{'p99':>8}{'wall s':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in results:
+        vs_base = r.hit_rate_blocks / base.hit_rate_blocks if base and base.hit_rate_blocks else 0
+        lines.append(
+            f"{r.policy:<16}{r.hit_rate_blocks:>8.2%}{r.hit_rate_tokens:>8.2%}"
+            f"{r.ratio_to_ideal:>8.3f}{vs_base:>12.2f}{r.request_imbalance:>13.2f}"
+            f"{r.prefill_imbalance:>12.2f}{r.ttft_p50_s:>10.2f}{r.ttft_p90_s:>8.2f}"
+            f"{r.ttft_p99_s:>8.2f}{r.wall_s:>8.1f}"
+        )
+    if results:
+        ideal = results[0].ideal
+        lines.append(
+            f"infinite-cache ideal: {ideal.hit_rate_blocks:.2%} of blocks, "
+            f"{ideal.hit_rate_tokens:.2%} of tokens"
+        )
+    return "\n".join(lines)
+
+
+def plot_results(results: Sequence[PolicyResult], path: str | Path) -> None:
+    """Bar charts of hit rate (with the ideal), load imbalance and TTFT per policy.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'kvroute[plot]'``).
+    """
+    import matplotlib  # optional dependency (extra "plot"): only needed for --plot
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    names = [r.policy for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    axes[0].bar(names, [r.hit_rate_blocks for r in results])
+    if results:
+        axes[0].axhline(results[0].ideal.hit_rate_blocks, color="k", ls="--", label="ideal")
+        axes[0].legend()
+    axes[0].set_title("prefix hit rate (blocks)")
+    axes[1].bar(names, [r.load_imbalance for r in results])
+    axes[1].axhline(1.25, color="r", ls=":", label="1.25")
+    axes[1].legend()
+    axes[1].set_title("load imbalance (max/mean)")
+    width = 0.4
+    xs = range(len(names))
+    axes[2].bar([x - width / 2 for x in xs], [r.ttft_p50_s for r in results], width, label="p50")
+    axes[2].bar([x + width / 2 for x in xs], [r.ttft_p99_s for r in results], width, label="p99")
+    axes[2].set_xticks(list(xs), names)
+    axes[2].legend()
+    axes[2].set_title("TTFT (simulated s)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelrotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
