@@ -1,0 +1,213 @@
+"""Worker registry: persistent registrations, leases, epoch fencing, reaping lapsed workers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from events.hashing import RouterKeyer
+from events.schema import BlockStored, KVEventBatch
+from router.errors import PrefixIndexError
+from router.index.base import IndexStats, PrefixMatch, WorkerId
+from router.index.layout import KeyLayout
+from router.index.redis_index import RedisPrefixIndex
+from router.index.registry import (
+    WorkerRecord,
+    WorkerRegistry,
+    load_records,
+    parse_worker_spec,
+)
+from router.index.scripts import StaleLeaseError
+from router.redis_conn import RedisClient, connect
+from tests.router.conftest import drop_namespace
+
+W = WorkerId("w1")
+TOKENS = list(range(16))
+KEYS = RouterKeyer().keys(TOKENS, 4)
+
+
+def stored(hashes: list[int], parent: int | None, first_block: int) -> KVEventBatch:
+    tokens = TOKENS[first_block * 4 : (first_block + len(hashes)) * 4]
+    return KVEventBatch(1.0, [BlockStored(hashes, parent, tokens, 4, None, "GPU", None)])
+
+
+Body = Callable[[RedisClient, KeyLayout], Awaitable[None]]
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def redis_target(request: pytest.FixtureRequest) -> str:
+    fixture = "redis_url" if request.param == "redis" else "redis_cluster_url"
+    return str(request.getfixturevalue(fixture))
+
+
+@asynccontextmanager
+async def opened(url: str, namespace: str) -> AsyncIterator[tuple[RedisClient, KeyLayout]]:
+    client = await connect(url)
+    layout = KeyLayout(namespace)
+    try:
+        yield client, layout
+    finally:
+        await drop_namespace(client, layout)
+        await client.aclose()
+
+
+def run(url: str, namespace: str, body: Body) -> None:
+    async def main() -> None:
+        async with opened(url, namespace) as (client, layout):
+            await body(client, layout)
+
+    asyncio.run(main())
+
+
+async def wait_lapsed(registry: WorkerRegistry, worker: WorkerId, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while await registry.holder(worker) is not None:
+        assert time.monotonic() < deadline, "lease did not lapse"
+        await asyncio.sleep(0.02)  # polling a TTL expiry with a deadline
+
+
+def test_lease_is_exclusive_and_epochs_grow(redis_target: str, namespace: str) -> None:
+    async def body(client: RedisClient, layout: KeyLayout) -> None:
+        a = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=60_000)
+        b = WorkerRegistry(client, layout, owner="router-b", lease_ttl_ms=60_000)
+        lease = await a.acquire(W)
+        assert lease is not None and lease.epoch == 1 and lease.token == "1:router-a"
+        assert await b.acquire(W) is None
+        assert await a.renew(lease)
+        again = await a.acquire(W)  # the same owner re-acquires with a new epoch
+        assert again is not None and again.epoch == 2
+        assert not await a.renew(lease)  # the old epoch is gone
+        await a.release(lease)  # releasing a stale token does nothing
+        assert await a.holder(W) == "2:router-a"
+        await a.release(again)
+        assert await a.holder(W) is None
+        taken = await b.acquire(W)
+        assert taken is not None and taken.epoch == 3
+
+    run(redis_target, namespace, body)
+
+
+def test_stale_epoch_cannot_write(redis_target: str, namespace: str) -> None:
+    async def body(client: RedisClient, layout: KeyLayout) -> None:
+        a = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=300)
+        b = WorkerRegistry(client, layout, owner="router-b", lease_ttl_ms=60_000)
+        old_index = RedisPrefixIndex(client, layout)
+        new_index = RedisPrefixIndex(client, layout)
+        lease_a = await a.acquire(W)
+        assert lease_a is not None
+        old_index.use_lease(W, lease_a.token)
+        await old_index.apply(W, stored([1], None, 0))
+        await wait_lapsed(a, W)
+        assert not await a.renew(lease_a)
+        lease_b = await b.acquire(W)
+        assert lease_b is not None and lease_b.epoch == 2
+        new_index.use_lease(W, lease_b.token)
+        await new_index.clear_worker(W)
+        with pytest.raises(StaleLeaseError):
+            await old_index.apply(W, stored([2], 1, 1))
+        with pytest.raises(StaleLeaseError):
+            await old_index.clear_worker(W)
+        assert await new_index.lookup(KEYS) == {}
+        await new_index.apply(W, stored([1, 2], None, 0))
+        assert await new_index.lookup(KEYS) == {W: PrefixMatch(2, 2, 0)}
+
+    run(redis_target, namespace, body)
+
+
+def test_writing_without_a_lease_is_refused(redis_target: str, namespace: str) -> None:
+    async def body(client: RedisClient, layout: KeyLayout) -> None:
+        index = RedisPrefixIndex(client, layout)
+        with pytest.raises(PrefixIndexError, match="no lease"):
+            await index.apply(W, stored([1], None, 0))
+        index.use_lease(W, "7:nobody")
+        with pytest.raises(StaleLeaseError):
+            await index.apply(W, stored([1], None, 0))
+        assert await index.lookup(KEYS) == {}
+
+    run(redis_target, namespace, body)
+
+
+def test_lapsed_worker_is_reaped_by_another_replica(redis_target: str, namespace: str) -> None:
+    async def body(client: RedisClient, layout: KeyLayout) -> None:
+        silent = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=300)
+        live = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=60_000)
+        reaper = WorkerRegistry(client, layout, owner="router-b", lease_ttl_ms=60_000)
+        index = RedisPrefixIndex(client, layout)
+        for worker, registry in ((W, silent), (WorkerId("w2"), live)):
+            lease = await registry.acquire(worker)
+            assert lease is not None
+            index.use_lease(worker, lease.token)
+            await index.apply(worker, stored([1, 2, 3], None, 0))
+        assert await reaper.reap(RedisPrefixIndex(client, layout)) == []
+        await wait_lapsed(silent, W)
+        assert await reaper.reap(RedisPrefixIndex(client, layout)) == [W]
+        assert await index.lookup(KEYS) == {WorkerId("w2"): PrefixMatch(3, 3, 0)}
+        stats = await index.stats()
+        assert (stats.num_entries, stats.num_keys, stats.num_workers) == (3, 3, 1)
+        assert await reaper.holder(W) is None  # released after reaping
+
+    run(redis_target, namespace, body)
+
+
+def test_registration_persists_across_router_restarts(redis_target: str, namespace: str) -> None:
+    record = WorkerRecord(
+        worker_id="gpu-0",
+        events_endpoint="tcp://127.0.0.1:5557",
+        replay_endpoint="tcp://127.0.0.1:5558",
+        http_url="http://127.0.0.1:8001",
+    )
+
+    async def body(client: RedisClient, layout: KeyLayout) -> None:
+        await WorkerRegistry(client, layout).register(record)
+        vllm = WorkerRecord(worker_id="vllm-1", events_endpoint="tcp://127.0.0.1:6557", kind="vllm")
+        await WorkerRegistry(client, layout).register(vllm)
+        restarted = WorkerRegistry(client, layout)
+        assert await restarted.records() == [record, vllm]
+        assert [r.has_snapshot for r in await restarted.records()] == [True, False]
+        assert await restarted.unregister(WorkerId("vllm-1"))
+        assert not await restarted.unregister(WorkerId("vllm-1"))
+        assert await restarted.records() == [record]
+
+    run(redis_target, namespace, body)
+
+
+def test_worker_specs_and_config_files(tmp_path: Path) -> None:
+    spec = "gpu-0=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,http=http://127.0.0.1:8001"
+    record = parse_worker_spec(spec + ",block_size=32")
+    assert record == WorkerRecord(
+        worker_id="gpu-0",
+        events_endpoint="tcp://127.0.0.1:5557",
+        replay_endpoint="tcp://127.0.0.1:5558",
+        http_url="http://127.0.0.1:8001",
+        block_size=32,
+    )
+    assert parse_worker_spec("v=tcp://h:1,kind=vllm").kind == "vllm"
+    for bad in ("nope", "=tcp://h:1", "a{b}=tcp://h:1", "a=tcp://h:1,color=red", "a=x,kind=sglang"):
+        with pytest.raises(PrefixIndexError):
+            parse_worker_spec(bad)
+    path = tmp_path / "workers.json"
+    path.write_text(
+        '[{"worker_id": "gpu-0", "events_endpoint": "tcp://127.0.0.1:5557",'
+        ' "replay_endpoint": "tcp://127.0.0.1:5558", "http_url": "http://127.0.0.1:8001",'
+        ' "block_size": 32}]'
+    )
+    assert load_records(path) == [record]
+    path.write_text('[{"worker_id": "gpu-0"}]')
+    with pytest.raises(PrefixIndexError):
+        load_records(path)
+    with pytest.raises(PrefixIndexError):
+        load_records(tmp_path / "missing.json")
+
+
+def test_stats_of_an_empty_namespace(redis_target: str, namespace: str) -> None:
+    async def body(client: RedisClient, layout: KeyLayout) -> None:
+        stats = await RedisPrefixIndex(client, layout).stats()
+        assert (stats.num_entries, stats.num_keys, stats.num_workers) == (0, 0, 0)
+        assert stats == IndexStats(0, 0, 0, stats.memory_bytes)
+
+    run(redis_target, namespace, body)
