@@ -39,7 +39,9 @@ def test_every_name_builds_a_policy_of_that_name() -> None:
 
 
 def test_cache_aware_prefers_the_longest_prefix_and_explains_itself() -> None:
-    policy = make_policy("cache_aware", PolicyConfig(weights=CostWeights(per_request=10.0)))
+    policy = make_policy(
+        "cache_aware", PolicyConfig(weights=CostWeights(prefill=1.0, per_request=10.0))
+    )
     req = request(list(range(64)))
     candidates = build_candidates(
         W[:3],
@@ -60,7 +62,9 @@ def test_cache_aware_prefers_the_longest_prefix_and_explains_itself() -> None:
 
 
 def test_cache_aware_weighs_cpu_tier_blocks() -> None:
-    policy = make_policy("cache_aware", PolicyConfig(weights=CostWeights(cpu_hit=0.25)))
+    policy = make_policy(
+        "cache_aware", PolicyConfig(weights=CostWeights(prefill=1.0, cpu_hit=0.25))
+    )
     req = request(list(range(64)))
     candidates = build_candidates(
         W[:2], {}, matches={W[0]: PrefixMatch(3, 1, 2), W[1]: PrefixMatch(2, 2, 0)}
@@ -73,9 +77,10 @@ def test_cache_aware_weighs_cpu_tier_blocks() -> None:
 def test_cache_aware_leaves_a_cached_worker_once_its_queue_outweighs_the_saving() -> None:
     policy = make_policy("cache_aware", PolicyConfig(weights=CostWeights(per_request=0.0)))
     req = request(list(range(64)))
+    # w0 saves 48 tokens, worth 2 x 48 of queue with the default weights.
     matches = {W[0]: PrefixMatch(3, 3, 0)}
-    stays = policy.decide(req, build_candidates(W[:2], {W[0]: WorkerLoad(1, 47, 0)}, matches))
-    leaves = policy.decide(req, build_candidates(W[:2], {W[0]: WorkerLoad(1, 49, 0)}, matches))
+    stays = policy.decide(req, build_candidates(W[:2], {W[0]: WorkerLoad(1, 95, 0)}, matches))
+    leaves = policy.decide(req, build_candidates(W[:2], {W[0]: WorkerLoad(1, 97, 0)}, matches))
     assert (stays.worker_id, leaves.worker_id) == (W[0], W[1])
 
 
