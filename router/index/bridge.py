@@ -322,4 +322,3 @@ async def _flush(write: Callable[[Changes], Awaitable[None]], changes: Changes) 
     effective = {k: c for k, c in changes.items() if c.old_mask != c.new_mask}
     if effective:
         await write(effective)
-

@@ -48,8 +48,7 @@ def match_prefix(
                 cpu[worker] = cpu.get(worker, 0) + 1
     matched = gpu.keys() | cpu.keys()
     return {
-        w: PrefixMatch(gpu.get(w, 0) + cpu.get(w, 0), gpu.get(w, 0), cpu.get(w, 0))
-        for w in matched
+        w: PrefixMatch(gpu.get(w, 0) + cpu.get(w, 0), gpu.get(w, 0), cpu.get(w, 0)) for w in matched
     }
 
 

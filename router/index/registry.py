@@ -219,4 +219,3 @@ class WorkerRegistry:
             log.warning("reaped worker %r: its lease lapsed, its entries were removed", worker_id)
             reaped.append(worker_id)
         return reaped
-

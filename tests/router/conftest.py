@@ -26,9 +26,9 @@ def _wait_cluster_ok(clients: list[redis.Redis], timeout_s: float) -> None:
     while time.monotonic() < deadline:
         infos = [c.cluster("INFO") for c in clients]
         states = [
-            i if isinstance(i, dict) else dict(
-                line.split(":", 1) for line in i.decode().split() if ":" in line
-            )
+            i
+            if isinstance(i, dict)
+            else dict(line.split(":", 1) for line in i.decode().split() if ":" in line)
             for i in infos
         ]
         if all(
