@@ -17,6 +17,7 @@ from events.hashing import (
     wire_hash,
 )
 from events.publisher import EventPublisher, PublisherConfig
+from events.recorder import EventLogWriter, EventRecorder, LogRecord, read_log
 from events.schema import (
     AllBlocksCleared,
     BlockRemoved,
@@ -46,13 +47,16 @@ __all__ = [
     "CurveServerConfig",
     "Endpoint",
     "EventDecodeError",
+    "EventLogWriter",
     "EventPublisher",
+    "EventRecorder",
     "EventSink",
     "EventSubscriber",
     "EventsError",
     "FramingError",
     "KVCacheEvent",
     "KVEventBatch",
+    "LogRecord",
     "PublisherConfig",
     "ReceivedBatch",
     "RouterKeyer",
@@ -67,6 +71,7 @@ __all__ = [
     "none_hash",
     "pack_seq",
     "parse_message",
+    "read_log",
     "root_key",
     "router_block_key",
     "router_block_keys",
