@@ -127,13 +127,11 @@ class BlockPool:
                 f"cannot cache {num_full_blocks} full blocks"
             )
         new_hashes = hashes[num_cached_blocks:num_full_blocks]
-        insert = self.cached_block_hash_to_block.insert
-        for block, block_hash in zip(
-            blocks[num_cached_blocks:num_full_blocks], new_hashes, strict=True
-        ):
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        for block, block_hash in zip(new_blocks, new_hashes, strict=True):
             assert block.block_hash is None, f"block {block.block_id} is already cached"
             block.block_hash = block_hash
-            insert(block_hash, block)
+        self.cached_block_hash_to_block.insert_blocks(new_blocks)
         if not self.enable_kv_cache_events:
             return
         parent = wire_hash(hashes[num_cached_blocks - 1]) if num_cached_blocks else None
@@ -167,10 +165,13 @@ class BlockPool:
                 f"cannot get {num_blocks} free blocks: {queue.num_free_blocks} are free"
             )
         blocks = queue.popleft_n(num_blocks)
+        cached = []
         for block in blocks:
             if block.block_hash is not None:
-                self._maybe_evict_cached_block(block)
+                cached.append(block)
             block.ref_cnt = 1
+        if cached:
+            self._evict_cached_blocks(cached)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -209,8 +210,8 @@ class BlockPool:
         are ignored.
         """
         blocks = self.blocks
-        for block_id in block_ids:
-            self._maybe_evict_cached_block(blocks[block_id])
+        unique = [blocks[block_id] for block_id in dict.fromkeys(block_ids)]
+        self._evict_cached_blocks([block for block in unique if block.block_hash is not None])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (``AllBlocksCleared``), only when every block is free.
@@ -248,17 +249,21 @@ class BlockPool:
         self.kv_event_queue = []
         return events
 
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        block_hash = block.block_hash
-        if block_hash is None:
-            return False
-        popped = self.cached_block_hash_to_block.pop(block_hash, block.block_id)
-        assert popped is block, f"block {block.block_id} has a hash but is not in the cache map"
-        block.block_hash = None
+    def _evict_cached_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Evict cached blocks (each has a hash): one ``BlockRemoved`` per block, in order."""
+        self.cached_block_hash_to_block.remove_blocks(blocks)
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(
-                BlockRemoved(
-                    block_hashes=[wire_hash(block_hash)], medium=self.medium, group_idx=_GROUP_IDX
-                )
+            medium = self.medium
+            self.kv_event_queue.extend(
+                [
+                    BlockRemoved(
+                        # Every block given here is cached, so its hash is set.
+                        block_hashes=[wire_hash(block.block_hash)],  # type: ignore[arg-type]
+                        medium=medium,
+                        group_idx=_GROUP_IDX,
+                    )
+                    for block in blocks
+                ]
             )
-        return True
+        for block in blocks:
+            block.block_hash = None

@@ -107,6 +107,7 @@ class PoolMachine(RuleBasedStateMachine):
     def evict(self, block_ids: list[int]) -> None:
         self.pool.evict_blocks(block_ids)
 
+    @precondition(lambda self: self.pool.cached_block_hash_to_block.num_blocks)
     @rule()
     def reset(self) -> None:
         assert self.manager.reset_prefix_cache() is (not self.running)
@@ -136,24 +137,18 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def cache_map_and_block_hashes_agree(self) -> None:
         cache = self.pool.cached_block_hash_to_block
-        cached = list(cache.blocks())
-        for block in cached:
-            assert block.block_hash is not None
-            assert cache.get_one_block(block.block_hash) is not None
-            assert cache.pop(block.block_hash, block.block_id) is block
-            cache.insert(block.block_hash, block)
-        hashed = sorted(b.block_id for b in self.pool.blocks if b.block_hash is not None)
-        assert sorted(b.block_id for b in cached) == hashed
+        filed = sorted((block.block_id, key) for key, block in cache.items())
+        hashed = sorted((b.block_id, b.block_hash) for b in self.pool.blocks if b.block_hash)
+        assert filed == hashed  # each cached block is filed under its own hash, once
         assert cache.num_blocks == len(hashed)
+        for key, _ in cache.items():
+            block = cache.get_one_block(key)
+            assert block is not None and block.block_hash == key
 
     @invariant()
     def replayed_events_equal_the_cached_multiset(self) -> None:
         replay(self.pool.take_events(), self.replayed)
-        cached = Counter(
-            wire_hash(b.block_hash)
-            for b in self.pool.cached_block_hash_to_block.blocks()
-            if b.block_hash is not None
-        )
+        cached = Counter(wire_hash(key) for key, _ in self.pool.cached_block_hash_to_block.items())
         assert self.replayed == cached
 
     @invariant()
