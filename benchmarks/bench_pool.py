@@ -8,7 +8,10 @@ block pool, batches of 32 blocks of 16 tokens), plus the router's fast block key
   ``cache_full_blocks`` of all 32, ``free_blocks`` in reverse; events off, then on (with a
   ``take_events`` drain per batch, as an engine step does);
 * hit: ``get_cached_block`` for 32 cached blocks, ``touch``, ``free_blocks``;
-* hashing: one 16-token block with ``sha256_cbor``, and with the router key (XXH3).
+* hashing: one 16-token block with ``sha256_cbor``, and with the router key (XXH3), alone
+  and 32 blocks per call;
+* the request level: ``get_computed_blocks`` of a 32-block hit, ``allocate_slots``,
+  ``free`` (no vLLM figure).
 
 Each figure is the median over repeats of µs per block. vLLM's figures were measured on the
 same kind of machine (2 cores, CPython 3.11), so the ratio (ours / vLLM, lower is better)
@@ -31,8 +34,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
-from events.hashing import hash_block_sha256_cbor, none_hash, root_key, router_block_key
+from events.hashing import (
+    hash_block_sha256_cbor,
+    none_hash,
+    root_key,
+    router_block_key,
+    router_block_keys,
+)
 from pool.block_pool import BlockPool
+from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.request import BlockHasher, Request
 
 __all__ = ["main"]
@@ -149,6 +159,36 @@ def router_key_block() -> Callable[[int], None]:
     return run
 
 
+def router_keys_batch() -> Callable[[int], None]:
+    parent = root_key()
+    tokens = list(range(1, BATCH * BLOCK_SIZE + 1))
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            router_block_keys(tokens, BLOCK_SIZE, parent)
+
+    return run
+
+
+def manager_hit() -> Callable[[int], None]:
+    """A request whose 32 full blocks are all cached: look up, allocate, free."""
+    manager = KVCacheManager(KVCacheConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE))
+    prompt = list(range(BATCH * BLOCK_SIZE + 1))  # the extra token keeps block 31 a hit
+    warm = manager.make_request("warm", prompt)
+    manager.allocate_slots(warm, warm.num_tokens)
+    manager.free(warm)
+    request = manager.make_request("bench", prompt)
+
+    def run(n: int) -> None:
+        get, allocate, free = manager.get_computed_blocks, manager.allocate_slots, manager.free
+        for _ in range(n):
+            hits, num_hit_tokens = get(request)
+            allocate(request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits)
+            free(request)
+
+    return run
+
+
 def calibration() -> Callable[[int], None]:
     """A fixed plain-Python loop (attribute and list work, as a pool does) per call."""
 
@@ -217,6 +257,8 @@ def build_rows() -> list[Row]:
         Row("get_cached_block x32 + touch + free (a hit)", 0.73, hit_path(hit_request), BATCH),
         Row("sha256_cbor hash of one 16-token block", 2.61, sha256_cbor_block(), 1),
         Row("router key (XXH3) of one 16-token block", None, router_key_block(), 1),
+        Row("router keys of 32 blocks in one call, per block", None, router_keys_batch(), BATCH),
+        Row("KVCacheManager: 32-block hit, allocate_slots, free", None, manager_hit(), BATCH),
         Row("calibration: plain-Python loop, per element", None, calibration(), BATCH),
     ]
 
