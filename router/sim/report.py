@@ -162,7 +162,7 @@ def format_table(results: Sequence[PolicyResult], baseline: str | None = None) -
     base = by_name.get(baseline) if baseline else None
     header = (
         f"{'policy':<16}{'hit blk':>8}{'hit tok':>8}{'/ideal':>8}"
-        f"{'/' + (baseline or 'base')[:10]:>12}{'max/mean req':>13}{'max/mean pf':>12}"
+        f"{'/' + (baseline or 'base')[:11]:>13}{'max/mean req':>13}{'max/mean pf':>12}"
         f"{'TTFT p50':>10}{'p90':>8}{'p99':>8}{'wall s':>8}"
     )
     lines = [header, "-" * len(header)]
@@ -170,7 +170,7 @@ def format_table(results: Sequence[PolicyResult], baseline: str | None = None) -
         vs_base = r.hit_rate_blocks / base.hit_rate_blocks if base and base.hit_rate_blocks else 0
         lines.append(
             f"{r.policy:<16}{r.hit_rate_blocks:>8.2%}{r.hit_rate_tokens:>8.2%}"
-            f"{r.ratio_to_ideal:>8.3f}{vs_base:>12.2f}{r.request_imbalance:>13.2f}"
+            f"{r.ratio_to_ideal:>8.3f}{vs_base:>13.2f}{r.request_imbalance:>13.2f}"
             f"{r.prefill_imbalance:>12.2f}{r.ttft_p50_s:>10.2f}{r.ttft_p90_s:>8.2f}"
             f"{r.ttft_p99_s:>8.2f}{r.wall_s:>8.1f}"
         )

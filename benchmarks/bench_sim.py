@@ -1,0 +1,85 @@
+"""Benchmark: routing policies on the Mooncake synthetic trace, in the trace simulator.
+
+Replays the trace (``../shared/data/mooncake/synthetic_trace.jsonl``) over 8 simulated
+workers of 5,859 blocks of 512 tokens each (real BlockPools, the router's real policies
+and in-memory index fed by the pools' events) once per policy, and prints each policy's
+prefix hit rate with its ratio to the infinite-cache ideal and to ``round_robin``
+measured in the same run, its load imbalance (max/mean requests and prefill tokens),
+simulated TTFT and the wall time of the run. Targets (issue 7): ``cache_aware`` at
+>= 97 % of the ideal with max/mean load <= 1.25, every policy in under a minute in all.
+
+Run: ``python -m benchmarks.bench_sim`` (``--quick``: the first 600 requests only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from importlib import metadata
+
+from router.policies import POLICY_NAMES
+from router.sim.cli import pool_cache_factory, run_policies
+from router.sim.engine import SimConfig
+from router.sim.report import format_table
+from router.sim.trace import load_trace
+from router.workload import DEFAULT_TRACE_PATH
+
+__all__ = ["main"]
+
+QUICK_REQUESTS = 600
+TARGET_RATIO_TO_IDEAL = 0.97
+TARGET_LOAD_IMBALANCE = 1.25
+TARGET_WALL_S = 60.0
+
+
+def _machine() -> str:
+    versions = ", ".join(f"{name} {metadata.version(name)}" for name in ("msgspec", "xxhash"))
+    return (
+        f"CPython {platform.python_version()} on {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, {platform.system()} {platform.release()}; {versions}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print its table; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_sim", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="first 600 requests only")
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE_PATH), help="Mooncake-format trace")
+    parser.add_argument("--speed", type=float, default=1.0, help="trace time divided by X")
+    args = parser.parse_args(argv)
+
+    requests = load_trace(args.trace, QUICK_REQUESTS if args.quick else None)
+    config = SimConfig(speed=args.speed)
+    print(f"bench_sim: {_machine()}")
+    print(
+        f"{len(requests)} requests of {args.trace}; {config.num_workers} workers x "
+        f"{config.capacity_blocks} blocks of {config.block_size} tokens; speed {config.speed}; "
+        f"prefill {config.prefill_tokens_per_s:g} tokens/s, decode "
+        f"{config.decode_s_per_token:g} s/token"
+    )
+    started = time.perf_counter()
+    results = run_policies(requests, POLICY_NAMES, config, pool_cache_factory())
+    wall_s = time.perf_counter() - started
+    print(format_table(results, baseline="round_robin"))
+    best = next(r for r in results if r.policy == "cache_aware")
+    verdict = "quick run: targets apply to the full trace"
+    if not args.quick:
+        met = (
+            best.ratio_to_ideal >= TARGET_RATIO_TO_IDEAL
+            and best.load_imbalance <= TARGET_LOAD_IMBALANCE
+            and wall_s < TARGET_WALL_S
+        )
+        verdict = "targets met" if met else "targets MISSED"
+    print(
+        f"cache_aware: {best.ratio_to_ideal:.1%} of the ideal (target >= "
+        f"{TARGET_RATIO_TO_IDEAL:.0%}), max/mean load {best.load_imbalance:.2f} (target <= "
+        f"{TARGET_LOAD_IMBALANCE}); all policies in {wall_s:.1f} s (target < "
+        f"{TARGET_WALL_S:.0f} s): {verdict}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
