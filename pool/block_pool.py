@@ -11,6 +11,14 @@ the ones a vLLM engine emits for the same requests:
   at that moment.
 * The pool performs no I/O. Events accumulate in memory and the caller drains them with
   :meth:`BlockPool.take_events` once per engine step.
+
+Events carry what vLLM 0.33 sends for one full-attention group (``VLLM_WIRE.md``'s example):
+hashes in their 64-bit wire form, ``lora_id=None``, ``group_idx=0`` and, on
+``BlockStored``, ``extra_keys`` as a list with one entry per block (``None`` for a block
+without extra keys). Differences from vLLM, all deliberate: one KV cache group, so
+``touch`` and ``free_blocks`` take flat block sequences; and ``free_blocks`` puts
+never-cached blocks at the head of the free queue (issue 2), so memory nothing can hit is
+reused before any cached prefix is evicted.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from events.hashing import hash_blocks_sha256_cbor, wire_hash
@@ -210,3 +211,43 @@ def test_allocate_slots_rejects_bad_arguments() -> None:
     hits, _ = manager.get_computed_blocks(manager.make_request("c", range(8)))
     with pytest.raises(ValueError, match="already holds blocks"):
         manager.allocate_slots(b, 1, 4, hits)
+
+
+def test_block_stored_has_vllm_033_shape_and_the_test_vector_hashes() -> None:
+    manager = KVCacheManager(
+        KVCacheConfig(num_blocks=4, block_size=16, enable_kv_cache_events=True)
+    )
+    admit(manager, manager.make_request("r", range(1, 33)))
+    (event,) = manager.take_events()
+    raw = msgspec.msgpack.decode(encode_batch(KVEventBatch(ts=1.5, events=[event])))
+    assert raw == [
+        1.5,
+        [
+            {
+                "type": "BlockStored",
+                "block_hashes": [8866452693264111234, 807986237951177663],
+                "parent_block_hash": None,
+                "token_ids": list(range(1, 33)),
+                "block_size": 16,
+                "lora_id": None,
+                "medium": "GPU",
+                "lora_name": None,
+                "extra_keys": [None, None],
+                "group_idx": 0,
+            }
+        ],
+        None,
+    ]
+    # Key order as in VLLM_WIRE.md's map-encoded example.
+    assert list(raw[1][0]) == [
+        "type",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+    ]
