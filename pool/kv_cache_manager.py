@@ -59,6 +59,9 @@ class KVCacheConfig:
 class PrefixCacheStats:
     """Cumulative prefix-cache counters, in tokens (vLLM's ``PrefixCacheStats``).
 
+    Every :meth:`KVCacheManager.get_computed_blocks` call counts, as in vLLM: a request
+    looked up again while it waits for room counts again.
+
     Attributes:
         requests: Requests looked up with :meth:`KVCacheManager.get_computed_blocks`.
         queries: Tokens of those requests.
@@ -237,10 +240,6 @@ class KVCacheManager:
         self._num_cached_block.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
-
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        """The blocks a request holds, in token order (empty when it holds none)."""
-        return list(self._req_to_blocks.get(request_id, ()))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block ids a request holds, in token order: its row of the block table."""

@@ -251,3 +251,19 @@ def test_block_stored_has_vllm_033_shape_and_the_test_vector_hashes() -> None:
         "extra_keys",
         "group_idx",
     ]
+
+
+def test_chunked_prefill_caches_each_chunk_s_full_blocks() -> None:
+    manager = make_manager(8, enable_kv_cache_events=True)
+    prompt = list(range(10))
+    digests = hash_blocks_sha256_cbor(prompt, BS)
+    request = manager.make_request("r", prompt)
+    assert manager.get_computed_blocks(request) == ([], 0)
+    assert ids(manager.allocate_slots(request, 5) or []) == [1, 2]
+    request.num_computed_tokens = 5
+    assert ids(manager.allocate_slots(request, 5) or []) == [3]
+    request.num_computed_tokens = 10
+    assert manager.take_events() == [
+        stored(digests, 0, 1, prompt),
+        stored(digests, 1, 2, prompt, parent=digests[0]),
+    ]
