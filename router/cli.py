@@ -25,6 +25,7 @@ class Command(NamedTuple):
 COMMANDS: Final[dict[str, Command]] = {
     "cluster": Command("router.cluster_cli", "run a local cluster on a workload and report"),
     "events": Command("events.cli_events", "dump an event log or tail live event streams"),
+    "index": Command("router.index_cli", "check the Redis prefix index against workers, stats"),
     "keys": Command("events.cli_keys", "generate a CURVE key pair for authenticated event streams"),
     "record": Command("events.cli_record", "append workers' KV events to an event log"),
     "sim": Command("router.sim.cli", "replay a Mooncake trace over simulated workers, per policy"),

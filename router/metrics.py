@@ -1,0 +1,102 @@
+"""Prometheus metric objects of the router, registered in a registry the caller owns.
+
+Nothing registers in ``prometheus_client``'s global default registry, so several routers
+(or tests) in one process keep separate counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+__all__ = ["IngestMetrics"]
+
+
+@dataclass
+class IngestMetrics:
+    """Counters of event ingest into the prefix index (``kvroute_ingest_*``).
+
+    Every malformed, skipped, orphaned, replayed or resynced thing is counted here
+    (no silent loss). Labels are bounded: worker ids and short fixed reasons.
+
+    Args:
+        registry: Where the metrics are registered (a fresh one by default).
+    """
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.batches = Counter(
+            "kvroute_ingest_batches",
+            "Event batches received, by outcome (applied, covered_by_snapshot, not_owner, "
+            "failed, unknown_worker).",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.events = Counter(
+            "kvroute_ingest_events",
+            "Events in applied batches, by type.",
+            ["worker", "type"],
+            registry=r,
+        )
+        self.skipped = Counter(
+            "kvroute_ingest_skipped",
+            "Parts of events the index did not apply, by reason (malformed, "
+            "unknown_removals, detached, ignored_groups).",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.orphans = Counter(
+            "kvroute_ingest_orphan_parents",
+            "BlockStored events whose parent hash the index did not know.",
+            ["worker"],
+            registry=r,
+        )
+        self.replays = Counter(
+            "kvroute_ingest_replays",
+            "Replays the ingest asked for, by outcome (ok, failed).",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.resyncs = Counter(
+            "kvroute_ingest_resyncs",
+            "Worker resyncs (entries dropped and rebuilt), by reason.",
+            ["worker", "reason"],
+            registry=r,
+        )
+        self.snapshots = Counter(
+            "kvroute_ingest_snapshots",
+            "Snapshot loads from kvroute workers, by outcome (ok, failed).",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.resets = Counter(
+            "kvroute_ingest_resets",
+            "Publisher restarts seen (the worker's entries were cleared).",
+            ["worker"],
+            registry=r,
+        )
+        self.lease_lost = Counter(
+            "kvroute_ingest_leases_lost",
+            "Leases this router found lapsed or taken while it was the writer.",
+            ["worker"],
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "kvroute_ingest_redis_errors",
+            "Index writes that failed on a Redis error (the worker is resynced).",
+            ["worker"],
+            registry=r,
+        )
+        self.reaped = Counter(
+            "kvroute_ingest_reaped_workers",
+            "Workers whose lease lapsed and whose entries this router removed.",
+            registry=r,
+        )
+        self.owned = Gauge(
+            "kvroute_ingest_owned_workers",
+            "Workers whose lease this router holds (it writes their entries).",
+            registry=r,
+        )
