@@ -1,26 +1,30 @@
 """A Hypothesis state machine over KVCacheManager + BlockPool, checking pool invariants.
 
 Requests over a 4-token alphabet with 2-token blocks share prefixes and duplicate hashes
-often; the engine steps (admit, decode, finish, preempt), explicit evictions and resets
-interleave freely. After every step the pool's accounting, its free queue and its cache map
-must agree, and replaying the drained events into a multiset must give exactly the hashes
-the pool caches, one per physical copy.
+often; the engine steps (admit, decode, finish, preempt), direct pool calls (allocate,
+touch a cached block, free in any order), explicit evictions and resets interleave freely.
+After every step the pool's accounting, its free queue and its cache map must agree, and
+replaying the drained events into a multiset must give exactly the hashes the pool caches,
+one per physical copy.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from events.hashing import wire_hash
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from pool.block import KVCacheBlock
+from pool.errors import NoFreeBlocksError
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.request import Request
 
-NUM_BLOCKS = 9
+NUM_BLOCKS = 13
 BS = 2
 TOKENS = st.integers(0, 3)
 # Prompts that share prefixes, some an exact multiple of the block size (their last block
@@ -61,6 +65,8 @@ class PoolMachine(RuleBasedStateMachine):
         self.running: dict[str, Request] = {}
         self.replayed: Counter[int] = Counter()
         self.num_requests = 0
+        # Blocks referenced directly through the pool API, as another owner would.
+        self.held: list[KVCacheBlock] = []
 
     @rule(
         prompt=PROMPTS,
@@ -86,6 +92,13 @@ class PoolMachine(RuleBasedStateMachine):
         request.num_computed_tokens = request.num_tokens
         self.running[request.request_id] = request
 
+    @rule(prompt=st.lists(TOKENS, min_size=1, max_size=4).map(lambda t: t * 2))
+    def admit_the_same_prompt_twice(self, prompt: list[int]) -> None:
+        # An even length is a whole number of blocks: the second copy recomputes (and
+        # caches again) the last block, unless the pool is full.
+        self.admit(prompt, None, None)
+        self.admit(prompt, None, None)
+
     @precondition(lambda self: self.running)
     @rule(data=st.data(), token=TOKENS)
     def decode(self, data: st.DataObject, token: int) -> None:
@@ -103,14 +116,55 @@ class PoolMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(sorted(self.running)))
         self.manager.free(self.running.pop(request_id))
 
+    @rule(num_blocks=st.integers(0, 3))
+    def pool_get_new_blocks(self, num_blocks: int) -> None:
+        num_free = self.pool.get_num_free_blocks()
+        if num_blocks > num_free:
+            with pytest.raises(NoFreeBlocksError):
+                self.pool.get_new_blocks(num_blocks)
+            assert self.pool.get_num_free_blocks() == num_free
+            return
+        blocks = self.pool.get_new_blocks(num_blocks)
+        assert all(b.ref_cnt == 1 and b.block_hash is None for b in blocks)
+        self.held.extend(blocks)
+
+    @precondition(lambda self: self.pool.cached_block_hash_to_block.num_blocks)
+    @rule(data=st.data())
+    def pool_touch_a_cached_block(self, data: st.DataObject) -> None:
+        keys = sorted({key for key, _ in self.pool.cached_block_hash_to_block.items()})
+        block = self.pool.get_cached_block(data.draw(st.sampled_from(keys)))
+        assert block is not None
+        self.pool.touch([block])
+        self.held.append(block)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def pool_free_blocks(self, data: st.DataObject) -> None:
+        order = data.draw(st.permutations(range(len(self.held))))
+        count = data.draw(st.integers(1, len(self.held)))
+        chosen = [self.held[i] for i in order[:count]]
+        self.held = [self.held[i] for i in sorted(order[count:])]
+        self.pool.free_blocks(chosen)
+
     @rule(block_ids=st.lists(st.integers(0, NUM_BLOCKS - 1), max_size=3))
     def evict(self, block_ids: list[int]) -> None:
         self.pool.evict_blocks(block_ids)
 
+    @precondition(lambda self: self.running or self.held)
+    @rule()
+    def free_everything_then_reset(self) -> None:
+        for request in self.running.values():
+            self.manager.free(request)
+        self.running.clear()
+        self.pool.free_blocks(self.held)
+        self.held.clear()
+        assert self.pool.get_num_free_blocks() == NUM_BLOCKS - 1
+        assert self.manager.reset_prefix_cache() is True
+
     @precondition(lambda self: self.pool.cached_block_hash_to_block.num_blocks)
     @rule()
     def reset(self) -> None:
-        assert self.manager.reset_prefix_cache() is (not self.running)
+        assert self.manager.reset_prefix_cache() is (not self.running and not self.held)
 
     @invariant()
     def free_plus_referenced_is_capacity(self) -> None:
@@ -132,6 +186,7 @@ class PoolMachine(RuleBasedStateMachine):
             block_ids = self.manager.get_block_ids(request_id)
             assert len(block_ids) == -(-request.num_computed_tokens // BS)
             held.update(block_ids)
+        held.update(block.block_id for block in self.held)
         assert {b.block_id: b.ref_cnt for b in self.pool.blocks if b.ref_cnt} == dict(held)
 
     @invariant()
