@@ -276,10 +276,9 @@ class EventPublisher:
         while queue:
             seq, batch = queue.popleft()
             payload = encode_batch(batch)
-            seq_frame = pack_seq(seq)
             ring.append((seq, payload))
             if seq not in self._skip_live_seqs:
-                pub.send_multipart((topic, seq_frame, payload))
+                pub.send_multipart((topic, pack_seq(seq), payload))
             self._num_published += 1
             if self._replay is not None and self._num_published % 256 == 0:
                 self._serve_replays()

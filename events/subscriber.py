@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Protocol
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
@@ -53,9 +54,8 @@ class SubscriberError(EventsError, ValueError):
     """A worker id is unknown or already subscribed."""
 
 
-@dataclass(frozen=True, slots=True)
-class ReceivedBatch:
-    """One batch as delivered to the sink.
+class ReceivedBatch(msgspec.Struct, frozen=True, gc=False):
+    """One batch as delivered to the sink (a Struct: built per batch, it must be cheap).
 
     Attributes:
         worker_id: The worker that published it.
