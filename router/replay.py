@@ -1,10 +1,11 @@
 """Rebuild the prefix index as it stood at one moment from a ``kvroute record`` event log.
 
-The log holds what a router's event subscriber delivered (batches after gap recovery,
-publisher resets, lost-for-good resyncs), each stamped with its receive time. Replaying
-feeds those records, up to the chosen moment, into the router's own ingest sink over a
-fresh index, so gaps, resets, clears and orphan parents are handled by the same code as
-in production, not by a copy of it.
+The log holds what an event subscriber delivered (batches after gap recovery, publisher
+resets, lost-for-good resyncs), each stamped with its receive time. Replaying feeds the
+records up to the chosen moment to :class:`ReplayIngest`, which folds batches with the
+index's own ``apply`` (the engine-hash bridge production uses, duplicates, clears and
+orphan detection included) and follows the ingest's recovery rules for resets, resyncs
+and orphan parents, so the rebuilt index is the one the router held.
 
 NOTE: a resync in production reloads a kvroute worker from its ``/v1/snapshot``; offline
 there is no worker to ask, so the replayed index holds nothing of that worker from the
@@ -15,24 +16,36 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final, Protocol
 
 from events.errors import EventDecodeError
+from events.hashing import BlockKey
 from events.recorder import LogRecord, read_log
 from events.subscriber import EventSink, ReceivedBatch
-from router.errors import RouterError
+from router.errors import OrphanParentError, RouterError
+from router.index.base import PrefixIndex, WorkerId
+from router.index.bridge import WorkerBridge
+from router.index.redis_index import RedisPrefixIndex
+from router.index.registry import WorkerRegistry
 
 __all__ = [
+    "REPLAY_LEASE_TTL_MS",
+    "BridgedIndex",
     "LogSpan",
     "ReplayError",
+    "ReplayIngest",
     "ReplaySummary",
     "WorkerReplay",
     "feed_records",
+    "format_ts",
     "log_span",
     "parse_at",
     "records_until",
+    "redis_lease_taker",
+    "replay_log",
 ]
 
 
@@ -125,6 +138,7 @@ class WorkerReplay:
         num_resyncs: Losses replay could not repair (entries dropped).
         num_undecodable: Batches whose payload no longer decodes (skipped, as the
             router's subscriber would have).
+        num_orphans: ``BlockStored`` events whose parent the index did not know.
         last_seq: Seq of the last applied batch.
         last_ts: Receive time of the worker's last record.
     """
@@ -135,6 +149,7 @@ class WorkerReplay:
     num_resets: int = 0
     num_resyncs: int = 0
     num_undecodable: int = 0
+    num_orphans: int = 0
     last_seq: int | None = None
     last_ts: float | None = None
 
@@ -205,3 +220,131 @@ async def feed_records(
                 )
             )
     return summary
+
+
+class BridgedIndex(PrefixIndex, Protocol):
+    """A prefix index that folds events through per-worker engine-hash bridges."""
+
+    def bridge(self, worker_id: WorkerId) -> WorkerBridge:
+        """The worker's bridge (created on first use)."""
+        ...
+
+    async def worker_entries(self, worker_id: WorkerId) -> dict[BlockKey, int]:
+        """Every entry of one worker: router key -> tier mask."""
+        ...
+
+
+class ReplayIngest:
+    """The router's recovery rules over an index, with the network taken out (an ``EventSink``).
+
+    Batches go through ``index.apply`` (the same fold as production); a publisher reset
+    clears the worker; a resync clears it and, its history being lost, stores later
+    orphans detached (the ingest's path for workers without a snapshot).
+
+    Args:
+        index: The index to rebuild (fresh, or a namespace of its own).
+        before_first_write: Called once per worker before anything is written for it
+            (the Redis index takes the worker's lease there).
+    """
+
+    def __init__(
+        self,
+        index: BridgedIndex,
+        before_first_write: Callable[[WorkerId], Awaitable[None]] | None = None,
+    ) -> None:
+        self.index = index
+        self.num_orphans: dict[str, int] = {}
+        self._before_first_write = before_first_write
+        self._known: set[WorkerId] = set()
+
+    async def _writable(self, worker_id: str) -> WorkerId:
+        wid = WorkerId(worker_id)
+        if wid not in self._known:
+            self._known.add(wid)
+            if self._before_first_write is not None:
+                await self._before_first_write(wid)
+        return wid
+
+    async def on_batch(self, received: ReceivedBatch) -> None:
+        """Apply one recorded batch."""
+        wid = await self._writable(received.worker_id)
+        try:
+            await self.index.apply(wid, received.batch)
+        except OrphanParentError:
+            self.num_orphans[wid] = self.num_orphans.get(wid, 0) + 1
+            # The router would replay the worker from seq 0; offline that replay is this
+            # same log, which meets the same orphan, so its next step is taken directly:
+            # resync (clear, orphans detached), then the batch once more.
+            await self._resync(wid)
+            await self.index.apply(wid, received.batch)
+
+    async def on_reset(self, worker_id: str, seq: int) -> None:
+        """A publisher restart: the worker's cache is new, drop its entries."""
+        wid = await self._writable(worker_id)
+        await self.index.clear_worker(wid)
+        self.index.bridge(wid).tolerate_orphans = False
+
+    async def on_resync_needed(self, worker_id: str, reason: str) -> None:
+        """Batches were lost for good: drop the worker's entries."""
+        await self._resync(await self._writable(worker_id))
+
+    async def _resync(self, wid: WorkerId) -> None:
+        await self.index.clear_worker(wid)
+        self.index.bridge(wid).tolerate_orphans = True
+
+
+async def replay_log(
+    path: str | Path,
+    at_ts: float,
+    index: BridgedIndex,
+    before_first_write: Callable[[WorkerId], Awaitable[None]] | None = None,
+) -> ReplaySummary:
+    """Rebuild ``index`` as it stood at ``at_ts`` from the event log at ``path``.
+
+    Args:
+        path: A ``kvroute record`` log.
+        at_ts: The moment, in seconds since the epoch (see :func:`parse_at`).
+        index: A fresh index (or a namespace nobody else writes).
+        before_first_write: See :class:`ReplayIngest`.
+
+    Returns:
+        What was applied, per worker.
+
+    Raises:
+        EventLogError: The file is not an event log or is corrupt.
+    """
+    sink = ReplayIngest(index, before_first_write)
+    summary = await feed_records(read_log(path), sink, at_ts)
+    for worker_id, count in sink.num_orphans.items():
+        summary.workers[worker_id].num_orphans = count
+    return summary
+
+
+REPLAY_LEASE_TTL_MS: Final = 7 * 24 * 3600 * 1000
+"""Leases a replay takes in its Redis namespace: long, so the rebuilt index stays for study."""
+
+
+def redis_lease_taker(
+    index: RedisPrefixIndex, registry: WorkerRegistry
+) -> Callable[[WorkerId], Awaitable[None]]:
+    """A ``before_first_write`` hook that takes each worker's lease in the namespace.
+
+    Raises (from the hook):
+        ReplayError: Another writer holds the worker's lease: the namespace is live.
+    """
+
+    async def take(worker_id: WorkerId) -> None:
+        lease = await registry.acquire(worker_id)
+        if lease is None:
+            raise ReplayError(
+                f"worker {worker_id!r} is leased by another writer in namespace "
+                f"{registry.layout.namespace!r}: replay into a namespace of its own"
+            )
+        index.use_lease(worker_id, lease.token)
+
+    return take
+
+
+def format_ts(ts: float) -> str:
+    """``ts`` (seconds since the epoch) as an ISO-8601 UTC time with milliseconds."""
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="milliseconds")
