@@ -193,8 +193,9 @@ class _Worker:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     # NOTE: last_seq is the highest seq delivered (-1 after a reset: the new lifetime
-    # starts at 0); live_seq the highest seen on the live stream. While the live stream
-    # lags behind what a replay delivered, live_seq < seq <= last_seq is a duplicate.
+    # starts at 0); live_seq the highest seen on the live stream (None before the first).
+    # While the live stream lags behind what a replay delivered, a live seq in
+    # (live_seq, last_seq] is a duplicate; one at or below live_seq is a restart.
     last_seq: int | None = None
     live_seq: int | None = None
     replaying: bool = False
@@ -372,7 +373,7 @@ class EventSubscriber:
         last = worker.last_seq
         if last is not None:
             if seq <= last:
-                if worker.live_seq is not None and seq > worker.live_seq:
+                if worker.live_seq is None or seq > worker.live_seq:
                     worker.live_seq = seq
                     worker.counters.num_duplicates += 1
                     return

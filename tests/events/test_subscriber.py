@@ -339,6 +339,26 @@ def test_request_replay_redelivers_from_inside_the_sink_and_reports_overrun() ->
     asyncio.run(scenario())
 
 
+def test_late_joiner_catches_up_through_replay_then_goes_live() -> None:
+    async def scenario() -> None:
+        with loopback_publisher() as pub:
+            for i in range(5):
+                pub.publish(batch(i))
+            sink = RecordingSink()
+            async with EventSubscriber(sink) as sub:
+                await sub.add_worker(stream_of(pub))
+                assert await sub.request_replay("w0", 0) is True
+                assert [(b.seq, b.replayed) for b in sink.batches] == [(s, True) for s in range(5)]
+                # Live batches the replay already delivered are duplicates, not a restart.
+                await sink.wait_for(
+                    lambda: len(sink.batches) > 5, poke=lambda: pub.publish(batch(9))
+                )
+                assert sink.seqs("w0") == list(range(len(sink.batches)))
+                assert sub.counters("w0").num_resets == 0
+
+    asyncio.run(scenario())
+
+
 def test_add_and_remove_workers() -> None:
     async def scenario() -> None:
         with loopback_publisher() as pub:
