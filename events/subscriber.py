@@ -263,10 +263,17 @@ class EventSubscriber:
     async def remove_worker(self, worker_id: str) -> None:
         """Stop reading a worker's stream and forget its state and counters.
 
+        Not from inside the sink's calls for that worker (its reader would cancel itself).
+
         Raises:
-            SubscriberError: The worker is not subscribed.
+            SubscriberError: The worker is not subscribed, or the call comes from its reader.
         """
         worker = self._worker(worker_id)
+        if asyncio.current_task() in worker.tasks:
+            raise SubscriberError(
+                f"remove_worker({worker_id!r}) from inside that worker's sink call; "
+                "call it from another task"
+            )
         del self._workers[worker_id]
         for task in worker.tasks:
             task.cancel()

@@ -382,6 +382,33 @@ def test_add_and_remove_workers() -> None:
     asyncio.run(scenario())
 
 
+def test_remove_worker_from_its_own_sink_call_is_refused() -> None:
+    class RemovingSink(RecordingSink):
+        sub: EventSubscriber | None = None
+        errors: list[str] = []
+
+        async def on_batch(self, received: ReceivedBatch) -> None:
+            assert self.sub is not None
+            try:
+                await self.sub.remove_worker(received.worker_id)
+            except SubscriberError as exc:
+                self.errors.append(str(exc))
+            await super().on_batch(received)
+
+    async def scenario() -> None:
+        with loopback_publisher() as pub:
+            sink = RemovingSink()
+            sink.errors = []
+            async with EventSubscriber(sink) as sub:
+                sink.sub = sub
+                await sub.add_worker(stream_of(pub))
+                await handshake(sink, "w0", lambda: pub.publish(batch(0)))
+                assert "from inside that worker's sink call" in sink.errors[0]
+                assert sub.worker_ids == ["w0"]
+
+    asyncio.run(scenario())
+
+
 def test_sink_failure_surfaces_from_run() -> None:
     class FailingSink(RecordingSink):
         async def on_batch(self, received: ReceivedBatch) -> None:
