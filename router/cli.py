@@ -25,6 +25,7 @@ class Command(NamedTuple):
 COMMANDS: Final[dict[str, Command]] = {
     "cluster": Command("router.cluster_cli", "run a local cluster on a workload and report"),
     "replay": Command("router.replay_cli", "rebuild the index at a moment of an event log"),
+    "explain": Command("router.explain_cli", "explain one routing decision from an event log"),
     "events": Command("events.cli_events", "dump an event log or tail live event streams"),
     "index": Command("router.index_cli", "check the Redis prefix index against workers, stats"),
     "keys": Command("events.cli_keys", "generate a CURVE key pair for authenticated event streams"),

@@ -24,6 +24,7 @@ from typing import Final, Protocol
 from events.errors import EventDecodeError
 from events.hashing import BlockKey
 from events.recorder import LogRecord, read_log
+from events.schema import BlockStored
 from events.subscriber import EventSink, ReceivedBatch
 from router.errors import OrphanParentError, RouterError
 from router.index.base import PrefixIndex, WorkerId
@@ -139,6 +140,7 @@ class WorkerReplay:
         num_undecodable: Batches whose payload no longer decodes (skipped, as the
             router's subscriber would have).
         num_orphans: ``BlockStored`` events whose parent the index did not know.
+        block_size: Tokens per block of its last ``BlockStored``.
         last_seq: Seq of the last applied batch.
         last_ts: Receive time of the worker's last record.
     """
@@ -150,6 +152,7 @@ class WorkerReplay:
     num_resyncs: int = 0
     num_undecodable: int = 0
     num_orphans: int = 0
+    block_size: int | None = None
     last_seq: int | None = None
     last_ts: float | None = None
 
@@ -208,6 +211,9 @@ async def feed_records(
                 continue
             worker.num_batches += 1
             worker.num_events += len(batch.events)
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    worker.block_size = event.block_size
             worker.last_seq = record.seq
             await sink.on_batch(
                 ReceivedBatch(

@@ -105,7 +105,7 @@ def test_summary_counts_what_was_fed(tmp_path: Path) -> None:
     summary = asyncio.run(replay_log(log, 106.0, MemoryPrefixIndex()))
     w0, w1 = summary.workers["w0"], summary.workers["w1"]
     assert (w0.num_batches, w0.num_events, w0.num_resyncs, w0.num_resets) == (5, 6, 1, 0)
-    assert (w0.last_seq, w0.last_ts) == (8, 106.0)
+    assert (w0.last_seq, w0.last_ts, w0.block_size) == (8, 106.0, BS)
     assert (w1.num_batches, w1.num_resets, w1.last_seq) == (2, 1, 0)
     assert summary.num_records == 9
 
