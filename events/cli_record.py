@@ -76,9 +76,13 @@ def main(argv: list[str]) -> int:
         return 2
     _log.info("recording %s to %s", ", ".join(s.worker_id for s in streams), writer.path)
     try:
-        asyncio.run(_record(writer, config, streams, args.flush_interval_s))
-    finally:
-        writer.close()
+        try:
+            asyncio.run(_record(writer, config, streams, args.flush_interval_s))
+        finally:
+            writer.close()
+    except OSError as exc:  # the log cannot be written (disk full, ...)
+        _log.error("recording stopped: %s", exc)
+        return 1
     _log.info("wrote %d records to %s", writer.num_records, writer.path)
     return 0
 
