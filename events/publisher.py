@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final
 
+import msgspec
 import zmq
 
 from events.curve import CurveServerConfig, EventAuthenticator, configure_server
@@ -115,7 +116,8 @@ class EventPublisher:
             maxlen=config.buffer_steps
         )
         self._next_seq = 0
-        self._num_dropped = 0
+        self._num_dropped = 0  # NOTE: written by publish() only
+        self._num_unencodable = 0  # NOTE: written by the thread only
         self._num_published = 0
         self._num_replays = 0
         self._closed = False
@@ -166,8 +168,8 @@ class EventPublisher:
 
     @property
     def num_dropped(self) -> int:
-        """Batches dropped by :meth:`publish` because the queue was full."""
-        return self._num_dropped
+        """Batches dropped: the queue was full, or (rarely) the batch could not be encoded."""
+        return self._num_dropped + self._num_unencodable
 
     @property
     def num_replays(self) -> int:
@@ -275,7 +277,13 @@ class EventPublisher:
         pub, topic, ring, queue = self._pub, self._config.topic, self._ring, self._queue
         while queue:
             seq, batch = queue.popleft()
-            payload = encode_batch(batch)
+            try:
+                payload = encode_batch(batch)
+            except (TypeError, ValueError, msgspec.MsgspecError) as exc:
+                # Its seq is never sent: subscribers see a gap that replay cannot close.
+                self._num_unencodable += 1
+                _log.error("dropped batch seq %d: it cannot be encoded (%s)", seq, exc)
+                continue
             ring.append((seq, payload))
             if seq not in self._skip_live_seqs:
                 pub.send_multipart((topic, pack_seq(seq), payload))

@@ -133,6 +133,20 @@ def test_full_queue_drops_without_blocking_and_consumes_seqs() -> None:
     assert buffered == [seq for seq, ok in enumerate(accepted) if ok]
 
 
+def test_an_unencodable_batch_is_dropped_and_its_seq_never_sent() -> None:
+    with loopback_publisher() as pub:
+        assert pub.replay_address is not None
+        bad = batch(1)
+        bad.events[0].token_ids = [object()]  # type: ignore[attr-defined, list-item]
+        pub.publish(batch(0))
+        pub.publish(bad)
+        pub.publish(batch(2))
+        replies = replay(pub.replay_address, 0)
+        assert [r[2] for r in replies] == [pack_seq(0), pack_seq(2), END_OF_REPLAY_SEQ]
+        assert (pub.num_published, pub.num_dropped) == (2, 1)
+        assert pub.publish(batch(3)) is True
+
+
 def test_skip_live_seqs_still_buffers_for_replay() -> None:
     with loopback_publisher(skip_live_seqs={1}) as pub:
         assert pub.replay_address is not None
