@@ -47,6 +47,7 @@ __all__ = [
     "RequestResult",
     "WorkerStats",
     "run_cluster",
+    "wait_healthy",
 ]
 
 _LOG: Final = logging.getLogger(__name__)
@@ -446,10 +447,14 @@ def _router_argv(
     return [*argv, *config.router_args]
 
 
-async def _wait_healthy(
+async def wait_healthy(
     session: aiohttp.ClientSession, url: str, group: ProcessGroup, deadline: float
 ) -> None:
-    """Poll ``GET url/health`` until it answers 200, a process dies, or time runs out."""
+    """Poll ``GET url/health`` until it answers 200.
+
+    Raises:
+        ClusterError: A process of ``group`` died, or ``deadline`` (monotonic) passed.
+    """
     while True:
         group.check_alive()
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
@@ -585,7 +590,7 @@ async def _run_policy(
             group.start(w.worker_id, _worker_argv(w, config))
         async with aiohttp.ClientSession(timeout=timeout) as session:
             deadline = time.monotonic() + config.startup_timeout_s
-            await asyncio.gather(*(_wait_healthy(session, w.url, group, deadline) for w in workers))
+            await asyncio.gather(*(wait_healthy(session, w.url, group, deadline) for w in workers))
             namespace = f"cluster-{uuid.uuid4().hex[:8]}-{policy}"
             router_argv = _router_argv(
                 workers,
@@ -597,7 +602,7 @@ async def _run_policy(
             )
             group.start("router", router_argv)
             router_url = f"http://{_HOST}:{ports[-1]}"
-            await _wait_healthy(session, router_url, group, deadline)
+            await wait_healthy(session, router_url, group, deadline)
             _LOG.info("%s: %d workers and the router are up", policy, len(workers))
             results, wall_s = await _drive(
                 session, router_url, policy, workload, config.concurrency, progress

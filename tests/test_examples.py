@@ -1,0 +1,51 @@
+"""Smoke runs of the examples, as a user runs them (a subprocess each, real processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.cli import COMMANDS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_example(name: str, *args: str, timeout_s: float = 240.0) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_replay_debugging_example(tmp_path: Path) -> None:
+    out = run_example("replay_debugging.py", "--keep", str(tmp_path))
+    # The second question reuses the system prompt w0 cached for the first one.
+    assert "w0 served the second question with 224 cached prompt tokens" in out
+    before, after = out.split("$ kvroute replay", 2)[1:]
+    assert "w0          224        224         0       0       0   20.0  <- picked" in before
+    # After w0's prefix cache reset, nobody holds the system prompt.
+    assert "w0            3       3       0        0        0         2        0" in after
+    assert "It caches 0 of the 234 prompt tokens" in after
+    assert (tmp_path / "events.kvlog").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("router" not in COMMANDS, reason="`kvroute router` is not registered yet")
+def test_local_cluster_example() -> None:
+    out = run_example("local_cluster.py", "--workers", "2", "--requests", "12")
+    lines = out.splitlines()
+    hit = next(line for line in lines if line.startswith("prefix hit rate"))
+    assert hit.split()[-1].endswith("x")
+    assert "cache_aware served" in lines[-1]
