@@ -289,18 +289,21 @@ class EventSubscriber:
         caller asked for them and must be ready to apply them. Live batches of that worker
         wait until the replay ends. May be awaited from inside the sink's ``on_batch``.
 
+        A ``from_seq`` above the next undelivered seq is lowered to it: a replay never
+        skips batches.
+
         Returns:
-            ``True`` if every batch from ``from_seq`` was replayed; ``False`` if not, in
-            which case ``on_resync_needed`` was signalled.
+            ``True`` if every batch from ``from_seq`` through the last delivered one was
+            replayed; ``False`` if not, in which case ``on_resync_needed`` was signalled.
 
         Raises:
             SubscriberError: The worker is not subscribed.
         """
         worker = self._worker(worker_id)
         if asyncio.current_task() in worker.tasks:
-            return await self._replay(worker, from_seq, redeliver=True)
+            return await self._redeliver(worker, from_seq)
         async with worker.lock:
-            return await self._replay(worker, from_seq, redeliver=True)
+            return await self._redeliver(worker, from_seq)
 
     async def run(self) -> None:
         """Wait until :meth:`close`; re-raises the first failure of a reader (a sink error)."""
@@ -437,7 +440,7 @@ class EventSubscriber:
             seq,
             first_missing,
         )
-        await self._replay(worker, first_missing, redeliver=False)
+        await self._replay(worker, first_missing, through=seq - 1, redeliver=False)
 
     async def _resync(self, worker: _Worker, reason: str) -> None:
         worker.counters.resyncs[reason] += 1
@@ -458,7 +461,17 @@ class EventSubscriber:
             exc,
         )
 
-    async def _replay(self, worker: _Worker, from_seq: int, *, redeliver: bool) -> bool:
+    async def _redeliver(self, worker: _Worker, from_seq: int) -> bool:
+        last = worker.last_seq
+        if last is None:
+            return await self._replay(worker, from_seq, through=from_seq - 1, redeliver=True)
+        from_seq = min(from_seq, last + 1)
+        return await self._replay(worker, from_seq, through=last, redeliver=True)
+
+    async def _replay(
+        self, worker: _Worker, from_seq: int, *, through: int, redeliver: bool
+    ) -> bool:
+        """Replay from ``from_seq``; it must reach at least ``through`` to succeed."""
         stream = worker.stream
         if worker.replaying:
             await self._resync(worker, "replay_nested")
@@ -476,7 +489,7 @@ class EventSubscriber:
                 configure_client(dealer, stream.curve)
             dealer.connect(stream.replay_endpoint)
             await dealer.send_multipart([b"", pack_seq(from_seq)])
-            reason = await self._receive_replay(worker, dealer, from_seq, redeliver)
+            reason = await self._receive_replay(worker, dealer, from_seq, through, redeliver)
         finally:
             dealer.close(linger=0)
             worker.replaying = False
@@ -487,7 +500,12 @@ class EventSubscriber:
         return True
 
     async def _receive_replay(
-        self, worker: _Worker, dealer: zmq.asyncio.Socket, from_seq: int, redeliver: bool
+        self,
+        worker: _Worker,
+        dealer: zmq.asyncio.Socket,
+        from_seq: int,
+        through: int,
+        redeliver: bool,
     ) -> str | None:
         """Apply replies until the end marker; returns why the replay failed, or ``None``."""
         timeout_ms = int(self._config.replay_timeout_s * 1000)
@@ -503,7 +521,9 @@ class EventSubscriber:
                 )
                 continue
             if frames[2] == END_OF_REPLAY_SEQ:
-                return "replay_empty" if expected == from_seq else None
+                if expected > through:
+                    return None
+                return "replay_empty" if expected == from_seq else "replay_short"
             try:
                 seq = unpack_seq(frames[2])
             except FramingError as exc:

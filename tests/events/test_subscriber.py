@@ -359,6 +359,26 @@ def test_late_joiner_catches_up_through_replay_then_goes_live() -> None:
     asyncio.run(scenario())
 
 
+def test_request_replay_never_skips_and_nothing_new_is_success() -> None:
+    async def scenario() -> None:
+        with loopback_publisher() as pub:
+            sink = RecordingSink()
+            async with EventSubscriber(sink) as sub:
+                await sub.add_worker(stream_of(pub))
+                await handshake(sink, "w0", lambda: pub.publish(batch(0)))
+                await sink.wait_for(lambda: sub.last_seq("w0") == pub.next_seq - 1)
+                last = pub.next_seq - 1
+                before = len(sink.calls)
+                # Nothing after the last delivered batch: an empty replay succeeds.
+                assert await sub.request_replay("w0", last + 1) is True
+                # A start beyond the next undelivered seq is lowered to it.
+                assert await sub.request_replay("w0", last + 100) is True
+                assert sink.calls[before:] == []
+                assert sub.counters("w0").resyncs == {}
+
+    asyncio.run(scenario())
+
+
 def test_add_and_remove_workers() -> None:
     async def scenario() -> None:
         with loopback_publisher() as pub:
