@@ -1,0 +1,255 @@
+"""Helpers of the ingest tests: a fake worker (real publisher + snapshot HTTP), an ingest stack.
+
+No tests live here; the ingest test modules import it by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from aiohttp import web
+
+from events.endpoints import Endpoint
+from events.hashing import RouterKeyer
+from events.publisher import EventPublisher, PublisherConfig
+from events.schema import BlockRemoved, BlockStored, KVEventBatch
+from pool.snapshot import CachedChains
+from router.index.base import PrefixMatch, WorkerId
+from router.index.layout import KeyLayout
+from router.index.redis_index import RedisPrefixIndex
+from router.index.registry import WorkerRecord, WorkerRegistry
+from router.ingest import IndexIngest, IngestConfig
+from router.metrics import IngestMetrics
+from router.redis_conn import RedisClient, connect
+
+BS = 4
+BLOCKS_PER_PROMPT = 12
+DEADLINE_S = 30.0
+"""Upper bound of every wait: generous, as tests share a loaded 2-core machine."""
+KEYER = RouterKeyer()
+
+
+def tokens(prompt: int) -> list[int]:
+    """The token ids of a prompt (distinct per prompt from block 0)."""
+    return [prompt * 10_000 + i for i in range(BLOCKS_PER_PROMPT * BS)]
+
+
+def block_hash(prompt: int, block: int) -> int:
+    """A worker-side engine hash of block ``block`` of ``prompt``."""
+    return prompt * 1_000 + block + 1
+
+
+def keys(prompt: int) -> list[Any]:
+    return KEYER.keys(tokens(prompt), BS)
+
+
+def stored(
+    prompt: int, first: int, count: int, *, medium: str = "GPU", bad_tokens: bool = False
+) -> BlockStored:
+    """Blocks ``first .. first+count-1`` of ``prompt`` (``bad_tokens``: one token short)."""
+    toks = tokens(prompt)[first * BS : (first + count) * BS]
+    return BlockStored(
+        block_hashes=[block_hash(prompt, b) for b in range(first, first + count)],
+        parent_block_hash=None if first == 0 else block_hash(prompt, first - 1),
+        token_ids=toks[:-1] if bad_tokens else toks,
+        block_size=BS,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def removed(prompt: int, *blocks: int) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[block_hash(prompt, b) for b in blocks], medium="GPU")
+
+
+def match(num_blocks: int) -> PrefixMatch:
+    return PrefixMatch(num_blocks, num_blocks, 0)
+
+
+class FakeWorker:
+    """A worker's event side: a real EventPublisher, a CachedChains tracker, /v1/snapshot.
+
+    Args:
+        worker_id: Its id.
+        kind: ``"kvroute"`` serves ``/v1/snapshot``; ``"vllm"`` only publishes.
+        replay: Open a replay endpoint.
+        skip_live_seqs: Seqs buffered for replay but never sent live (loss injection).
+    """
+
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        kind: Literal["kvroute", "vllm"] = "kvroute",
+        replay: bool = True,
+        skip_live_seqs: set[int] | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.kind = kind
+        self.chains = CachedChains(BS)
+        self.skip_live_seqs = skip_live_seqs if skip_live_seqs is not None else set()
+        self.hide_snapshot = False  # serve an empty snapshot (a buggy worker)
+        self._replay = replay
+        self.publisher = self._new_publisher("tcp://127.0.0.1:*")
+        self._runner: web.AppRunner | None = None
+        self.http_url: str | None = None
+
+    def _new_publisher(self, address: str) -> EventPublisher:
+        return EventPublisher(
+            PublisherConfig(
+                endpoint=Endpoint.binding(address),
+                replay_endpoint=Endpoint.binding("tcp://127.0.0.1:*") if self._replay else None,
+            ),
+            skip_live_seqs=self.skip_live_seqs,
+        )
+
+    async def start(self) -> FakeWorker:
+        if self.kind == "kvroute":
+            app = web.Application()
+            app.router.add_get("/v1/snapshot", self._snapshot)
+            self._runner = web.AppRunner(app, access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, "127.0.0.1", 0)
+            await site.start()
+            self.http_url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def _snapshot(self, _: web.Request) -> web.Response:
+        runs = [] if self.hide_snapshot else self.chains.runs()
+        body = {
+            "worker_id": self.worker_id,
+            "block_size": BS,
+            "hash_algo": "test",
+            "medium": "GPU",
+            "next_seq": self.publisher.next_seq,
+            "runs": runs,
+        }
+        return web.json_response(body)
+
+    def publish(self, *events: BlockStored | BlockRemoved) -> int:
+        """Publish one batch (none: an empty probe batch); returns its seq."""
+        seq = self.publisher.next_seq
+        self.chains.apply(events)
+        assert self.publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
+        return seq
+
+    def restart_publisher(self) -> None:
+        """A new publisher lifetime on the same PUB address (seq restarts at 0, cache empty)."""
+        address = self.publisher.address
+        self.publisher.close()
+        self.chains = CachedChains(BS)
+        self.publisher = self._new_publisher(address)
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(
+            worker_id=self.worker_id,
+            events_endpoint=self.publisher.address,
+            replay_endpoint=self.publisher.replay_address,
+            http_url=self.http_url,
+            kind=self.kind,
+            block_size=BS,
+        )
+
+    async def close(self) -> None:
+        self.publisher.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@asynccontextmanager
+async def fake_workers(*workers: FakeWorker) -> AsyncIterator[tuple[FakeWorker, ...]]:
+    try:
+        for worker in workers:
+            await worker.start()
+        yield workers
+    finally:
+        for worker in workers:
+            await worker.close()
+
+
+class Stack:
+    """One router replica's ingest: Redis client, index, registry, ingest."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        namespace: str,
+        *,
+        lease_ttl_ms: int = 5_000,
+        maintain_interval_s: float = 0.2,
+        owner: str | None = None,
+    ) -> None:
+        layout = KeyLayout(namespace)
+        self.client = client
+        self.index = RedisPrefixIndex(client, layout)
+        self.registry = WorkerRegistry(client, layout, owner=owner, lease_ttl_ms=lease_ttl_ms)
+        self.metrics = IngestMetrics()
+        self.ingest = IndexIngest(
+            self.index,
+            self.registry,
+            IngestConfig(maintain_interval_s=maintain_interval_s),
+            self.metrics,
+        )
+
+    async def handshake(self, *workers: FakeWorker) -> None:
+        """Publish empty batches until the ingest saw one from each worker (slow joiner)."""
+        for worker in workers:
+
+            async def seen(worker: FakeWorker = worker) -> bool:
+                wid = worker.worker_id
+                if self.count("batches", worker=wid, outcome="applied") or self.count(
+                    "batches", worker=wid, outcome="covered"
+                ):
+                    return True
+                worker.publish()
+                return False
+
+            await eventually(seen, what=f"handshake with {worker.worker_id}")
+
+    def count(self, name: str, **labels: str) -> float:
+        """A counter's value (0 when never incremented)."""
+        value = self.metrics.registry.get_sample_value(f"kvroute_ingest_{name}_total", labels)
+        return 0.0 if value is None else value
+
+
+@asynccontextmanager
+async def stack(
+    url: str, namespace: str, records: list[WorkerRecord] | None = None, **kwargs: Any
+) -> AsyncIterator[Stack]:
+    client = await connect(url)
+    s = Stack(client, namespace, **kwargs)
+    try:
+        if records is not None:
+            await s.ingest.start(records)
+        yield s
+    finally:
+        await s.ingest.close()
+        await client.aclose()
+
+
+async def eventually(
+    predicate: Callable[[], Awaitable[bool]], *, timeout_s: float = DEADLINE_S, what: str = ""
+) -> None:
+    """Poll ``predicate`` until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        assert time.monotonic() < deadline, f"not reached within {timeout_s} s: {what}"
+        await asyncio.sleep(0.02)  # polling an asynchronous pipeline with a deadline
+
+
+def lookup_is(
+    index: RedisPrefixIndex, prompt: int, expected: dict[str, PrefixMatch]
+) -> Callable[[], Awaitable[bool]]:
+    """A predicate: the index's lookup of ``prompt`` equals ``expected`` (worker -> match)."""
+
+    async def check() -> bool:
+        return dict(await index.lookup(keys(prompt))) == {
+            WorkerId(w): m for w, m in expected.items()
+        }
+
+    return check
