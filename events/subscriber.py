@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Protocol
@@ -508,31 +510,49 @@ class EventSubscriber:
         redeliver: bool,
     ) -> str | None:
         """Apply replies until the end marker; returns why the replay failed, or ``None``."""
-        timeout_ms = int(self._config.replay_timeout_s * 1000)
         expected = from_seq
+        async with contextlib.aclosing(self._replies(dealer)) as replies:
+            async for frames in replies:
+                if frames is None:
+                    return "replay_timeout"
+                if len(frames) != 4 or frames[0] != b"":
+                    self._malformed(
+                        worker,
+                        FramingError("bad_replay_frames", f"expected 4 frames, got {len(frames)}"),
+                    )
+                    continue
+                if frames[2] == END_OF_REPLAY_SEQ:
+                    if expected > through:
+                        return None
+                    return "replay_empty" if expected == from_seq else "replay_short"
+                try:
+                    seq = unpack_seq(frames[2])
+                except FramingError as exc:
+                    self._malformed(worker, exc)
+                    continue
+                if seq != expected:
+                    return "replay_buffer_overrun" if expected == from_seq else "replay_hole"
+                expected += 1
+                if redeliver or worker.last_seq is None or seq > worker.last_seq:
+                    await self._deliver(worker, seq, frames[3], time.time(), replayed=True)
+                else:
+                    worker.counters.num_duplicates += 1
+        raise AssertionError("unreachable: replies end only with a timeout")
+
+    async def _replies(
+        self, dealer: zmq.asyncio.Socket
+    ) -> AsyncGenerator[list[bytes] | None, None]:
+        """Replay replies as they come; ``None`` after ``replay_timeout_s`` of silence."""
+        timeout_ms = int(self._config.replay_timeout_s * 1000)
+        drain: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
         while True:
             if not await dealer.poll(timeout=timeout_ms):
-                return "replay_timeout"
-            frames: list[bytes] = await dealer.recv_multipart()
-            if len(frames) != 4 or frames[0] != b"":
-                self._malformed(
-                    worker,
-                    FramingError("bad_replay_frames", f"expected 4 frames, got {len(frames)}"),
-                )
-                continue
-            if frames[2] == END_OF_REPLAY_SEQ:
-                if expected > through:
-                    return None
-                return "replay_empty" if expected == from_seq else "replay_short"
-            try:
-                seq = unpack_seq(frames[2])
-            except FramingError as exc:
-                self._malformed(worker, exc)
-                continue
-            if seq != expected:
-                return "replay_buffer_overrun" if expected == from_seq else "replay_hole"
-            expected += 1
-            if redeliver or worker.last_seq is None or seq > worker.last_seq:
-                await self._deliver(worker, seq, frames[3], time.time(), replayed=True)
-            else:
-                worker.counters.num_duplicates += 1
+                yield None
+                return
+            # Drain what is queued without a future per message.
+            while True:
+                try:
+                    frames = drain.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                yield frames
