@@ -220,6 +220,8 @@ class WorkerHTTP:
             return _error(exc.status, str(exc), exc.kind)
         except InvalidRequestError as exc:
             return _error(400, str(exc))
+        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") is no UTF-8 text
+            return _error(400, f"'prompt' is not valid Unicode text: {exc}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = f"cmpl-{uuid.uuid4().hex}"
