@@ -1,0 +1,232 @@
+"""HTTP fuzzing of a running ``kvroute worker``: bad bodies get a 4xx with a clear message.
+
+One worker subprocess (tiny model, small KV cache) serves every example. Bodies: JSON
+objects with wrong types, missing fields and unknown fields, non-objects, invalid UTF-8,
+lone surrogates, huge token lists and bodies past the size limit. Each must be answered
+within a deadline with 200 (a valid request) or a 4xx whose body names the problem;
+never a 5xx, a reset connection or a hang; and the worker must stay healthy throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.cluster import ProcessGroup, wait_healthy
+from router.redis_server import free_port
+
+pytest.importorskip("torch")
+
+NUM_BLOCKS = 32
+BLOCK_SIZE = 8
+MAX_REQUEST_TOKENS = (NUM_BLOCKS - 1) * BLOCK_SIZE
+"""What the worker's KV cache can ever hold for one request (the null block excluded)."""
+REPLY_TIMEOUT_S = 60.0
+BODY_LIMIT_BYTES = 1024**2
+"""aiohttp's default ``client_max_size``: the worker has no flag for it (see the report)."""
+
+
+def post(port: int, path: str, body: bytes, content_type: str = "application/json") -> Any:
+    """POST raw bytes; returns ``(status, parsed body or text)`` (a hang fails the test)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REPLY_TIMEOUT_S)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": content_type})
+        response = conn.getresponse()
+        raw = response.read()
+    finally:
+        conn.close()
+    try:
+        return response.status, json.loads(raw)
+    except ValueError:
+        return response.status, raw.decode(errors="replace")
+
+
+def error_message(body: Any) -> str:
+    """The message of a JSON error body (or the text of a plain one)."""
+    if isinstance(body, dict):
+        assert set(body) == {"error"}, body
+        assert set(body["error"]) == {"message", "type"}, body
+        return str(body["error"]["message"])
+    assert isinstance(body, str)
+    return body
+
+
+@pytest.fixture(scope="module")
+def worker_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "router", "worker",
+        "--id", "fuzz",
+        "--port", str(port),
+        "--events", "none",
+        "--num-blocks", str(NUM_BLOCKS),
+        "--block-size", str(BLOCK_SIZE),
+        "--num-layers", "1",
+        "--hidden-size", "16",
+        "--num-heads", "2",
+    ]  # fmt: skip
+    with ProcessGroup(tmp_path_factory.mktemp("worker-fuzz")) as group:
+        group.start("worker", argv)
+
+        async def ready() -> None:
+            async with aiohttp.ClientSession() as session:
+                url = f"http://127.0.0.1:{port}"
+                await wait_healthy(session, url, group, time.monotonic() + 120)
+
+        asyncio.run(ready())
+        yield port
+        group.check_alive()  # no example crashed it
+
+
+def assert_alive(port: int) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REPLY_TIMEOUT_S)
+    try:
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+
+
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=20),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=10,
+)
+prompts = st.one_of(
+    json_values,
+    st.text(min_size=1, max_size=40),
+    st.lists(st.integers(min_value=-5, max_value=300), max_size=40),
+    st.lists(st.integers(min_value=0, max_value=255), min_size=MAX_REQUEST_TOKENS, max_size=3000),
+)
+fields = {
+    "prompt": prompts,
+    "max_tokens": st.one_of(json_values, st.integers(min_value=-3, max_value=4)),
+    "stream": st.one_of(json_values, st.booleans()),
+    "temperature": st.one_of(json_values, st.floats(min_value=0, max_value=2)),
+    "ignore_eos": st.one_of(json_values, st.booleans()),
+    "seed": json_values,
+}
+bodies = st.one_of(
+    st.fixed_dictionaries({}, optional=fields),
+    st.fixed_dictionaries({}, optional=fields).flatmap(
+        lambda d: st.dictionaries(st.text(max_size=8), json_values, max_size=3).map(
+            lambda extra: {**extra, **d}
+        )
+    ),
+    json_values,
+)
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(bodies)
+def test_any_json_body_gets_200_or_a_clear_4xx(worker_port: int, body: Any) -> None:
+    status, reply = post(worker_port, "/v1/completions", json.dumps(body).encode())
+    if status == 200:
+        if isinstance(reply, dict):
+            assert reply["object"] == "text_completion"
+        else:  # a stream
+            assert reply.rstrip().endswith("data: [DONE]")
+        return
+    assert 400 <= status < 500, (status, reply)
+    assert len(error_message(reply)) >= 10
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (b'{"prompt": "\xff\xfe"}', "not valid JSON"),
+        (b"\xc3\x28" * 10, "not valid JSON"),
+        (b'{"prompt": [1, 2', "not valid JSON"),
+        (b"", "not valid JSON"),
+        (b"[1, 2, 3]", "JSON object"),
+        (b'{"prompt": "abc", "max_tokens": "7"}', "'max_tokens' must be an integer"),
+        (b'{"prompt": "abc", "max_tokens": true}', "'max_tokens' must be an integer"),
+        (b'{"prompt": "abc", "stream": "yes"}', "'stream' must be true or false"),
+        (b'{"max_tokens": 4}', "'prompt' must be a string or a list of token ids"),
+        (b'{"prompt": [1, 2.5]}', "'prompt' must be a string or a list of token ids"),
+        (b'{"prompt": [1, 999]}', "token ids must be in [0, 258)"),
+        (b'{"prompt": ""}', "the prompt is empty"),
+        (b'{"prompt": "abc", "max_tokens": -1}', "max_tokens must be at least 1"),
+        (b'{"prompt": "abc", "temperature": -0.5}', "temperature must be >= 0"),
+    ],
+)
+def test_bad_bodies_name_the_problem(worker_port: int, raw: bytes, words: str) -> None:
+    status, reply = post(worker_port, "/v1/completions", raw)
+    assert status == 400, reply
+    assert words in error_message(reply)
+
+
+def test_lone_surrogate_in_a_text_prompt_is_a_4xx(worker_port: int) -> None:
+    """``"\\ud800"`` is valid JSON but no UTF-8 text: the tokenizer cannot encode it."""
+    status, reply = post(worker_port, "/v1/completions", b'{"prompt": "a\\ud800b"}')
+    assert status == 400, (status, reply)
+    assert "'prompt' is not valid Unicode text" in error_message(reply)
+    assert_alive(worker_port)
+
+
+def test_huge_token_list_under_the_body_limit_is_rejected_with_the_cache_size(
+    worker_port: int,
+) -> None:
+    tokens = [1] * 200_000  # 600 kB of JSON: under the body limit, far over the cache
+    status, reply = post(worker_port, "/v1/completions", json.dumps({"prompt": tokens}).encode())
+    assert status == 400
+    message = error_message(reply)
+    assert f"exceeds what this worker's KV cache can ever hold ({MAX_REQUEST_TOKENS})" in message
+
+
+@pytest.mark.parametrize("size", [BODY_LIMIT_BYTES + 1, 8 * BODY_LIMIT_BYTES])
+def test_oversized_bodies_get_413_and_the_limit(worker_port: int, size: int) -> None:
+    body = b'{"prompt": [' + b"1," * ((size - 14) // 2) + b"1]}"
+    assert len(body) >= size - 2
+    status, reply = post(worker_port, "/v1/completions", body[:size])
+    assert status == 413
+    assert f"Maximum request body size {BODY_LIMIT_BYTES} exceeded" in error_message(reply)
+    assert_alive(worker_port)
+
+
+def test_wrong_methods_and_paths_are_4xx(worker_port: int) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", worker_port, timeout=REPLY_TIMEOUT_S)
+    try:
+        for method, path, expected in [
+            ("GET", "/v1/completions", 405),
+            ("POST", "/health", 405),
+            ("GET", "/v1/nothing", 404),
+            ("DELETE", "/v1/snapshot", 405),
+        ]:
+            conn.request(method, path)
+            response = conn.getresponse()
+            response.read()
+            assert response.status == expected, (method, path)
+    finally:
+        conn.close()
+
+
+def test_worker_survives_the_fuzzing(worker_port: int, tmp_path: Path) -> None:
+    status, reply = post(worker_port, "/v1/completions", b'{"prompt": "hello", "max_tokens": 2}')
+    assert status == 200
+    assert reply["usage"]["completion_tokens"] in (1, 2)
+    assert_alive(worker_port)
