@@ -1,0 +1,401 @@
+"""Per-worker load shared by every router replica through Redis, merged with what workers report.
+
+Each replica owns one Redis hash of its own in-flight load per worker (fields
+``r:<worker>``, ``p:<worker>``, ``d:<worker>``: requests, queued prefill tokens, decode
+tokens), changed with atomic ``HINCRBY`` and kept alive by a heartbeat that rewrites it
+whole and renews its expiry. A replica that crashes stops renewing, so its hash expires
+after ``ttl_s`` and the load it held disappears instead of leaking forever. Every replica
+sums the hashes of the others (refreshed in the background every ``refresh_interval_s``)
+with its own exact in-process figures, so two replicas see each other's traffic and do
+not herd onto one worker.
+
+Workers' own figures (``/health`` of kvroute workers, ``/metrics`` of vLLM engines) are
+polled by :class:`WorkerReportPoller` and merged field by field with ``max``: both the
+router's count and the worker's report are lower bounds of the truth (the router misses
+direct clients, the report is stale).
+
+If Redis is unreachable the tracker keeps serving this replica's local figures and says
+so (:attr:`RedisLoadTracker.is_shared`); the next successful heartbeat rewrites its hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+import aiohttp
+import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
+from redis.exceptions import RedisError
+
+from router.errors import RouterError
+from router.index.base import WorkerId
+from router.load import MemoryLoadTracker, WorkerLoad
+
+__all__ = [
+    "RedisLoadTracker",
+    "SharedLoadConfig",
+    "WorkerReportPoller",
+    "parse_health_load",
+    "parse_vllm_metrics_load",
+]
+
+logger = logging.getLogger(__name__)
+
+_FIELDS: Final = ("r", "p", "d")  # num_requests, queued_prefill_tokens, decode_tokens
+_IDLE: Final = WorkerLoad()
+
+
+@dataclass(frozen=True, slots=True)
+class SharedLoadConfig:
+    """Configuration of the Redis-shared load tracker.
+
+    Attributes:
+        namespace: Key namespace (``kvroute:<namespace>:load:...``), shared by the replicas
+            of one cluster.
+        replica_id: This replica's identity; ``None`` picks a random one.
+        ttl_s: Lifetime of a replica's hash without heartbeat: a crashed replica's load
+            is forgotten within this time.
+        refresh_interval_s: How often the other replicas' load is re-read; the most a
+            decision's view of them can lag.
+    """
+
+    namespace: str = "default"
+    replica_id: str | None = None
+    ttl_s: float = 10.0
+    refresh_interval_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not self.ttl_s > 0 or not self.refresh_interval_s > 0:
+            raise RouterError(
+                f"shared load ttl_s and refresh_interval_s must be > 0, got "
+                f"{self.ttl_s} and {self.refresh_interval_s}"
+            )
+
+
+class RedisLoadTracker:
+    """A :class:`router.load.LoadTracker` shared by router replicas through Redis.
+
+    Args:
+        client: An asyncio Redis client (``decode_responses=False``); use a short
+            ``socket_timeout`` so an unreachable Redis fails fast.
+        config: Namespace, replica id, TTL and refresh interval.
+
+    NOTE: ``_local`` is this replica's exact load and always wins over what Redis holds
+    for it; ``_remote`` is the sum over the other live replicas as of the last refresh;
+    ``_reported`` holds the workers' own figures. A snapshot is
+    ``max(_local + _remote, _reported)`` per field.
+    """
+
+    def __init__(self, client: aioredis.Redis, config: SharedLoadConfig | None = None) -> None:
+        self.config = config or SharedLoadConfig()
+        self.replica_id = self.config.replica_id or uuid.uuid4().hex[:12]
+        self._client = client
+        base = f"kvroute:{self.config.namespace}:load:{{{self.config.namespace}}}"
+        self._replicas_key = f"{base}:replicas"
+        self._own_key = f"{base}:r:{self.replica_id}"
+        self._base = base
+        self._local = MemoryLoadTracker()
+        self._local_view: dict[WorkerId, WorkerLoad] = {}
+        self._remote: dict[WorkerId, WorkerLoad] = {}
+        self._reported: dict[WorkerId, WorkerLoad] = {}
+        self._is_shared = False
+        self._next_heartbeat = 0.0
+        self._loop = _Periodic(self.refresh, self.config.refresh_interval_s)
+        self.num_errors = 0
+        """Redis operations that failed (each also logged)."""
+
+    @property
+    def is_shared(self) -> bool:
+        """True while Redis answers, i.e. load is shared with the other replicas."""
+        return self._is_shared
+
+    async def start(self) -> None:
+        """Publish this replica's (empty) load and start the refresh loop."""
+        await self._sync()
+        self._loop.start(f"shared-load-{self.replica_id}")
+
+    async def close(self) -> None:
+        """Stop the loop and withdraw this replica's load from Redis (best effort)."""
+        await self._loop.stop()
+        with contextlib.suppress(RedisError, OSError):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(self._own_key)
+            pipe.zrem(self._replicas_key, self.replica_id)
+            await pipe.execute()
+
+    async def add(self, worker_id: WorkerId, delta: WorkerLoad) -> None:
+        """Add ``delta`` to this replica's load on a worker, locally and in Redis."""
+        await self._local.add(worker_id, delta)
+        self._local_view[worker_id] = (await self._local.snapshot((worker_id,)))[worker_id]
+        if not self._is_shared:
+            return  # the next heartbeat rewrites the whole hash once Redis is back
+        pipe = self._client.pipeline(transaction=False)
+        for name, value in zip(_FIELDS, _values(delta), strict=True):
+            if value:
+                pipe.hincrby(self._own_key, f"{name}:{worker_id}", value)
+        pipe.pexpire(self._own_key, int(self.config.ttl_s * 1000))
+        await self._guard(pipe.execute(), "add")
+
+    async def snapshot(self, workers: Iterable[WorkerId]) -> Mapping[WorkerId, WorkerLoad]:
+        """Each worker's load over all replicas, merged with what it reports itself."""
+        local, remote, reported = self._local_view, self._remote, self._reported
+        out: dict[WorkerId, WorkerLoad] = {}
+        for w in workers:
+            routed = local.get(w, _IDLE) + remote.get(w, _IDLE)
+            own = reported.get(w)
+            out[w] = routed if own is None else _field_max(routed, own)
+        return out
+
+    async def forget(self, worker_id: WorkerId) -> None:
+        """Drop a worker's load on this replica (it left or restarted)."""
+        await self._local.forget(worker_id)
+        self._local_view.pop(worker_id, None)
+        self._remote.pop(worker_id, None)
+        self._reported.pop(worker_id, None)
+        if self._is_shared:
+            fields = [f"{name}:{worker_id}" for name in _FIELDS]
+            await self._guard(self._client.hdel(self._own_key, *fields), "forget")
+
+    def report(self, worker_id: WorkerId, load: WorkerLoad | None) -> None:
+        """Record the load a worker reports itself (``None``: it reports nothing)."""
+        if load is None:
+            self._reported.pop(worker_id, None)
+        else:
+            self._reported[worker_id] = load
+
+    async def refresh(self) -> None:
+        """Heartbeat when due and re-read the other replicas' load now."""
+        if time.monotonic() >= self._next_heartbeat:
+            await self._sync()
+        if self._is_shared:
+            await self._guard(self._read_remote(), "refresh")
+
+    async def _sync(self) -> None:
+        """Rewrite this replica's hash from the local figures and renew its lease."""
+        ttl_ms = int(self.config.ttl_s * 1000)
+        mapping: dict[str, int] = {}
+        for w, load in self._local_view.items():
+            for name, value in zip(_FIELDS, _values(load), strict=True):
+                if value:
+                    mapping[f"{name}:{w}"] = value
+        now_ms = int(time.time() * 1000)
+        pipe = self._client.pipeline(transaction=True)
+        pipe.delete(self._own_key)
+        if mapping:
+            pipe.hset(self._own_key, mapping=mapping)  # type: ignore[arg-type]
+            pipe.pexpire(self._own_key, ttl_ms)
+        pipe.zadd(self._replicas_key, {self.replica_id: now_ms + ttl_ms})
+        pipe.zremrangebyscore(self._replicas_key, "-inf", now_ms)
+        pipe.pexpire(self._replicas_key, ttl_ms)
+        was_shared = self._is_shared
+        self._is_shared = True
+        if await self._guard(pipe.execute(), "heartbeat"):
+            self._next_heartbeat = time.monotonic() + self.config.ttl_s / 3
+            if not was_shared:
+                logger.info(
+                    "shared load: Redis reachable, replica %s shares its load", self.replica_id
+                )
+
+    async def _read_remote(self) -> None:
+        now_ms = int(time.time() * 1000)
+        ids = cast(
+            list[bytes], await self._client.zrangebyscore(self._replicas_key, now_ms, "+inf")
+        )
+        others = [rid for rid in (i.decode() for i in ids) if rid != self.replica_id]
+        pipe = self._client.pipeline(transaction=False)
+        for rid in others:
+            pipe.hgetall(f"{self._base}:r:{rid}")
+        hashes: list[dict[bytes, bytes]] = await pipe.execute() if others else []
+        totals: dict[WorkerId, list[int]] = {}
+        for fields in hashes:
+            for raw_field, raw_value in fields.items():
+                name, _, worker = raw_field.decode().partition(":")
+                if name in _FIELDS and worker:
+                    slot = totals.setdefault(WorkerId(worker), [0, 0, 0])
+                    slot[_FIELDS.index(name)] += int(raw_value)
+        self._remote = {w: WorkerLoad(*v).clamped() for w, v in totals.items()}
+
+    async def _guard(self, op: Any, what: str) -> bool:
+        """Await a Redis operation; on failure count it, log it and stop sharing."""
+        try:
+            await op
+        except (RedisError, OSError) as exc:
+            self.num_errors += 1
+            if self._is_shared:
+                logger.warning(
+                    "shared load: Redis %s failed (%s); using local load only", what, exc
+                )
+            self._is_shared = False
+            self._remote = {}
+            # Retry soon, but not at every refresh: an outage is logged once, not flooded.
+            self._next_heartbeat = time.monotonic() + min(1.0, self.config.ttl_s / 3)
+            return False
+        return True
+
+
+class _Periodic:
+    """Runs ``step`` every ``interval_s`` in a background task until stopped.
+
+    NOTE: stopping sets an event instead of cancelling the task, because a client
+    library may swallow a cancellation that lands inside one of its calls and leave the
+    task running forever.
+    """
+
+    def __init__(self, step: Callable[[], Awaitable[None]], interval_s: float) -> None:
+        self._step = step
+        self._interval_s = interval_s
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self, name: str) -> None:
+        self._stopping.clear()
+        self._task = asyncio.create_task(self._run(), name=name)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._stopping.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout=10.0)
+        except asyncio.TimeoutError:
+            self._task.cancel()
+        self._task = None
+
+    async def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await self._step()
+            except Exception:  # a loop that dies silently would freeze load figures
+                logger.exception("periodic task %s failed; retrying", self._step)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+
+
+def _values(load: WorkerLoad) -> tuple[int, int, int]:
+    return (load.num_requests, load.queued_prefill_tokens, load.decode_tokens)
+
+
+def _field_max(a: WorkerLoad, b: WorkerLoad) -> WorkerLoad:
+    return WorkerLoad(
+        max(a.num_requests, b.num_requests),
+        max(a.queued_prefill_tokens, b.queued_prefill_tokens),
+        max(a.decode_tokens, b.decode_tokens),
+    )
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value)
+
+
+def parse_health_load(body: Any) -> WorkerLoad | None:
+    """The load in a kvroute worker's ``/health`` JSON, or ``None`` if it has none.
+
+    Accepts the figures at the top level or under ``"load"``: ``running`` and
+    ``waiting`` (or ``num_running`` / ``num_waiting``) requests, and optionally
+    ``queued_prefill_tokens`` and ``decode_tokens``.
+    """
+    if not isinstance(body, dict):
+        return None
+    src = body.get("load") if isinstance(body.get("load"), dict) else body
+    assert isinstance(src, dict)
+    running = _as_int(src.get("running", src.get("num_running")))
+    waiting = _as_int(src.get("waiting", src.get("num_waiting")))
+    if running is None and waiting is None:
+        return None
+    return WorkerLoad(
+        (running or 0) + (waiting or 0),
+        _as_int(src.get("queued_prefill_tokens")) or 0,
+        _as_int(src.get("decode_tokens")) or 0,
+    )
+
+
+def parse_vllm_metrics_load(text: str) -> WorkerLoad | None:
+    """The load in a vLLM engine's Prometheus ``/metrics`` text, or ``None`` if absent.
+
+    Sums ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` over their
+    label sets (one per model / engine).
+    """
+    total = 0.0
+    found = False
+    for family in text_string_to_metric_families(text):
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            for sample in family.samples:
+                total += sample.value
+                found = True
+    return WorkerLoad(int(total)) if found else None
+
+
+class WorkerReportPoller:
+    """Polls each worker's own load report and hands it to a :class:`RedisLoadTracker`.
+
+    kvroute workers answer ``GET /health`` with JSON load figures; vLLM engines expose
+    ``GET /metrics``. The poller tries ``/health`` and falls back to ``/metrics`` when
+    the JSON carries no load. A worker that does not answer reports nothing (its figures
+    are dropped, the router's own count stays).
+
+    Args:
+        tracker: Where the reports go.
+        session: The aiohttp client session to poll with.
+        interval_s: Time between two polls of the whole cluster.
+        timeout_s: Per-request timeout.
+    """
+
+    def __init__(
+        self,
+        tracker: RedisLoadTracker,
+        session: aiohttp.ClientSession,
+        interval_s: float = 0.5,
+        timeout_s: float = 1.0,
+    ) -> None:
+        self._tracker = tracker
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._urls: dict[WorkerId, str] = {}
+        self._loop = _Periodic(self.poll_once, interval_s)
+
+    def set_worker(self, worker_id: WorkerId, url: str | None) -> None:
+        """Start (``url``) or stop (``None``) polling a worker."""
+        if url is None:
+            self._urls.pop(worker_id, None)
+            self._tracker.report(worker_id, None)
+        else:
+            self._urls[worker_id] = url.rstrip("/")
+
+    def start(self) -> None:
+        """Start polling in the background."""
+        self._loop.start("worker-report-poller")
+
+    async def close(self) -> None:
+        """Stop polling."""
+        await self._loop.stop()
+
+    async def poll_once(self) -> None:
+        """Poll every worker once, concurrently."""
+        items = list(self._urls.items())
+        loads = await asyncio.gather(*(self._poll(url) for _, url in items))
+        for (worker_id, _), load in zip(items, loads, strict=True):
+            if worker_id in self._urls:  # not removed while polling
+                self._tracker.report(worker_id, load)
+
+    async def _poll(self, url: str) -> WorkerLoad | None:
+        try:
+            async with self._session.get(f"{url}/health", timeout=self._timeout) as resp:
+                if resp.status == 200 and resp.content_type == "application/json":
+                    load = parse_health_load(await resp.json())
+                    if load is not None:
+                        return load
+            async with self._session.get(f"{url}/metrics", timeout=self._timeout) as resp:
+                if resp.status == 200:
+                    return parse_vllm_metrics_load(await resp.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            logger.debug("load report of %s unavailable: %s", url, exc)
+        return None
