@@ -14,7 +14,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.errors import RouterError
 
@@ -49,12 +53,14 @@ class RedisOptions:
         tls_ca_file: CA bundle that signed the server certificate (``rediss://``).
         tls_verify: Verify the server certificate (turn off only for tests).
         socket_timeout_s: Timeout of every socket operation.
+        retries: Retries of a command that failed on a connection error or timeout.
     """
 
     cluster: bool | None = None
     tls_ca_file: str | None = None
     tls_verify: bool = True
     socket_timeout_s: float = 5.0
+    retries: int = 3
 
 
 def reply_bytes(value: object) -> bytes:
@@ -92,6 +98,9 @@ def _kwargs(url: str, options: RedisOptions) -> dict[str, Any]:
         "socket_timeout": options.socket_timeout_s,
         "socket_connect_timeout": options.socket_timeout_s,
         "decode_responses": False,
+        # A restarted server leaves dead pooled connections: retry on a fresh one.
+        "retry": Retry(ExponentialBackoff(cap=0.5, base=0.01), options.retries),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
     }
     if scheme == "rediss":
         if options.tls_ca_file is not None:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
-
 from router.index.base import WorkerId
-from router.index_cli import check_workers
 from tests.router.test_ingest_helpers import (
     FakeWorker,
+    divergent,
     eventually,
     fake_workers,
     keys,
@@ -19,13 +17,6 @@ from tests.router.test_ingest_helpers import (
     stack,
     stored,
 )
-
-
-async def divergent(index: object, workers: tuple[FakeWorker, ...]) -> int:
-    async with aiohttp.ClientSession() as session:
-        targets = [(w.worker_id, w.http_url or "") for w in workers]
-        checks = await check_workers(index, session, targets)  # type: ignore[arg-type]
-    return sum(c.num_divergent for c in checks)
 
 
 def test_snapshot_then_live_events(redis_url: str, namespace: str) -> None:
@@ -52,7 +43,7 @@ def test_snapshot_then_live_events(redis_url: str, namespace: str) -> None:
                 await eventually(
                     lookup_is(s.index, 2, {"k1": match(2), "k2": match(1)}), what="prompt 2"
                 )
-                assert await divergent(s.index, (k1, k2)) == 0
+                assert await divergent(s.index, k1, k2) == 0
                 assert s.ingest.owned_workers == [WorkerId("k1"), WorkerId("k2")]
 
     asyncio.run(main())
@@ -73,7 +64,7 @@ def test_gap_is_replayed(redis_url: str, namespace: str) -> None:
             k1.publish(stored(1, 4, 2))
             k1.publish(stored(1, 6, 1))
             await eventually(lookup_is(s.index, 1, {"k1": match(7)}), what="gap replayed")
-            assert await divergent(s.index, (k1,)) == 0
+            assert await divergent(s.index, k1) == 0
             assert s.count("orphan_parents", worker="k1") == 0
 
     asyncio.run(main())
@@ -108,7 +99,7 @@ def test_orphan_parent_is_replayed_from_seq_zero(redis_url: str, namespace: str)
                 assert s.count("orphan_parents", worker="k1") == 1
                 assert s.count("replays", worker="k1", outcome="ok") >= 1  # (+ slow joiner)
                 assert s.count("resyncs", worker="k1", reason="orphan_parent") == 0
-                assert await divergent(s.index, (k1,)) == 0
+                assert await divergent(s.index, k1) == 0
 
     asyncio.run(main())
 
@@ -169,6 +160,6 @@ def test_publisher_restart_clears_the_worker(redis_url: str, namespace: str) -> 
             k1.publish(stored(2, 0, 1))
             await eventually(lookup_is(s.index, 2, {"k1": match(1)}), what="new lifetime")
             assert dict(await s.index.lookup(keys(1))) == {}
-            assert await divergent(s.index, (k1,)) == 0
+            assert await divergent(s.index, k1) == 0
 
     asyncio.run(main())

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
+import aiohttp
 from aiohttp import web
 
 from events.endpoints import Endpoint
@@ -22,6 +23,7 @@ from router.index.base import PrefixMatch, WorkerId
 from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRecord, WorkerRegistry
+from router.index_cli import check_workers
 from router.ingest import IndexIngest, IngestConfig
 from router.metrics import IngestMetrics
 from router.redis_conn import RedisClient, connect
@@ -240,6 +242,13 @@ async def eventually(
     while not await predicate():
         assert time.monotonic() < deadline, f"not reached within {timeout_s} s: {what}"
         await asyncio.sleep(0.02)  # polling an asynchronous pipeline with a deadline
+
+
+async def divergent(index: RedisPrefixIndex, *workers: FakeWorker) -> int:
+    """Entries by which the index differs from the workers' snapshots (``kvroute index check``)."""
+    async with aiohttp.ClientSession() as session:
+        targets = [(w.worker_id, w.http_url or "") for w in workers]
+        return sum(c.num_divergent for c in await check_workers(index, session, targets))
 
 
 def lookup_is(
