@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import zmq
 from test_subscriber_helpers import batch, loopback_publisher
@@ -20,14 +22,15 @@ from events.schema import encode_batch
 POLL_MS = 30_000
 
 
-def replay(address: str, from_seq: int, request: list[bytes] | None = None) -> list[list[bytes]]:
+def replay(address: str, from_seq: int, *, rcvhwm: int = 1000) -> list[list[bytes]]:
     """Every reply to one replay request, end marker included."""
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
+    dealer.rcvhwm = rcvhwm
     try:
         dealer.connect(address)
-        dealer.send_multipart(request if request is not None else [b"", pack_seq(from_seq)])
+        dealer.send_multipart([b"", pack_seq(from_seq)])
         replies = []
         while True:
             assert dealer.poll(POLL_MS), "no replay reply"
@@ -145,6 +148,22 @@ def test_an_unencodable_batch_is_dropped_and_its_seq_never_sent() -> None:
         assert [r[2] for r in replies] == [pack_seq(0), pack_seq(2), END_OF_REPLAY_SEQ]
         assert (pub.num_published, pub.num_dropped) == (2, 1)
         assert pub.publish(batch(3)) is True
+
+
+def test_a_full_buffer_replays_untruncated_to_a_slow_reader() -> None:
+    # The reader holds one message at a time: the publisher's replay HWM of
+    # 2 * (buffer_steps + 1) must absorb the whole buffer, or replies are lost.
+    with loopback_publisher(buffer_steps=10_000, max_queue_size=10_000) as pub:
+        assert pub.replay_address is not None
+        for i in range(10_000):
+            assert pub.publish(batch(i))
+        deadline = time.monotonic() + POLL_MS / 1000
+        while pub.num_published < 10_000:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)  # polling a counter with a deadline
+        replies = replay(pub.replay_address, 0, rcvhwm=1)
+    assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == list(range(10_000))
+    assert replies[-1][2] == END_OF_REPLAY_SEQ
 
 
 def test_skip_live_seqs_still_buffers_for_replay() -> None:
