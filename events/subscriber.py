@@ -86,7 +86,15 @@ class EventSink(Protocol):
         """The worker's publisher restarted: ``seq`` is at or below the last one seen."""
 
     async def on_resync_needed(self, worker_id: str, reason: str) -> None:
-        """Batches of the worker were lost for good; its state must be rebuilt."""
+        """Batches of the worker were lost for good; its state must be rebuilt.
+
+        ``reason`` is one of ``"no_replay_endpoint"``, ``"replay_timeout"`` (the replay
+        endpoint stayed silent), ``"replay_buffer_overrun"`` (the first batch asked for is
+        not buffered: it left the ring buffer, or the publisher dropped it on a full
+        queue), ``"replay_hole"`` / ``"replay_short"`` / ``"replay_empty"`` (the replay
+        skipped or ended before batches it had to cover: the publisher restarted
+        meanwhile) and ``"replay_nested"`` (a replay was asked for during a replay).
+        """
 
 
 @dataclass(frozen=True, slots=True)
