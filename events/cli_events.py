@@ -175,6 +175,7 @@ def _tail(args: argparse.Namespace) -> int:
         _log.error("%s", exc)
         return 2
     sink = _TailSink(args.json, args.max_batches)
+    _log.info("tailing %s", ", ".join(f"{s.worker_id} at {s.endpoint}" for s in streams))
     asyncio.run(run_until_stopped(sink, config, streams, sink.done))
     return 0
 
