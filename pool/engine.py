@@ -261,8 +261,13 @@ class Engine:
 
     @property
     def is_accepting(self) -> bool:
-        """False once :meth:`drain` or :meth:`stop` was called."""
+        """False once :meth:`drain` or :meth:`stop` was called, or the loop failed."""
         return self._accepting
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the loop thread is alive (outputs can still come)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Reject a request that could never be served.

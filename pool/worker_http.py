@@ -66,6 +66,7 @@ __all__ = ["WorkerHTTP", "WorkerInfo"]
 logger = logging.getLogger(__name__)
 
 _ENGINE_TIMEOUT_S: Final = 30.0
+_LIVENESS_CHECK_S: Final = 5.0
 _JSON: Final = "application/json"
 T = TypeVar("T")
 
@@ -273,9 +274,10 @@ class WorkerHTTP:
         self, request_id: str, outputs: asyncio.Queue[RequestOutput]
     ) -> web.Response:
         token_ids: list[int] = []
-        async for out in _until_finished(outputs):
-            token_ids.extend(out.new_token_ids)
-            last = out
+        last: RequestOutput | None = None
+        async for last in self._until_finished(request_id, outputs):
+            token_ids.extend(last.new_token_ids)
+        assert last is not None  # the iterator always ends with a finished output
         self._count(last)
         if last.finish_reason == "abort":
             return _error(503, "the request was aborted: the engine stopped", "unavailable")
@@ -292,7 +294,7 @@ class WorkerHTTP:
         await response.prepare(request)
         token_ids: list[int] = []
         sent = ""
-        async for out in _until_finished(outputs):
+        async for out in self._until_finished(request_id, outputs):
             token_ids.extend(out.new_token_ids)
             text = self.tokenizer.decode(token_ids)
             if not out.finished:
@@ -308,6 +310,22 @@ class WorkerHTTP:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _until_finished(
+        self, request_id: str, outputs: asyncio.Queue[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request; ends with an ``"abort"`` one if the engine dies."""
+        while True:
+            try:
+                out = await asyncio.wait_for(outputs.get(), _LIVENESS_CHECK_S)
+            except asyncio.TimeoutError:
+                if self.engine.is_running or not outputs.empty():
+                    continue
+                logger.error("the engine loop is gone; aborting request %s", request_id)
+                out = RequestOutput(request_id, [], "abort", 0, 0, 0)
+            yield out
+            if out.finished:
+                return
 
     def _chunk(
         self, request_id: str, text: str, token_ids: list[int], reason: str | None
@@ -371,14 +389,6 @@ class WorkerHTTP:
             "runs": snap.runs,
         }
         return web.json_response(body)
-
-
-async def _until_finished(outputs: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
-    while True:
-        out = await outputs.get()
-        yield out
-        if out.finished:
-            return
 
 
 def _int_field(body: dict[str, Any], name: str, default: int) -> int:
