@@ -1,0 +1,122 @@
+"""CURVE-authenticated event streams, on by configuration, end to end across processes.
+
+Keys come from ``kvroute keys``; the publisher is configured from those key files with an
+allow-list; three ``kvroute record`` processes subscribe: one with an allowed client key
+(it records every batch), one with a key the worker does not allow and one without CURVE
+(both record nothing, and the first logs the failed handshake).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from events.cli_keys import main as keys_main
+from events.curve import CurveKeyPair, CurveServerConfig, load_public_key
+from events.endpoints import Endpoint
+from events.publisher import EventPublisher, PublisherConfig
+from events.recorder import LogRecord, read_log
+from events.schema import BlockStored, KVEventBatch
+from router.cluster import ProcessGroup
+
+TIMEOUT_S = 60.0
+NUM_BATCHES = 20
+
+
+def batch(n: int) -> KVEventBatch:
+    return KVEventBatch(
+        ts=float(n),
+        events=[
+            BlockStored(
+                block_hashes=[n],
+                parent_block_hash=None,
+                token_ids=[n, n, n, n],
+                block_size=4,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+        ],
+    )
+
+
+def records(path: Path) -> list[LogRecord]:
+    return list(read_log(path)) if path.exists() and path.stat().st_size > 0 else []
+
+
+def wait_until(condition: Callable[[], bool], poke: Callable[[], object], what: str) -> None:
+    """Poll ``condition`` with a deadline, calling ``poke`` between polls."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        poke()
+        time.sleep(0.05)  # polling files written by other processes; nothing to wait on
+
+
+def test_only_the_allowed_subscriber_receives_events(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    for name in ("worker", "recorder", "intruder"):
+        assert keys_main(["--out", str(keys), "--name", name]) == 0
+    server = CurveServerConfig(
+        CurveKeyPair.load(keys / "worker.key_secret"),
+        allowed_client_keys=frozenset({load_public_key(keys / "recorder.key")}),
+    )
+    publisher = EventPublisher(
+        PublisherConfig(
+            endpoint=Endpoint.binding("tcp://127.0.0.1:*"),
+            replay_endpoint=Endpoint.binding("tcp://127.0.0.1:*"),
+            curve=server,
+        )
+    )
+    logs = {name: tmp_path / f"{name}.kvlog" for name in ("allowed", "intruder", "plain")}
+    spec = f"w={publisher.address},replay={publisher.replay_address}"
+    secured = f"{spec},server_key={keys / 'worker.key'}"
+    argv = {
+        "allowed": ["--client-key", str(keys / "recorder.key_secret"), "--worker", secured],
+        "intruder": ["--client-key", str(keys / "intruder.key_secret"), "--worker", secured],
+        "plain": ["--worker", spec],
+    }
+    try:
+        with ProcessGroup(tmp_path / "procs") as group:
+
+            def record(name: str) -> list[str]:
+                out = ["--out", str(logs[name]), "--flush-interval-s", "0.05"]
+                return [sys.executable, "-m", "router", "record", *argv[name], *out]
+
+            procs = {name: group.start(name, record(name)) for name in argv}
+
+            def probe() -> None:
+                group.check_alive()
+                publisher.publish(batch(publisher.next_seq))
+
+            # Handshakes: the allowed recorder has a batch, the intruder a failed handshake.
+            wait_until(lambda: bool(records(logs["allowed"])), probe, "the allowed recorder")
+            wait_until(
+                lambda: "handshake with" in group.log_tail("intruder", 100_000),
+                probe,
+                "the intruder's failed handshake",
+            )
+            first = records(logs["allowed"])[0].seq
+            assert first is not None
+            last = publisher.next_seq + NUM_BATCHES - 1
+            for _ in range(NUM_BATCHES):
+                publisher.publish(batch(publisher.next_seq))
+            wait_until(
+                lambda: (records(logs["allowed"]) or [None])[-1].seq == last,  # type: ignore[union-attr]
+                lambda: None,
+                "every batch at the allowed recorder",
+            )
+            for proc in procs.values():  # SIGTERM: each recorder flushes and exits 0
+                proc.terminate()
+            codes = {name: proc.wait(TIMEOUT_S) for name, proc in procs.items()}
+            assert codes == {"allowed": 0, "intruder": 0, "plain": 0}
+    finally:
+        publisher.close()
+    allowed = records(logs["allowed"])
+    assert [r.kind for r in allowed] == ["batch"] * len(allowed)
+    assert [r.seq for r in allowed] == list(range(first, last + 1))
+    assert [r.decode() for r in allowed] == [batch(seq) for seq in range(first, last + 1)]
+    assert records(logs["intruder"]) == []
+    assert records(logs["plain"]) == []
