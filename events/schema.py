@@ -10,6 +10,7 @@ treating absent fields as ``None``. Anything else raises :class:`EventDecodeErro
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Final, TypeAlias
 
 import msgspec
@@ -121,18 +122,23 @@ def encode_batch(batch: KVEventBatch) -> bytes:
     return _encoder.encode(batch)
 
 
-def decode_batch(payload: bytes | memoryview) -> KVEventBatch:
+def decode_batch(
+    payload: bytes | memoryview, on_unknown: Callable[[str], None] | None = None
+) -> KVEventBatch:
     """Decode a msgpack batch payload in either the map or the legacy array shape.
 
     Args:
         payload: The third frame of a KV event message.
+        on_unknown: Called with a description of each event whose tag is unknown (an
+            event type newer than this code); such events are skipped and the rest of the
+            batch is kept. ``None`` makes an unknown tag an error.
 
     Returns:
         The decoded batch; absent optional fields are ``None``.
 
     Raises:
         EventDecodeError: The payload is too large, not msgpack, not a batch, holds an
-            unknown event tag, or a field has the wrong type.
+            unknown event tag (without ``on_unknown``), or a field has the wrong type.
     """
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise EventDecodeError(
@@ -147,10 +153,10 @@ def decode_batch(payload: bytes | memoryview) -> KVEventBatch:
         raw = _raw_decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise EventDecodeError("msgpack", f"payload is not valid msgpack ({exc})") from exc
-    return _batch_from_raw(raw)
+    return _batch_from_raw(raw, on_unknown)
 
 
-def _batch_from_raw(raw: Any) -> KVEventBatch:
+def _batch_from_raw(raw: Any, on_unknown: Callable[[str], None] | None) -> KVEventBatch:
     if not isinstance(raw, (list, tuple)) or len(raw) < 2:
         raise EventDecodeError(
             "bad_batch", f"expected an array [ts, events, dp_rank?], got {_describe(raw)}"
@@ -167,7 +173,14 @@ def _batch_from_raw(raw: Any) -> KVEventBatch:
         raise EventDecodeError(
             "bad_batch", f"batch events must be an array, got {_describe(raw_events)}"
         )
-    events = [_event_from_raw(item) for item in raw_events]
+    events: list[KVCacheEvent] = []
+    for item in raw_events:
+        try:
+            events.append(_event_from_raw(item))
+        except EventDecodeError as exc:
+            if exc.reason != "unknown_tag" or on_unknown is None:
+                raise
+            on_unknown(str(exc))
     return KVEventBatch(ts=float(ts), events=events, data_parallel_rank=rank)  # type: ignore[arg-type]
 
 

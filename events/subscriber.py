@@ -416,9 +416,12 @@ class EventSubscriber:
         if worker.last_seq is None or seq > worker.last_seq:
             worker.last_seq = seq
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, lambda what: self._unknown_event(worker, what))
         except EventDecodeError as exc:
+            # The seq was valid, so this batch's events are lost for good: a skipped
+            # BlockRemoved would leave the index claiming blocks the worker no longer has.
             self._malformed(worker, exc)
+            await self._resync(worker, "undecodable_batch")
             return
         counters = worker.counters
         counters.num_batches += 1
@@ -469,6 +472,16 @@ class EventSubscriber:
             "worker %s: skipped a malformed message: %s",
             worker.stream.worker_id,
             exc,
+        )
+
+    def _unknown_event(self, worker: _Worker, what: str) -> None:
+        worker.counters.malformed["unknown_tag"] += 1
+        self._warn.warning(
+            (worker.stream.worker_id, "malformed:unknown_tag"),
+            "worker %s: skipped an event of a type this version does not know (%s); "
+            "the rest of its batch was applied",
+            worker.stream.worker_id,
+            what,
         )
 
     async def _redeliver(self, worker: _Worker, from_seq: int) -> bool:

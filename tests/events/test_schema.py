@@ -173,3 +173,12 @@ def test_oversized_payload_is_rejected_before_decoding() -> None:
     with pytest.raises(EventDecodeError) as info:
         decode_batch(memoryview(bytearray(MAX_PAYLOAD_BYTES + 1)))
     assert info.value.reason == "too_large"
+
+
+def test_unknown_events_can_be_skipped_and_reported_keeping_the_rest() -> None:
+    payload = enc([1.0, [{"type": "BlockTiered", "x": 1}, ["BlockRemoved", [5], "GPU"]], 0])
+    seen: list[str] = []
+    batch = decode_batch(payload, seen.append)
+    assert batch.events == [BlockRemoved([5], "GPU")]
+    assert len(seen) == 1
+    assert "BlockTiered" in seen[0]

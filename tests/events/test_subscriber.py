@@ -223,7 +223,12 @@ def test_malformed_messages_are_counted_and_skipped() -> None:
                     "unknown_tag": 1,
                 }
                 assert counters.num_gaps == 0
-                assert sink.batches[-1].seq == seq - 1
+                # The undecodable batch lost its events for good: resync. The unknown
+                # event was skipped and the rest of its (empty) batch delivered.
+                assert counters.resyncs == {"undecodable_batch": 1}
+                assert ("resync", "raw", "undecodable_batch") in sink.calls
+                assert [b.seq for b in sink.batches[-2:]] == [seq - 2, seq - 1]
+                assert sink.batches[-2].batch.events == []
         finally:
             raw.close()
             ctx.term()
