@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import torch
+
 from events.endpoints import Endpoint, EndpointError
 from events.publisher import EventPublisher, PublisherConfig
 from events.tokenizer import Tokenizer, TokenizerError, load_tokenizer
@@ -73,6 +75,7 @@ class WorkerConfig:
         max_num_seqs: Requests running at once.
         max_num_batched_tokens: Tokens computed per step.
         model_name: The ``model`` field of completions.
+        torch_threads: Torch intra-op CPU threads (0: torch's default).
     """
 
     worker_id: str = "worker-0"
@@ -97,6 +100,7 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     model_name: str = "kvroute-tiny"
+    torch_threads: int = 0
 
     def model_config(self, tokenizer: Tokenizer) -> ModelConfig:
         """The model's config, its vocabulary sized by the tokenizer unless given."""
@@ -138,6 +142,7 @@ _HELP: Final[dict[str, str]] = {
     "max_num_seqs": "requests running at once",
     "max_num_batched_tokens": "tokens one engine step computes",
     "model_name": "the 'model' field of completion responses",
+    "torch_threads": "torch CPU threads; 0 keeps torch's default (use 1 on a shared box)",
 }
 
 
@@ -193,6 +198,8 @@ async def serve(
     Raises:
         TokenizerError, ModelError, EndpointError, OSError: Bad settings or a bind failed.
     """
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
     tokenizer = load_tokenizer(config.tokenizer)
     model_config = config.model_config(tokenizer)
     if config.weights:
