@@ -35,6 +35,7 @@ from events.subscriber import (
     WorkerCounters,
     WorkerStream,
 )
+from events.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 __all__ = [
     "AllBlocksCleared",
@@ -42,6 +43,7 @@ __all__ = [
     "BlockKey",
     "BlockRemoved",
     "BlockStored",
+    "ByteTokenizer",
     "CurveClientConfig",
     "CurveKeyPair",
     "CurveServerConfig",
@@ -61,12 +63,15 @@ __all__ = [
     "ReceivedBatch",
     "RouterKeyer",
     "SubscriberConfig",
+    "Tokenizer",
+    "TokenizerError",
     "WorkerCounters",
     "WorkerStream",
     "decode_batch",
     "encode_batch",
     "hash_block_sha256_cbor",
     "hash_blocks_sha256_cbor",
+    "load_tokenizer",
     "make_message",
     "none_hash",
     "pack_seq",

@@ -39,11 +39,11 @@ from pool.request import Request
 from pool.snapshot import CachedChains, ChainRun
 
 __all__ = [
+    "BatchPublisher",
     "Engine",
     "EngineClosedError",
     "EngineConfig",
     "EngineStats",
-    "EventSink",
     "InvalidRequestError",
     "OutputSink",
     "RequestOutput",
@@ -65,7 +65,7 @@ class EngineClosedError(PoolError, RuntimeError):
     """The engine is draining or stopped and takes no new work."""
 
 
-class EventSink(Protocol):
+class BatchPublisher(Protocol):
     """Where the engine publishes its KV event batches (an ``EventPublisher``)."""
 
     def publish(self, batch: KVEventBatch) -> bool:
@@ -220,7 +220,7 @@ class Engine:
         kv_cache_manager: KVCacheManager,
         config: EngineConfig | None = None,
         *,
-        event_sink: EventSink | None = None,
+        event_sink: BatchPublisher | None = None,
         eos_token_id: int | None = None,
         step_observer: Callable[[float], None] | None = None,
     ) -> None:
