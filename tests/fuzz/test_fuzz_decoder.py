@@ -144,7 +144,7 @@ odd_values = st.one_of(
     st.text(max_size=8),
     st.binary(max_size=8),
     st.lists(st.integers(min_value=-5, max_value=5), max_size=3),
-    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(-(2**63), 2**64 - 1), max_size=2),
 )
 
 
@@ -213,6 +213,28 @@ def test_decoder_returns_a_batch_or_a_counted_reason(payload: bytes) -> None:
         # compared as bytes, since a NaN ts is not equal to itself.
         encoded = encode_batch(result)
         assert encode_batch(decode_batch(encoded)) == encoded
+
+
+@FUZZ
+@given(any_payload)
+def test_skipping_unknown_events_counts_each_one(payload: bytes) -> None:
+    """With ``on_unknown``, each unknown-tag event is reported once and the rest kept."""
+    unknown: list[str] = []
+    try:
+        result = decode_batch(payload, unknown.append)
+    except EventDecodeError as exc:
+        assert exc.reason in REASONS - {"unknown_tag"}, exc
+        return
+    assert all(u.startswith("unknown_tag: ") for u in unknown)
+    try:
+        strict = decode_batch(payload)
+    except EventDecodeError as exc:
+        assert exc.reason == "unknown_tag" and unknown
+        raw_events = msgspec.msgpack.decode(payload)[1]
+        assert len(result.events) + len(unknown) == len(raw_events)
+    else:
+        assert unknown == []
+        assert encode_batch(strict) == encode_batch(result)
 
 
 @FUZZ
@@ -303,13 +325,13 @@ def fold_stream(payloads: list[bytes]) -> None:
 small_hash_payloads = st.builds(encode_batch, batches(small_hashes))
 
 
-@FUZZ
+@settings(FUZZ, max_examples=150)
 @given(st.lists(st.one_of(small_hash_payloads, any_payload), max_size=12))
 def test_fuzzed_streams_never_corrupt_the_index(payloads: list[bytes]) -> None:
     fold_stream(payloads)
 
 
-@FUZZ
+@settings(FUZZ, max_examples=100)
 @given(st.lists(stored(small_hashes), min_size=1, max_size=6), st.data())
 def test_every_malformed_block_stored_is_counted(
     good: list[BlockStored], data: st.DataObject
