@@ -25,6 +25,7 @@ class Command(NamedTuple):
 COMMANDS: Final[dict[str, Command]] = {
     "bench": Command("benchmarks.__main__", "run every benchmark (--quick: CI smoke run)"),
     "cluster": Command("router.cluster_cli", "run a local cluster on a workload and report"),
+    "router": Command("router.router_cli", "run a cache-aware router (HTTP front, proxy, index)"),
     "replay": Command("router.replay_cli", "rebuild the index at a moment of an event log"),
     "explain": Command("router.explain_cli", "explain one routing decision from an event log"),
     "events": Command("events.cli_events", "dump an event log or tail live event streams"),

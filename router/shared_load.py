@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import aiohttp
-import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
 from router.errors import RouterError
 from router.index.base import WorkerId
 from router.load import MemoryLoadTracker, WorkerLoad
+from router.redis_conn import RedisClient
 
 __all__ = [
     "RedisLoadTracker",
@@ -93,7 +93,7 @@ class RedisLoadTracker:
     ``max(_local + _remote, _reported)`` per field.
     """
 
-    def __init__(self, client: aioredis.Redis, config: SharedLoadConfig | None = None) -> None:
+    def __init__(self, client: RedisClient, config: SharedLoadConfig | None = None) -> None:
         self.config = config or SharedLoadConfig()
         self.replica_id = self.config.replica_id or uuid.uuid4().hex[:12]
         self._client = client
@@ -360,12 +360,15 @@ class WorkerReportPoller:
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._urls: dict[WorkerId, str] = {}
+        # NOTE: a worker is reachable until a poll of it fails (never polled: reachable).
+        self._unreachable: set[WorkerId] = set()
         self._loop = _Periodic(self.poll_once, interval_s)
 
     def set_worker(self, worker_id: WorkerId, url: str | None) -> None:
         """Start (``url``) or stop (``None``) polling a worker."""
         if url is None:
             self._urls.pop(worker_id, None)
+            self._unreachable.discard(worker_id)
             self._tracker.report(worker_id, None)
         else:
             self._urls[worker_id] = url.rstrip("/")
@@ -381,21 +384,36 @@ class WorkerReportPoller:
     async def poll_once(self) -> None:
         """Poll every worker once, concurrently."""
         items = list(self._urls.items())
-        loads = await asyncio.gather(*(self._poll(url) for _, url in items))
-        for (worker_id, _), load in zip(items, loads, strict=True):
+        polls = await asyncio.gather(*(self._poll(url) for _, url in items))
+        for (worker_id, _), (reachable, load) in zip(items, polls, strict=True):
             if worker_id in self._urls:  # not removed while polling
                 self._tracker.report(worker_id, load)
+                if reachable:
+                    self._unreachable.discard(worker_id)
+                else:
+                    self._unreachable.add(worker_id)
 
-    async def _poll(self, url: str) -> WorkerLoad | None:
+    def is_reachable(self, worker_id: WorkerId) -> bool:
+        """False when the last poll of the worker got no HTTP answer at all."""
+        return worker_id not in self._unreachable
+
+    async def probe(self, url: str) -> bool:
+        """True when ``url/health`` gives any HTTP answer."""
+        return (await self._poll(url.rstrip("/")))[0]
+
+    async def _poll(self, url: str) -> tuple[bool, WorkerLoad | None]:
+        """Whether the worker answered at all, and the load it reports."""
+        reachable = False
         try:
             async with self._session.get(f"{url}/health", timeout=self._timeout) as resp:
+                reachable = True
                 if resp.status == 200 and resp.content_type == "application/json":
                     load = parse_health_load(await resp.json())
                     if load is not None:
-                        return load
+                        return True, load
             async with self._session.get(f"{url}/metrics", timeout=self._timeout) as resp:
                 if resp.status == 200:
-                    return parse_vllm_metrics_load(await resp.text())
+                    return True, parse_vllm_metrics_load(await resp.text())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             logger.debug("load report of %s unavailable: %s", url, exc)
-        return None
+        return reachable, None

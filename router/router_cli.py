@@ -1,0 +1,288 @@
+"""``kvroute router``: run one cache-aware router replica from flags and an optional config file.
+
+Settings come from, in increasing priority: defaults, ``--config FILE`` (TOML or JSON,
+keys named like the flags with underscores), environment variables ``KVROUTE_REDIS_URL``
+and ``KVROUTE_NAMESPACE``, then the flags. Without ``--redis`` an embedded Redis is
+started on a free loopback port and stopped on exit. Once serving, one JSON line
+``{"router": URL, "redis": URL, "replica_id": ID}`` is printed on stdout; logs go to
+stderr. SIGTERM or SIGINT stop the router cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from events.errors import EventsError
+from router.cost import CostWeights
+from router.errors import RouterError
+from router.index.registry import WorkerRecord
+from router.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig
+from router.proxy import ProxyConfig
+from router.redis_conn import redact_url
+from router.redis_server import RedisServer
+from router.service import RequestLimits, RouterConfig, RouterService
+
+__all__ = ["build_parser", "config_from_args", "main", "parse_worker_flag"]
+
+logger = logging.getLogger(__name__)
+
+_WORKER_USAGE = "ID=HTTP_URL,events=ENDPOINT[,replay=ENDPOINT][,topic=T][,block-size=N][,kind=vllm]"
+# Flags whose value goes into CostWeights (flag dest -> field).
+_WEIGHTS = {
+    "prefill_weight": "prefill",
+    "queued_prefill_weight": "queued_prefill",
+    "decode_weight": "decode",
+    "per_request_weight": "per_request",
+    "cpu_hit_weight": "cpu_hit",
+    "temperature": "temperature",
+}
+
+
+class RouterCliError(RouterError, ValueError):
+    """A flag or the config file is invalid."""
+
+
+def parse_worker_flag(spec: str) -> WorkerRecord:
+    """Parse one ``--worker`` value (see :data:`_WORKER_USAGE`).
+
+    Raises:
+        RouterCliError: The value is malformed; the message shows the expected shape.
+    """
+    head, *options = spec.split(",")
+    worker_id, sep, url = head.partition("=")
+    if not sep or not worker_id or not url.startswith(("http://", "https://")):
+        raise RouterCliError(f"--worker {spec!r}: expected {_WORKER_USAGE}")
+    fields: dict[str, Any] = {"worker_id": worker_id, "http_url": url}
+    names = {"events": "events_endpoint", "replay": "replay_endpoint", "topic": "topic",
+             "block-size": "block_size", "block_size": "block_size", "kind": "kind"}  # fmt: skip
+    for option in options:
+        name, sep, value = option.partition("=")
+        if not sep or name not in names:
+            raise RouterCliError(
+                f"--worker {spec!r}: bad option {option!r}; expected {_WORKER_USAGE}"
+            )
+        fields[names[name]] = value
+    if "events_endpoint" not in fields:
+        raise RouterCliError(
+            f"--worker {spec!r}: events=ENDPOINT is required; expected {_WORKER_USAGE}"
+        )
+    return _record(fields, f"--worker {spec!r}")
+
+
+def _record(fields: dict[str, Any], where: str) -> WorkerRecord:
+    try:
+        if "block_size" in fields:
+            fields["block_size"] = int(fields["block_size"])
+        return WorkerRecord(**fields)
+    except (TypeError, ValueError, RouterError) as exc:
+        raise RouterCliError(f"{where}: {exc}") from exc
+
+
+def _config_workers(items: Any) -> list[WorkerRecord]:
+    """Workers of a config file: flag strings or tables like ``POST /v1/workers`` bodies."""
+    if not isinstance(items, list):
+        raise RouterCliError("config 'workers' must be a list")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(parse_worker_flag(item))
+        elif isinstance(item, dict):
+            renamed = {"url": "http_url", "events": "events_endpoint", "replay": "replay_endpoint"}
+            fields = {renamed.get(str(k), str(k)): v for k, v in item.items()}
+            out.append(_record(fields, f"config worker {item}"))
+        else:
+            raise RouterCliError(f"config worker {item!r} must be a string or a table")
+    return out
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or JSON config file into a dict of flag-named settings.
+
+    Raises:
+        RouterCliError: The file cannot be read or parsed, or is not a table.
+    """
+    try:
+        text = Path(path).read_text()
+        data = tomllib.loads(text) if path.endswith(".toml") else json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise RouterCliError(f"--config {path!r}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RouterCliError(f"--config {path!r}: expected a table of settings")
+    return data
+
+
+def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
+    """``(flag, type, help)`` of every single-valued flag; help states the default."""
+    w = CostWeights()
+    return [
+        ("--redis", str, "Redis URL (redis://, rediss:// for TLS, password in the URL); default: "
+         "$KVROUTE_REDIS_URL, else an embedded redis-server on loopback"),
+        ("--namespace", str, "key namespace shared by the replicas of one cluster (default: "
+         "$KVROUTE_NAMESPACE, else 'default')"),
+        ("--host", str, "address to listen on (default: 127.0.0.1, loopback only)"),
+        ("--port", int, "port to listen on; 0 picks a free one (default: 8000)"),
+        ("--config", str, "TOML or JSON file with any of these settings (keys with underscores; "
+         "'workers' a list of --worker specs or POST /v1/workers tables); flags override it"),
+        ("--prefill-weight", float, f"cost per prompt token to compute (default: {w.prefill})"),
+        ("--queued-prefill-weight", float, "cost per prompt token queued on the worker "
+         f"(default: {w.queued_prefill})"),
+        ("--decode-weight", float, f"cost per output token in flight (default: {w.decode})"),
+        ("--per-request-weight", float, "cost per request in flight on the worker "
+         f"(default: {w.per_request})"),
+        ("--cpu-hit-weight", float, "fraction of a CPU-tier hit's prefill that is saved "
+         f"(default: {w.cpu_hit})"),
+        ("--temperature", float, "softmax temperature over costs; 0 picks the cheapest "
+         f"(default: {w.temperature})"),
+        ("--predicted-ttl", float, "seconds a routed prefix is credited to its worker before "
+         f"its events confirm it (default: {PolicyConfig().predicted_ttl_s})"),
+        ("--seed", int, "seed of the sampling policies (default: 0)"),
+        ("--decision-log", str, "append one JSON line per routing decision to this file "
+         "(read by kvroute explain)"),
+        ("--tokenizer", str, "Hugging Face tokenizer.json; must be the workers' own (default: "
+         "the byte-level tokenizer, as the workers')"),
+        ("--chat-template", str, "tokenizer_config.json whose chat_template renders chat "
+         "requests (default: a built-in <|role|> template)"),
+        ("--max-body-bytes", int, "largest request body accepted (default: 4194304)"),
+        ("--max-prompt-tokens", int, "longest prompt accepted, in tokens (default: 131072)"),
+        ("--lease-ttl", float, "seconds of a worker's index lease; a dead worker or router is "
+         "dropped after it (default: 10)"),
+    ]  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kvroute router``."""
+    p = argparse.ArgumentParser(
+        prog="kvroute router",
+        description="Run a cache-aware router: ingests workers' KV events into a Redis prefix "
+        "index and routes each request to the worker that holds most of its prefix without "
+        "overloading it. Several replicas may share one Redis and namespace.",
+    )
+    for flag, kind, help_text in _flags():
+        p.add_argument(flag, type=kind, help=help_text)
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=f"register a worker: {_WORKER_USAGE} (repeatable)",
+    )
+    p.add_argument(
+        "--policy", choices=POLICY_NAMES, help=f"routing policy (default: {DEFAULT_POLICY})"
+    )
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
+    """Merge defaults, the config file, the environment and flags into a :class:`RouterConfig`.
+
+    Raises:
+        RouterCliError: A setting is invalid.
+    """
+    file = load_config_file(args.config) if args.config else {}
+    known = {a.dest for a in build_parser()._actions} | {"workers"}
+    unknown = sorted(set(file) - known)
+    if unknown:
+        raise RouterCliError(f"--config {args.config!r}: unknown settings {', '.join(unknown)}")
+
+    def pick(name: str, default: Any, env: str | None = None) -> Any:
+        flag = getattr(args, name, None)
+        if flag is not None:
+            return flag
+        if env is not None and os.environ.get(env):
+            return os.environ[env]
+        return file.get(name, default)
+
+    defaults = CostWeights()
+    try:
+        weights = CostWeights(
+            **{f: pick(dest, getattr(defaults, f)) for dest, f in _WEIGHTS.items()}
+        )
+        policy_config = PolicyConfig(
+            weights=weights,
+            seed=pick("seed", 0),
+            predicted_ttl_s=pick("predicted_ttl", PolicyConfig().predicted_ttl_s),
+        )
+        limits = RequestLimits(
+            max_body_bytes=pick("max_body_bytes", RequestLimits().max_body_bytes),
+            max_prompt_tokens=pick("max_prompt_tokens", RequestLimits().max_prompt_tokens),
+        )
+    except (TypeError, ValueError) as exc:
+        raise RouterCliError(f"invalid setting: {exc}") from exc
+    workers = _config_workers(file.get("workers", [])) + [parse_worker_flag(s) for s in args.worker]
+    return RouterConfig(
+        redis_url=redis_url,
+        namespace=pick("namespace", "default", "KVROUTE_NAMESPACE"),
+        host=pick("host", "127.0.0.1"),
+        port=pick("port", 8000),
+        workers=tuple(workers),
+        policy=pick("policy", DEFAULT_POLICY),
+        policy_config=policy_config,
+        tokenizer=pick("tokenizer", None),
+        chat_template=pick("chat_template", None),
+        decision_log=pick("decision_log", None),
+        limits=limits,
+        proxy=ProxyConfig(),
+        lease_ttl_s=float(pick("lease_ttl", 10.0)),
+    )
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    redis_url = args.redis or os.environ.get("KVROUTE_REDIS_URL")
+    if redis_url is None and args.config:
+        redis_url = load_config_file(args.config).get("redis")
+    embedded: RedisServer | None = None
+    if redis_url is None:
+        embedded = RedisServer().start()
+        redis_url = embedded.url
+        logger.info("no --redis given: started an embedded Redis at %s", redis_url)
+    try:
+        service = RouterService(config_from_args(args, redis_url))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await service.start()
+            ready = {"router": service.url, "redis": redact_url(redis_url),
+                     "replica_id": service.load.replica_id}  # fmt: skip
+            print(json.dumps(ready), flush=True)
+            await stop.wait()
+            logger.info("stopping the router")
+        finally:
+            with contextlib.suppress(AttributeError):  # start() failed before building it all
+                await service.close()
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``kvroute router``; returns the exit code."""
+    args = build_parser().parse_args(list(argv))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return asyncio.run(_serve(args))
+    except (RouterError, EventsError, OSError, ValueError) as exc:
+        logger.error("router failed: %s", exc)
+        return 1

@@ -1,0 +1,565 @@
+"""The router service: assembles index, ingest, policy, shared load, proxy and HTTP front.
+
+:class:`RouterService` owns one router replica's life: it connects to Redis, ingests the
+registered workers' event streams into the prefix index (:mod:`router.ingest`), shares
+in-flight load with the other replicas (:mod:`router.shared_load`), decides routes with a
+policy (:mod:`router.policies`) and forwards requests (:mod:`router.proxy`) behind the
+HTTP API of :mod:`router.http_api`.
+
+Degraded mode: when the index lookup fails (Redis unreachable or slow), the decision is
+made without cached prefixes, i.e. on load (and predicted entries) alone, ``/health``
+says ``"index": "degraded"`` and the ``kvroute_router_index_live`` gauge drops to 0. A
+lookup is retried at most once per ``probe_interval_s`` until one succeeds; the ingest
+rebuilds the index by itself when Redis is back. The index never causes a 5xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Final
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from redis.exceptions import RedisError
+
+from events.hashing import BlockKey, RouterKeyer
+from events.tokenizer import Tokenizer, load_tokenizer
+from router.chat import ChatTemplate, load_chat_template
+from router.errors import PrefixIndexError, RouterError
+from router.index.base import PrefixMatch, WorkerId
+from router.index.layout import KeyLayout
+from router.index.redis_index import RedisPrefixIndex
+from router.index.registry import WorkerRecord, WorkerRegistry
+from router.ingest import IndexIngest, IngestConfig
+from router.load import finished, prefilled, routed
+from router.metrics import IngestMetrics
+from router.policies import (
+    DEFAULT_POLICY,
+    Decision,
+    PolicyConfig,
+    RouteRequest,
+    build_candidates,
+    make_policy,
+)
+from router.predicted import PredictedEntries
+from router.proxy import ProxyConfig, ProxyTarget, WorkerProxy
+from router.redis_conn import RedisClient, RedisOptions, connect
+from router.service_metrics import RouterMetrics
+from router.shared_load import RedisLoadTracker, SharedLoadConfig, WorkerReportPoller
+
+__all__ = ["NoWorkersError", "RequestLimits", "Routed", "RouterConfig", "RouterService"]
+
+logger = logging.getLogger(__name__)
+
+_INDEX_ERRORS: Final = (RedisError, OSError, PrefixIndexError, asyncio.TimeoutError)
+
+
+class NoWorkersError(RouterError):
+    """No worker is registered (or every one is unreachable): nothing to route to."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on what clients may send (a violation is a 4xx, never a crash).
+
+    Attributes:
+        max_body_bytes: Largest request body (413 above it).
+        max_prompt_tokens: Longest prompt in tokens.
+        max_output_tokens: Largest ``max_tokens``.
+        max_messages: Most messages in a chat request.
+    """
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: int = 131_072
+    max_output_tokens: int = 65_536
+    max_messages: int = 1_024
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything one router replica needs; flags of ``kvroute router`` map onto it.
+
+    Attributes:
+        redis_url: The Redis holding index, registry and shared load.
+        namespace: Key namespace shared by the replicas of one cluster.
+        host: Address the HTTP API binds (loopback by default).
+        port: Its port (0: any free one).
+        workers: Workers registered at start (more via ``POST /v1/workers``).
+        policy: Routing policy name (see :data:`router.policies.POLICY_NAMES`).
+        policy_config: Cost weights and policy settings.
+        key_seed: Router key seed (must match across replicas).
+        tokenizer: ``tokenizer.json`` path, or ``None`` for the byte-level default; must
+            be the workers' own.
+        chat_template: ``tokenizer_config.json`` whose ``chat_template`` renders chat
+            requests, or ``None`` for the built-in template.
+        decision_log: File that gets one JSON line per routing decision.
+        limits: Request size limits.
+        proxy: Forwarding timeouts and attempts.
+        lease_ttl_s: Lease of a worker's index entries (a dead router's workers are
+            reaped after it).
+        lookup_timeout_s: Longest index lookup before routing without it.
+        probe_interval_s: While degraded, how often a lookup tries Redis again.
+        route_hold_s: How long a ``/v1/route`` decision counts as load on its worker
+            (the gateway, not the router, sends the request).
+        suspect_s: How long a worker that failed a forwarded request is skipped.
+        dead_after_s: A worker unreachable for this long loses its index entries and
+            registration until it answers again (``None``: the lease TTL).
+        load_refresh_s: How often other replicas' load is re-read.
+        health_poll_s: How often workers' own load reports are polled.
+        replica_id: This replica's id (random by default).
+    """
+
+    redis_url: str
+    namespace: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: tuple[WorkerRecord, ...] = ()
+    policy: str = DEFAULT_POLICY
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    key_seed: int = 0
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    decision_log: str | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    lease_ttl_s: float = 10.0
+    lookup_timeout_s: float = 0.25
+    probe_interval_s: float = 1.0
+    route_hold_s: float = 2.0
+    suspect_s: float = 5.0
+    dead_after_s: float | None = None
+    load_refresh_s: float = 0.05
+    health_poll_s: float = 0.5
+    replica_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A routing decision with what is needed to act on it.
+
+    Attributes:
+        decision: The policy's decision and explanation.
+        targets: Candidates to forward to, best first (the chosen one first).
+        keys: The request's router keys (credited to the worker that serves it).
+        num_prompt_tokens: Prompt length.
+        num_output_tokens: Expected output tokens.
+    """
+
+    decision: Decision
+    targets: tuple[ProxyTarget, ...]
+    keys: tuple[BlockKey, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    def prefill_of(self, worker_id: WorkerId) -> int:
+        """Prompt tokens ``worker_id`` is expected to compute for this request."""
+        for c in self.decision.candidates:
+            if c.worker_id == worker_id:
+                return max(self.num_prompt_tokens - c.predicted_tokens, 0)
+        return self.num_prompt_tokens
+
+
+class RouterService:
+    """One router replica.
+
+    Args:
+        config: The replica's configuration.
+    """
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer)
+        self.chat_template: ChatTemplate = load_chat_template(config.chat_template)
+        self.policy = make_policy(config.policy, config.policy_config)
+        self.metrics = RouterMetrics()
+        self.ingest_metrics = IngestMetrics(self.metrics.registry)
+        self.keyer = RouterKeyer(config.key_seed)
+        self._predicted = (
+            PredictedEntries(self.policy.credit_ttl_s) if self.policy.credit_ttl_s > 0 else None
+        )
+        self._records: dict[WorkerId, WorkerRecord] = {}
+        self._dead: dict[WorkerId, WorkerRecord] = {}
+        self._unreachable_since: dict[WorkerId, float] = {}
+        self._suspect_until: dict[WorkerId, float] = {}
+        self._index_live = True
+        self._next_probe = 0.0
+        self._decision_log: IO[bytes] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = asyncio.Event()
+        self.port = config.port
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Connect to Redis, start ingest, load sharing and the HTTP API; returns the port.
+
+        Raises:
+            router.redis_conn.RedisConnectError: Redis cannot be reached.
+            OSError: The HTTP port cannot be bound.
+        """
+        from router.http_api import make_app  # the HTTP layer imports this module
+
+        cfg = self.config
+        layout = KeyLayout(cfg.namespace)
+        self._client: RedisClient = await connect(cfg.redis_url)
+        # Routing reads go through a client that fails fast: a slow Redis must not stall
+        # requests (the ingest's client retries patiently instead).
+        self._fast_client: RedisClient = await connect(
+            cfg.redis_url, RedisOptions(socket_timeout_s=cfg.lookup_timeout_s, retries=0)
+        )
+        self._lookup_index = RedisPrefixIndex(self._fast_client, layout, self.keyer)
+        self.registry = WorkerRegistry(
+            self._client, layout, lease_ttl_ms=int(cfg.lease_ttl_s * 1000)
+        )
+        self.ingest = IndexIngest(
+            RedisPrefixIndex(self._client, layout, self.keyer),
+            self.registry,
+            IngestConfig(maintain_interval_s=cfg.lease_ttl_s / 3),
+            self.ingest_metrics,
+        )
+        self.load = RedisLoadTracker(
+            self._fast_client,
+            SharedLoadConfig(cfg.namespace, cfg.replica_id, cfg.lease_ttl_s, cfg.load_refresh_s),
+        )
+        self._session = aiohttp.ClientSession()
+        self.proxy = WorkerProxy(self._session, cfg.proxy)
+        self.poller = WorkerReportPoller(self.load, self._session, cfg.health_poll_s)
+        if cfg.decision_log is not None:
+            self._decision_log = open(cfg.decision_log, "ab")  # noqa: SIM115
+        await self.load.start()
+        await self.ingest.start(cfg.workers)
+        await self._sync_workers()
+        self.poller.start()
+        self._spawn(self._maintain_forever(), "router-maintenance")
+        self._runner = web.AppRunner(make_app(self), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.host, cfg.port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        self.metrics.index_live.set(1)
+        logger.info("router listening on http://%s:%d (policy %s)", cfg.host, self.port, cfg.policy)
+        return self.port
+
+    async def close(self) -> None:
+        """Stop serving and release everything (leases, load, connections)."""
+        self._closing.set()
+        if hasattr(self, "_runner"):
+            await self._runner.cleanup()
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.poller.close()
+        await self.ingest.close()
+        await self.load.close()
+        await self._session.close()
+        await self._client.aclose()
+        await self._fast_client.aclose()
+        if self._decision_log is not None:
+            self._decision_log.close()
+
+    @property
+    def url(self) -> str:
+        """Base URL of this replica's HTTP API."""
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def index_live(self) -> bool:
+        """False while routing is degraded to load only."""
+        return self._index_live
+
+    # -- workers -------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[WorkerRecord]:
+        """Registered workers, sorted by id."""
+        return [self._records[w] for w in sorted(self._records)]
+
+    async def add_worker(self, record: WorkerRecord) -> None:
+        """Register a worker (persisted in Redis) and start ingesting and routing to it.
+
+        Raises:
+            redis.exceptions.RedisError: Redis is unreachable.
+        """
+        await self.ingest.add_worker(record)
+        self._set_worker(record)
+
+    async def remove_worker(self, worker_id: WorkerId) -> bool:
+        """Unregister a worker and drop its entries; False when it was not registered."""
+        known = worker_id in self._records or worker_id in self._dead
+        await self.ingest.remove_worker(worker_id)
+        self._dead.pop(worker_id, None)
+        self._drop_worker(worker_id)
+        return known
+
+    def _set_worker(self, record: WorkerRecord) -> None:
+        wid = WorkerId(record.worker_id)
+        self._records[wid] = record
+        self.poller.set_worker(wid, record.http_url)
+
+    def _drop_worker(self, worker_id: WorkerId) -> None:
+        self._records.pop(worker_id, None)
+        self.poller.set_worker(worker_id, None)
+        if self._predicted is not None:
+            self._predicted.forget(worker_id)
+
+    async def _sync_workers(self) -> None:
+        """Adopt registrations made by other replicas; forget those they removed."""
+        persisted = {WorkerId(r.worker_id): r for r in await self.registry.records()}
+        for wid, record in persisted.items():
+            if self._records.get(wid) != record:
+                self._set_worker(record)
+        for wid in [w for w in self._records if w not in persisted]:
+            self._drop_worker(wid)
+
+    # -- routing -------------------------------------------------------------------------
+
+    def _candidates(self) -> list[WorkerRecord]:
+        now = time.monotonic()
+        records = self.workers
+        healthy = [r for r in records if self._suspect_until.get(WorkerId(r.worker_id), 0) <= now]
+        return healthy or records
+
+    async def decide(
+        self,
+        token_ids: Sequence[int],
+        num_output_tokens: int,
+        *,
+        cache_salt: str | None = None,
+        record: bool = True,
+    ) -> Routed:
+        """Choose a worker for a prompt.
+
+        Args:
+            token_ids: The prompt's token ids.
+            num_output_tokens: Expected output tokens (``max_tokens``).
+            cache_salt: The request's cache salt, if any.
+            record: Credit predicted entries, count metrics and log the decision (False
+                for a dry run, which changes nothing).
+
+        Returns:
+            The decision and the forwarding order.
+
+        Raises:
+            NoWorkersError: No worker is registered.
+        """
+        started = time.perf_counter()
+        records = self._candidates()
+        if not records:
+            raise NoWorkersError("no worker is registered: add one with POST /v1/workers")
+        block_size = records[0].block_size
+        keys = self.keyer.keys(token_ids, block_size, cache_salt=cache_salt)
+        workers = [WorkerId(r.worker_id) for r in records]
+        matches: Mapping[WorkerId, PrefixMatch] = {}
+        if self.policy.uses_index:
+            matches = await self._lookup(token_ids, records, keys, cache_salt)
+        now = time.monotonic()
+        predicted = self._predicted.lookup(keys, workers, now) if self._predicted else None
+        loads = await self.load.snapshot(workers)
+        candidates = build_candidates(workers, loads, matches, predicted)
+        request = RouteRequest(keys, len(token_ids), block_size, num_output_tokens)
+        decision = self.policy.decide(request, candidates)
+        by_id = {WorkerId(r.worker_id): r for r in records}
+        order = sorted(
+            decision.candidates, key=lambda c: (c.worker_id != decision.worker_id, c.score)
+        )
+        targets = tuple(ProxyTarget(c.worker_id, by_id[c.worker_id].http_url or "") for c in order)
+        routed_ = Routed(decision, targets, tuple(keys), len(token_ids), num_output_tokens)
+        if record:
+            if self._predicted is not None:
+                self._predicted.credit(decision.worker_id, keys, now)
+            self._record(decision, len(token_ids))
+        self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
+        return routed_
+
+    async def _lookup(
+        self,
+        token_ids: Sequence[int],
+        records: Sequence[WorkerRecord],
+        keys: Sequence[BlockKey],
+        cache_salt: str | None,
+    ) -> Mapping[WorkerId, PrefixMatch]:
+        """Index matches in units of ``records[0].block_size`` blocks; {} while degraded."""
+        now = time.monotonic()
+        if not self._index_live and now < self._next_probe:
+            return {}
+        base = records[0].block_size
+        groups: dict[int, list[WorkerId]] = {}
+        for r in records:
+            groups.setdefault(r.block_size, []).append(WorkerId(r.worker_id))
+        out: dict[WorkerId, PrefixMatch] = {}
+        try:
+            for size, members in groups.items():
+                group_keys = (
+                    keys
+                    if size == base
+                    else self.keyer.keys(token_ids, size, cache_salt=cache_salt)
+                )
+                found = await asyncio.wait_for(
+                    self._lookup_index.lookup(group_keys, members), self.config.lookup_timeout_s
+                )
+                for wid, match in found.items():
+                    out[wid] = match if size == base else _rescale(match, size, base)
+        except _INDEX_ERRORS as exc:
+            self.metrics.index_errors.labels("lookup").inc()
+            self._next_probe = now + self.config.probe_interval_s
+            if self._index_live:
+                logger.warning(
+                    "index lookup failed (%s); routing on load only until it answers", exc
+                )
+            self._set_index_live(False)
+            return {}
+        if not self._index_live:
+            logger.info("index lookup answers again; cache-aware routing resumed")
+        self._set_index_live(True)
+        return out
+
+    def _set_index_live(self, live: bool) -> None:
+        self._index_live = live
+        self.metrics.index_live.set(1 if live else 0)
+
+    def _record(self, decision: Decision, num_prompt_tokens: int) -> None:
+        chosen = decision.chosen
+        self.metrics.decisions.labels(decision.worker_id, decision.policy).inc()
+        self.metrics.matched_tokens.labels(decision.worker_id).inc(chosen.matched_tokens)
+        self.metrics.predicted_tokens.labels(decision.worker_id).inc(chosen.predicted_tokens)
+        if self._decision_log is not None:
+            line = msgspec.json.encode(
+                {
+                    "ts": time.time(),
+                    "worker_id": decision.worker_id,
+                    "policy": decision.policy,
+                    "num_prompt_tokens": num_prompt_tokens,
+                    "index_live": self._index_live,
+                    "candidates": decision.candidates,
+                }
+            )
+            self._decision_log.write(line + b"\n")
+            self._decision_log.flush()
+
+    async def hold(self, routed_: Routed) -> None:
+        """Count a ``/v1/route`` decision as load on its worker for ``route_hold_s``."""
+        wid = routed_.decision.worker_id
+        prefill = routed_.prefill_of(wid)
+        await self.load.add(wid, routed(prefill, routed_.num_output_tokens))
+
+        async def release() -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), self.config.route_hold_s)
+            await self.load.add(wid, prefilled(prefill) + finished(routed_.num_output_tokens))
+
+        self._spawn(release(), f"hold-{wid}")
+
+    def accounting(self, routed_: Routed) -> LoadAccounting:
+        """An observer that accounts a forwarded request's load on each worker tried."""
+        return LoadAccounting(self, routed_)
+
+    def actual_hits(self, worker_id: WorkerId, usage: Mapping[str, object] | None) -> None:
+        """Count the prefix hit the worker reported for a request it served."""
+        if not usage:
+            return
+        cached = usage.get("cached_tokens")
+        details = usage.get("prompt_tokens_details")
+        if cached is None and isinstance(details, dict):
+            cached = details.get("cached_tokens")
+        if isinstance(cached, int) and not isinstance(cached, bool):
+            self.metrics.actual_hit_tokens.labels(worker_id).inc(cached)
+
+    # -- background ----------------------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _maintain_forever(self) -> None:
+        interval = min(1.0, self.config.lease_ttl_s / 3)
+        while not self._closing.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._closing.wait(), interval)
+            try:
+                await self.maintain_once()
+            except Exception:  # keep maintaining: a dead loop would freeze the worker set
+                logger.exception("router maintenance failed; retrying")
+
+    async def maintain_once(self) -> None:
+        """Sync the worker set, retire dead workers, revive returning ones."""
+        self.metrics.shared_load_live.set(1 if self.load.is_shared else 0)
+        with contextlib.suppress(*_INDEX_ERRORS):
+            await self._sync_workers()
+        dead_after = self.config.dead_after_s or self.config.lease_ttl_s
+        now = time.monotonic()
+        for wid in list(self._records):
+            if self.poller.is_reachable(wid):
+                self._unreachable_since.pop(wid, None)
+            elif now - self._unreachable_since.setdefault(wid, now) >= dead_after:
+                record = self._records[wid]
+                logger.warning("worker %s unreachable for %.0fs: dropping it", wid, dead_after)
+                with contextlib.suppress(*_INDEX_ERRORS):
+                    await self.remove_worker(wid)
+                    self._dead[wid] = record
+                    self._unreachable_since.pop(wid, None)
+        for wid, record in list(self._dead.items()):
+            if record.http_url and await self.poller.probe(record.http_url):
+                logger.info("worker %s answers again: registering it", wid)
+                with contextlib.suppress(*_INDEX_ERRORS):
+                    await self.add_worker(record)
+                    del self._dead[wid]
+
+    def mark_suspect(self, worker_id: WorkerId) -> None:
+        """Skip a worker that just failed a forwarded request for ``suspect_s``."""
+        self._suspect_until[worker_id] = time.monotonic() + self.config.suspect_s
+
+
+class LoadAccounting:
+    """Accounts one forwarded request's load on each worker it is sent to.
+
+    Routed load is added when an attempt starts, its prefill leaves the queue at the first
+    byte of the answer, and the rest when the attempt ends (a failed attempt leaves no
+    load behind). Implements :class:`router.proxy.AttemptObserver`.
+    """
+
+    def __init__(self, service: RouterService, routed_: Routed) -> None:
+        self._service = service
+        self._routed = routed_
+        self._prefilled: set[WorkerId] = set()
+
+    async def attempt_started(self, target: ProxyTarget) -> None:
+        """Add the request's load to ``target``."""
+        prefill = self._routed.prefill_of(target.worker_id)
+        await self._service.load.add(
+            target.worker_id, routed(prefill, self._routed.num_output_tokens)
+        )
+
+    async def first_byte(self, target: ProxyTarget) -> None:
+        """The prefill is done: it leaves ``target``'s queue."""
+        self._prefilled.add(target.worker_id)
+        await self._service.load.add(
+            target.worker_id, prefilled(self._routed.prefill_of(target.worker_id))
+        )
+
+    async def attempt_ended(self, target: ProxyTarget, ok: bool) -> None:
+        """Remove the rest of the request's load; a failing worker becomes suspect."""
+        wid = target.worker_id
+        delta = finished(self._routed.num_output_tokens)
+        if wid not in self._prefilled:
+            delta = delta + prefilled(self._routed.prefill_of(wid))
+        await self._service.load.add(wid, delta)
+        self._service.metrics.proxy_attempts.labels(wid, "ok" if ok else "failed").inc()
+        if not ok:
+            self._service.mark_suspect(wid)
+
+
+def _rescale(match: PrefixMatch, size: int, base: int) -> PrefixMatch:
+    """A match in blocks of ``size`` tokens expressed in (whole) blocks of ``base`` tokens."""
+    return PrefixMatch(
+        match.num_blocks * size // base,
+        match.num_gpu_blocks * size // base,
+        match.num_cpu_blocks * size // base,
+    )
