@@ -10,6 +10,7 @@ never touches a cache, is the reference the paged path must agree with.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from typing import Final
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from events.tokenizer import BYTE_VOCAB_SIZE
 from pool.errors import PoolError
@@ -230,38 +232,15 @@ class DecoderModel(nn.Module):
         Returns:
             Logits of each item's last token, ``[len(items), vocab_size]``, float32.
         """
-        device = self.device
+        plan = _PagedPlan(items, cache)
         tokens = [t for item in items for t in item.token_ids]
-        positions = torch.cat(
-            [torch.arange(item.start_pos, item.start_pos + len(item.token_ids)) for item in items]
-        ).to(device)
-        write_slots = torch.cat(
-            [
-                cache.slot_mapping(
-                    item.block_ids, item.start_pos, item.start_pos + len(item.token_ids)
-                )
-                for item in items
-            ]
-        )
-        context_slots = [
-            cache.slot_mapping(item.block_ids, 0, item.start_pos + len(item.token_ids))
-            for item in items
-        ]
-        x = self.embed(torch.as_tensor(tokens, dtype=torch.long, device=device))
-        rope = self._rope(positions)
+        x = self.embed(torch.as_tensor(tokens, dtype=torch.long, device=self.device))
+        rope = self._rope(plan.positions)
         for index, layer in enumerate(self._layers):
             q, k, v = self._qkv(layer, x, rope)
-            cache.write(index, write_slots, k, v)
-            outs = []
-            offset = 0
-            for item, slots in zip(items, context_slots, strict=True):
-                n = len(item.token_ids)
-                ctx_k, ctx_v = cache.read(index, slots)
-                outs.append(_attend(q[offset : offset + n], ctx_k, ctx_v, item.start_pos))
-                offset += n
-            x = self._finish_layer(layer, x, torch.cat(outs))
-        ends = torch.tensor([len(item.token_ids) for item in items], device=device).cumsum(0) - 1
-        return self._logits(x[ends])
+            cache.write(index, plan.write_slots, k, v)
+            x = self._finish_layer(layer, x, plan.attend(index, q, cache))
+        return self._logits(x[plan.last_rows])
 
     @torch.inference_mode()
     def forward_dense(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -302,6 +281,65 @@ class DecoderModel(nn.Module):
         h = F.rms_norm(x, (self.config.hidden_size,), self.final_norm)
         logits: torch.Tensor = self.lm_head(h)
         return logits.float()
+
+
+class _PagedPlan:
+    """The addressing of one paged step, computed once and used by every layer.
+
+    Single-token items (decodes) are attended together in one padded batch; longer items
+    (prefills) one by one, each with its causal mask.
+    """
+
+    def __init__(self, items: Sequence[ForwardItem], cache: PagedKVCache) -> None:
+        device = cache.device
+        lengths = [len(item.token_ids) for item in items]
+        spans = [(item.start_pos, item.start_pos + len(item.token_ids)) for item in items]
+        self.positions = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
+        self.write_slots = torch.cat(
+            [cache.slot_mapping(i.block_ids, a, b) for i, (a, b) in zip(items, spans, strict=True)]
+        )
+        contexts = [
+            cache.slot_mapping(i.block_ids, 0, b) for i, (_, b) in zip(items, spans, strict=True)
+        ]
+        first_rows = [0, *itertools.accumulate(lengths)][:-1]
+        self.last_rows = torch.tensor(
+            [first + n - 1 for first, n in zip(first_rows, lengths, strict=True)], device=device
+        )
+        # (first row, token count, start position, context slots) of each prefill.
+        self.prefills = [
+            (first_rows[row], n, spans[row][0], contexts[row])
+            for row, n in enumerate(lengths)
+            if n > 1
+        ]
+        decodes = [row for row, n in enumerate(lengths) if n == 1]
+        self.decode_rows = self.last_rows[decodes]
+        self.decode_slots: torch.Tensor | None = None
+        self.decode_mask: torch.Tensor | None = None
+        if decodes:
+            # Padding reads slot 0 (inside the pool's never-allocated null block); masked.
+            self.decode_slots = pad_sequence(
+                [contexts[row] for row in decodes], batch_first=True, padding_value=0
+            )
+            widths = torch.tensor([spans[row][1] for row in decodes], device=device)
+            columns = torch.arange(self.decode_slots.shape[1], device=device)
+            self.decode_mask = (columns[None, :] < widths[:, None])[:, None, None, :]
+
+    def attend(self, layer: int, q: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+        """Attention output of every new token of the step, ``[tokens, heads, head_dim]``."""
+        out = torch.empty_like(q)
+        for first, n, start, slots in self.prefills:
+            key, value = cache.read(layer, slots)
+            out[first : first + n] = _attend(q[first : first + n], key, value, start)
+        if self.decode_slots is not None:
+            key, value = cache.read(layer, self.decode_slots)  # [batch, width, heads, dim]
+            attn = F.scaled_dot_product_attention(
+                q[self.decode_rows][:, :, None, :],
+                key.transpose(1, 2),
+                value.transpose(1, 2),
+                attn_mask=self.decode_mask,
+            )
+            out[self.decode_rows] = attn[:, :, 0, :]
+        return out
 
 
 def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
