@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final, NamedTuple
 
 from events.hashing import BlockKey, RouterKeyer, router_block_keys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
@@ -39,8 +39,6 @@ GPU_MASK: Final = 1
 CPU_MASK: Final = 2
 """Presence bit of a block held on a slower tier (``"CPU"``, ``"STORAGE"``, ...)."""
 
-_MAX_TOKEN: Final = 0xFFFF_FFFF
-
 
 def tier_mask(medium: str | None) -> int:
     """The presence bit of a medium: GPU for ``"GPU"`` or ``None``, else CPU."""
@@ -62,8 +60,7 @@ def cache_salt_of(event: BlockStored) -> str | None:
     return salts[-1] if salts else None
 
 
-@dataclass(frozen=True, slots=True)
-class EntryChange:
+class EntryChange(NamedTuple):
     """How one worker's entry for a router key changes.
 
     Attributes:
@@ -95,35 +92,17 @@ class BridgeCounters:
     ignored_groups: int = 0
 
 
-@dataclass(slots=True)
-class _Copies:
-    """Physical copies of one engine hash on one worker.
-
-    NOTE: ``gpu + cpu >= 1`` while the hash is in the bridge; at 0 it is deleted.
-    """
-
-    key: BlockKey
-    gpu: int = 0
-    cpu: int = 0
-    # NOTE: a detached hash chains from an unknown ancestor: it has no router key and
-    # no index entry (a lookup from block 0 could never reach it).
-    detached: bool = False
+# Per engine hash: [router key or None (detached), GPU copies, CPU copies]; per router
+# key: [family tag, GPU copies, CPU copies]. Plain lists: the hot path creates one of
+# each per new block, and a list is several times cheaper to create than an object.
+_KEY, _TAG, _GPU, _CPU = 0, 0, 1, 2
+# NOTE: an engine hash's entry is deleted when its GPU + CPU copies reach 0; a router
+# key's counts equal the sums over the engine hashes that map to it. A detached hash
+# (key None) chains from an unknown ancestor: no router key, no index entry.
 
 
-@dataclass(slots=True)
-class _KeyState:
-    """Copies of one router key on one worker, over all engine hashes mapping to it.
-
-    NOTE: ``gpu`` / ``cpu`` equal the sums of the ``_Copies`` counts that map here.
-    """
-
-    tag: BlockKey
-    gpu: int = 0
-    cpu: int = 0
-
-    @property
-    def mask(self) -> int:
-        return (GPU_MASK if self.gpu else 0) | (CPU_MASK if self.cpu else 0)
+def _mask(counts: list[Any]) -> int:
+    return (GPU_MASK if counts[_GPU] else 0) | (CPU_MASK if counts[_CPU] else 0)
 
 
 class _Orphan(Exception):
@@ -146,8 +125,8 @@ class WorkerBridge:
     keyer: RouterKeyer
     tolerate_orphans: bool = False
     counters: BridgeCounters = field(default_factory=BridgeCounters)
-    _copies: dict[WireHash, _Copies] = field(default_factory=dict)
-    _keys: dict[BlockKey, _KeyState] = field(default_factory=dict)
+    _copies: dict[WireHash, list[Any]] = field(default_factory=dict)
+    _keys: dict[BlockKey, list[Any]] = field(default_factory=dict)
 
     @property
     def num_hashes(self) -> int:
@@ -156,7 +135,7 @@ class WorkerBridge:
 
     def entries(self) -> dict[BlockKey, tuple[BlockKey, int]]:
         """Every held router key with its family tag and tier mask."""
-        return {key: (state.tag, state.mask) for key, state in self._keys.items()}
+        return {key: (state[_TAG], _mask(state)) for key, state in self._keys.items()}
 
     def has_hash(self, block_hash: WireHash) -> bool:
         """True when the engine hash is held on some tier."""
@@ -165,7 +144,7 @@ class WorkerBridge:
     def reset(self) -> Changes:
         """Forget everything; returns the removal of every held entry."""
         changes = {
-            key: EntryChange(key, state.tag, state.mask, 0) for key, state in self._keys.items()
+            key: EntryChange(key, state[_TAG], _mask(state), 0) for key, state in self._keys.items()
         }
         self._copies.clear()
         self._keys.clear()
@@ -196,85 +175,97 @@ class WorkerBridge:
             if parent is None and not self.tolerate_orphans:
                 self.counters.orphans += 1
                 raise _Orphan(event.parent_block_hash)
-            if parent is None or parent.detached:
+            if parent is None or parent[_KEY] is None:
                 self.counters.detached += 1
                 self._store_detached(event, changes)
                 return
-            parent_key = parent.key
-            tag = self._keys[parent.key].tag
-        keys = router_block_keys(event.token_ids, event.block_size, parent_key)
+            parent_key = parent[_KEY]
+            tag = self._keys[BlockKey(parent_key)][_TAG]
+        try:
+            keys = router_block_keys(event.token_ids, event.block_size, parent_key)
+        except OverflowError:  # a token id outside uint32
+            self.counters.malformed += 1
+            return
         if tag is None:
             tag = keys[0]
-        mask = tier_mask(event.medium)
+        tier = _tier(event.medium)
+        all_copies = self._copies
         for block_hash, key in zip(event.block_hashes, keys, strict=True):
-            copies = self._copies.get(block_hash)
+            copies = all_copies.get(block_hash)
             if copies is None:
-                copies = self._copies[block_hash] = _Copies(key)
+                copies = all_copies[block_hash] = [key, 0, 0]
+            elif copies[_KEY] is None:
+                # Now reachable from block 0: its earlier copies are indexed too.
+                earlier = copies
+                copies = all_copies[block_hash] = [key, 0, 0]
+                for t in (_GPU, _CPU):
+                    for _ in range(earlier[t]):
+                        self._add(copies, t, +1, tag, changes)
             # NOTE: a hash re-stored with other tokens keeps its first key: the index
             # already holds that one and children chain from it.
-            self._add(copies, mask, +1, tag, changes)
+            self._add(copies, tier, +1, tag, changes)
 
     def remove(self, event: BlockRemoved, changes: Changes) -> None:
         """Fold one ``BlockRemoved`` into ``changes``; unknown copies are counted."""
         if event.group_idx not in (None, 0):
             self.counters.ignored_groups += 1
             return
-        mask = tier_mask(event.medium)
+        tier = _tier(event.medium)
         for block_hash in event.block_hashes:
             copies = self._copies.get(block_hash)
-            if copies is None or not (copies.gpu if mask == GPU_MASK else copies.cpu):
+            if copies is None or not copies[tier]:
                 self.counters.unknown_removals += 1
                 continue
-            if copies.detached:
-                _count(copies, mask, -1)
+            if copies[_KEY] is None:
+                copies[tier] -= 1
             else:
-                self._add(copies, mask, -1, self._keys[copies.key].tag, changes)
-            if copies.gpu == 0 and copies.cpu == 0:
+                self._add(copies, tier, -1, self._keys[copies[_KEY]][_TAG], changes)
+            if not copies[_GPU] and not copies[_CPU]:
                 del self._copies[block_hash]
 
     def _store_detached(self, event: BlockStored, changes: Changes) -> None:
-        mask = tier_mask(event.medium)
+        tier = _tier(event.medium)
         for block_hash in event.block_hashes:
             copies = self._copies.get(block_hash)
             if copies is None:
-                copies = self._copies[block_hash] = _Copies(BlockKey(0), detached=True)
-            if copies.detached:
-                _count(copies, mask, +1)
+                copies = self._copies[block_hash] = [None, 0, 0]
+            if copies[_KEY] is None:
+                copies[tier] += 1
             else:  # another copy of a hash already held with a key: count it there
-                self._add(copies, mask, +1, self._keys[copies.key].tag, changes)
+                self._add(copies, tier, +1, self._keys[copies[_KEY]][_TAG], changes)
 
-    def _add(self, copies: _Copies, mask: int, delta: int, tag: BlockKey, changes: Changes) -> None:
-        key = copies.key
+    def _add(
+        self, copies: list[Any], tier: int, delta: int, tag: BlockKey, changes: Changes
+    ) -> None:
+        key = copies[_KEY]
         state = self._keys.get(key)
         if state is None:
-            state = self._keys[key] = _KeyState(tag)
-        before = state.mask
-        _count(copies, mask, delta)
-        _count(state, mask, delta)
-        after = state.mask
+            state = self._keys[key] = [tag, 0, 0]
+        before = _mask(state)
+        copies[tier] += delta
+        state[tier] += delta
+        after = _mask(state)
         if after == before:
             return
         previous = changes.get(key)
         old = before if previous is None else previous.old_mask
-        changes[key] = EntryChange(key, state.tag, old, after)
+        changes[key] = EntryChange(key, state[_TAG], old, after)
         if after == 0:
             del self._keys[key]
 
 
-def _count(counts: _Copies | _KeyState, mask: int, delta: int) -> None:
-    if mask == GPU_MASK:
-        counts.gpu += delta
-    else:
-        counts.cpu += delta
+def _tier(medium: str | None) -> int:
+    return _GPU if tier_mask(medium) == GPU_MASK else _CPU
 
 
 def _is_well_formed(event: BlockStored) -> bool:
+    # Token ids outside uint32 are caught where the keys are computed (OverflowError).
     size = event.block_size
-    if size <= 0 or not event.block_hashes:
-        return False
-    if len(event.token_ids) != size * len(event.block_hashes):
-        return False
-    return all(0 <= t <= _MAX_TOKEN for t in event.token_ids)
+    return (
+        size > 0
+        and bool(event.block_hashes)
+        and (len(event.token_ids) == size * len(event.block_hashes))
+    )
 
 
 async def fold_batch(

@@ -15,7 +15,6 @@ families over shards.
 from __future__ import annotations
 
 import re
-import struct
 from dataclasses import dataclass
 from typing import Final
 
@@ -23,10 +22,10 @@ from events.hashing import BlockKey
 from router.errors import PrefixIndexError
 from router.index.base import WorkerId
 
-__all__ = ["KeyLayout", "check_name", "pack_member", "unpack_member"]
+__all__ = ["MEMBER_BYTES", "KeyLayout", "check_name", "pack_member", "unpack_member"]
 
 _NAME: Final = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
-_MEMBER: Final = struct.Struct(">QQ")
+MEMBER_BYTES: Final = 24
 
 
 def check_name(kind: str, value: str) -> str:
@@ -45,20 +44,26 @@ def check_name(kind: str, value: str) -> str:
 
 
 def pack_member(tag: BlockKey, key: BlockKey) -> bytes:
-    """A block's id in its worker's membership set: 16 bytes, tag then key, big-endian."""
-    return _MEMBER.pack(tag, key)
+    """A block's id in its worker's membership set: the tag as 16 hex digits, the key as
+    8 bytes big-endian (the Lua scripts cut block key names out of it)."""
+    return b"%016x" % tag + key.to_bytes(8, "big")
 
 
 def unpack_member(member: bytes) -> tuple[BlockKey, BlockKey]:
     """Inverse of :func:`pack_member`.
 
     Raises:
-        PrefixIndexError: The member is not 16 bytes (the set was written by something else).
+        PrefixIndexError: The member is not 24 bytes (the set was written by something else).
     """
-    if len(member) != _MEMBER.size:
-        raise PrefixIndexError(f"membership entry must be 16 bytes, got {len(member)}")
-    tag, key = _MEMBER.unpack(member)
-    return BlockKey(tag), BlockKey(key)
+    if len(member) != MEMBER_BYTES:
+        raise PrefixIndexError(f"membership entry must be {MEMBER_BYTES} bytes, got {len(member)}")
+    try:
+        tag = int(member[:16], 16)
+    except ValueError:
+        raise PrefixIndexError(
+            f"membership entry {member!r} does not start with a hex tag"
+        ) from None
+    return BlockKey(tag), BlockKey(int.from_bytes(member[16:], "big"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +90,15 @@ class KeyLayout:
         NOTE: the key part after the tag is 8 raw bytes to save memory; only the tag,
         which Redis Cluster hashes, must stay brace-free (hex).
         """
-        return f"{self.prefix}b:{{{tag:016x}}}".encode() + key.to_bytes(8, "big")
+        return self.family_prefix(tag) + key.to_bytes(8, "big")
 
     def block_prefix(self) -> bytes:
-        """What every block key starts with (for scans and checks)."""
+        """What every block key starts with; the scripts append ``{tag}`` and the key."""
         return f"{self.prefix}b:".encode()
+
+    def family_prefix(self, tag: BlockKey) -> bytes:
+        """What every block key of one prefix family starts with (``...b:{<tag>}``)."""
+        return f"{self.prefix}b:{{{tag:016x}}}".encode()
 
     def lease(self, worker_id: WorkerId) -> str:
         """String ``"<epoch>:<owner>"`` with a TTL: the worker's single-writer lease."""

@@ -19,8 +19,9 @@ membership set, which the fenced script updated first.
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
@@ -43,7 +44,8 @@ from router.redis_conn import RedisClient, reply_bytes
 
 __all__ = ["RedisPrefixIndex"]
 
-_CLEAR_CHUNK = 2000
+_MASK_DIGITS: Final = (b"0", b"1", b"2", b"3")
+_CLEAR_CHUNK: Final = 2000
 """Members removed per fenced script call while clearing a worker."""
 
 _apply_single = Script(APPLY_SINGLE)
@@ -131,25 +133,26 @@ class RedisPrefixIndex:
         token = self._token(worker_id)
         lay = self.layout
         worker_keys = [lay.lease(worker_id), lay.members(worker_id), lay.worker(worker_id)]
-        blocks = [lay.block(c.tag, c.key) for c in changes.values()]
-        pairs: list[bytes | str] = []
-        for change in changes.values():
-            pairs.append(pack_member(change.tag, change.key))
-            pairs.append(str(change.new_mask))
+        records = [pack_member(c.tag, c.key) + _MASK_DIGITS[c.new_mask] for c in changes.values()]
         delta = _entries_delta(changes)
+        prefix = lay.block_prefix()
         if not self.is_cluster:
             await _apply_single(
-                self.client, [*worker_keys, lay.stats, *blocks], [token, worker_id, delta, *pairs]
+                self.client,
+                [*worker_keys, lay.stats],
+                [token, worker_id, delta, prefix, b"".join(records)],
             )
             return
-        await _apply_worker(self.client, worker_keys, [token, delta, *pairs])
-        groups: dict[int, tuple[list[bytes], list[str | bytes]]] = {}
-        for name, mask in zip(blocks, pairs[1::2], strict=True):
-            keys, args = groups.setdefault(key_slot(name), ([], [worker_id]))
-            keys.append(name)
-            args.append(mask)
+        await _apply_worker(self.client, worker_keys, [token, delta, b"".join(records)])
+        groups: dict[int, tuple[bytes, list[bytes]]] = {}
+        for change, record in zip(changes.values(), records, strict=True):
+            name = lay.block(change.tag, change.key)
+            groups.setdefault(key_slot(name), (name, []))[1].append(record)
         created = await asyncio.gather(
-            *(_apply_blocks(self.client, keys, args) for keys, args in groups.values())
+            *(
+                _apply_blocks(self.client, [name], [worker_id, prefix, b"".join(group)])
+                for name, group in groups.values()
+            )
         )
         if sum(created):
             await self.client.hincrby(lay.stats, "keys", sum(created))
@@ -161,9 +164,13 @@ class RedisPrefixIndex:
         if not keys or (workers is not None and not workers):
             return {}
         tag = keys[0]
-        names = [self.layout.block(tag, k) for k in keys]
+        packed = struct.pack(f">{len(keys)}Q", *keys)
         fields = [] if workers is None else list(dict.fromkeys(workers))
-        reply: list[Any] = await _lookup(self.client, names, fields)
+        reply: list[Any] = await _lookup(
+            self.client,
+            [self.layout.block(tag, tag)],
+            [self.layout.family_prefix(tag), packed, *fields],
+        )
         out: dict[WorkerId, PrefixMatch] = {}
         for i in range(0, len(reply), 3):
             gpu, cpu = int(reply[i + 1]), int(reply[i + 2])

@@ -4,8 +4,9 @@ Each script touches keys of one hash tag only (see :mod:`router.index.layout`), 
 runs unchanged on a single node and on a Redis Cluster shard. Scripts are composed
 from shared fragments instead of repeating them.
 
-Entry values are tier masks (``1`` GPU, ``2`` CPU tier, ``3`` both); ``"0"`` in an
-argument list means "remove the entry".
+Entry values are tier masks (``1`` GPU, ``2`` CPU tier, ``3`` both). Keys and writes
+travel packed in one argument each (8 bytes per key, 25 bytes per write record) and the
+scripts build the key names: far cheaper for the client than thousands of arguments.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "APPLY_WORKER",
     "FENCED_ERROR",
     "LOOKUP",
+    "RECORD_BYTES",
     "RELEASE",
     "RENEW",
     "RESET_WORKER",
@@ -50,45 +52,47 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
 end
 """
 
-# Writes one worker's field of one block hash; returns +1 when the hash was created,
-# -1 when it was deleted, else 0 (for the namespace's distinct-key counter).
-_BLOCK_OP: Final = """
-local function block_op(key, field, mask)
-  if mask == '0' then
-    if redis.call('HDEL', key, field) == 1 and redis.call('EXISTS', key) == 0 then
-      return -1
-    end
-  elseif redis.call('HSET', key, field, mask) == 1 and redis.call('HLEN', key) == 1 then
-    return 1
-  end
-  return 0
-end
-"""
+# A write record is 25 bytes: the family tag as 16 hex digits, the router key as 8 raw
+# bytes (together: the member id in the worker's set) and the new tier mask as one digit
+# ('0' removes). The block key is ARGV prefix .. '{' .. tag .. '}' .. key.
+RECORD_BYTES: Final = 25
 
-_MEMBER_OP: Final = """
-local function member_op(members, member, mask)
-  if mask == '0' then
-    redis.call('SREM', members, member)
-  else
-    redis.call('SADD', members, member)
+# Applies the records in ARGV[rec] to block keys; with members set, also to the worker's
+# membership set. Returns +created-deleted block keys (the namespace's key counter).
+_WRITE: Final = f"""
+local function write(prefix, field, recs, members)
+  local created = 0
+  for off = 1, #recs, {RECORD_BYTES} do
+    local member = string.sub(recs, off, off + 23)
+    local mask = string.sub(recs, off + 24, off + 24)
+    local key = prefix .. '{{' .. string.sub(recs, off, off + 15) .. '}}' .. string.sub(member, 17)
+    if mask == '0' then
+      if members then
+        redis.call('SREM', members, member)
+      end
+      if redis.call('HDEL', key, field) == 1 and redis.call('EXISTS', key) == 0 then
+        created = created - 1
+      end
+    else
+      if members then
+        redis.call('SADD', members, member)
+      end
+      if redis.call('HSET', key, field, mask) == 1 and redis.call('HLEN', key) == 1 then
+        created = created + 1
+      end
+    end
   end
+  return created
 end
 """
 
 APPLY_SINGLE: Final = (
-    _BLOCK_OP
-    + _MEMBER_OP
+    _WRITE
     + _FENCE
     + """
 -- Single node: the whole batch in one atomic, fenced script.
--- KEYS: lease, members, worker, stats, block_1..block_n
--- ARGV: token, field, entries_delta, then member_i, mask_i for each block
-local created = 0
-for i = 5, #KEYS do
-  local a = 2 * i - 6
-  member_op(KEYS[2], ARGV[a], ARGV[a + 1])
-  created = created + block_op(KEYS[i], ARGV[2], ARGV[a + 1])
-end
+-- KEYS: lease, members, worker, stats   ARGV: token, field, entries_delta, prefix, records
+local created = write(ARGV[4], ARGV[2], ARGV[5], KEYS[2])
 redis.call('HINCRBY', KEYS[3], 'entries', ARGV[3])
 if created ~= 0 then
   redis.call('HINCRBY', KEYS[4], 'keys', created)
@@ -98,13 +102,18 @@ return created
 )
 
 APPLY_WORKER: Final = (
-    _MEMBER_OP
-    + _FENCE
-    + """
+    _FENCE
+    + f"""
 -- Cluster, worker shard: fencing check and membership of one batch.
--- KEYS: lease, members, worker   ARGV: token, entries_delta, then member_i, mask_i
-for a = 3, #ARGV, 2 do
-  member_op(KEYS[2], ARGV[a], ARGV[a + 1])
+-- KEYS: lease, members, worker   ARGV: token, entries_delta, records
+local recs = ARGV[3]
+for off = 1, #recs, {RECORD_BYTES} do
+  local member = string.sub(recs, off, off + 23)
+  if string.sub(recs, off + 24, off + 24) == '0' then
+    redis.call('SREM', KEYS[2], member)
+  else
+    redis.call('SADD', KEYS[2], member)
+  end
 end
 redis.call('HINCRBY', KEYS[3], 'entries', ARGV[2])
 return 0
@@ -112,15 +121,11 @@ return 0
 )
 
 APPLY_BLOCKS: Final = (
-    _BLOCK_OP
+    _WRITE
     + """
--- Cluster, one family shard: block entries of one batch.
--- KEYS: block_1..block_n   ARGV: field, mask_1..mask_n
-local created = 0
-for i = 1, #KEYS do
-  created = created + block_op(KEYS[i], ARGV[1], ARGV[i + 1])
-end
-return created
+-- Cluster, one slot: block entries of one batch (every key in KEYS[1]'s slot).
+-- KEYS: one block key of the slot   ARGV: field, prefix, records
+return write(ARGV[2], ARGV[1], ARGV[3], nil)
 """
 )
 
@@ -135,28 +140,30 @@ return 0
 )
 
 LOOKUP: Final = """
--- Walk one request's chain (all keys share a tag) and stop at the first block no
--- candidate still matching holds.
--- KEYS: block_1..block_n   ARGV: candidate fields (none: every holder of block 1)
--- Returns: flat list field, gpu_blocks, cpu_blocks for each worker matching block 1.
+-- Walk one request's chain (all keys share a tag, so one slot) and stop at the first
+-- block no candidate still matching holds.
+-- KEYS: block 0's key (routing)   ARGV: key prefix with the tag, packed 8-byte keys,
+-- then the candidate fields (none: every holder of block 0).
+-- Returns: flat list field, gpu_blocks, cpu_blocks for each worker matching block 0.
+local prefix, packed = ARGV[1], ARGV[2]
 local alive = {}
 local gpu, cpu = {}, {}
 local first = {}
-if #ARGV == 0 and #KEYS > 0 then
+if #ARGV == 2 then
   local all = redis.call('HGETALL', KEYS[1])
   for j = 1, #all, 2 do
     alive[#alive + 1] = all[j]
   end
 else
-  for j = 1, #ARGV do
-    alive[j] = ARGV[j]
+  for j = 3, #ARGV do
+    alive[#alive + 1] = ARGV[j]
   end
 end
-for i = 1, #KEYS do
+for i = 1, #packed / 8 do
   if #alive == 0 then
     break
   end
-  local masks = redis.call('HMGET', KEYS[i], unpack(alive))
+  local masks = redis.call('HMGET', prefix .. string.sub(packed, 8 * i - 7, 8 * i), unpack(alive))
   local next_alive = {}
   for j = 1, #alive do
     local mask = masks[j]
@@ -167,7 +174,7 @@ for i = 1, #KEYS do
         gpu[w] = 0
         cpu[w] = 0
       end
-      if tonumber(mask) % 2 == 1 then
+      if mask == '1' or mask == '3' then
         gpu[w] = gpu[w] + 1
       else
         cpu[w] = cpu[w] + 1

@@ -1,0 +1,318 @@
+"""Benchmark: the Redis prefix index: ingest block events/s, lookup latency, memory per entry.
+
+One private ``redis-server`` (127.0.0.1, no persistence) serves every row, in one run:
+
+1. Ingest: ``RedisPrefixIndex.apply`` of ``BlockStored`` batches (32 blocks of 16 tokens
+   each, chained into 512-block prompts) through the engine-hash bridge and the fenced Lua
+   write, from 64 workers applying concurrently (the router ingests workers in parallel)
+   and from one worker alone; then a steady-state churn row (each batch stores 32 new
+   blocks and removes 32 old ones). Baseline: ``redis-benchmark -P 64 -t set`` on the same
+   server in the same run; ratio = block events/s / SET requests/s.
+2. Lookup: p50/p99 of ``lookup`` of a 512-block prompt across 64 workers with the index
+   holding ``--entries`` block entries (1,000,000 by default); eight workers hold the
+   prompt to depths 64, 128, ..., 512 blocks. Rows: all workers as candidates, an explicit
+   64-worker candidate list, a miss, and the worst case (all 64 workers hold all 512
+   blocks). Baseline: a ``PING`` round trip from the same client. Key computation for the
+   8,192-token prompt is timed separately.
+3. Memory: the server's ``used_memory`` growth per indexed (key, worker) entry, beside the
+   growth per plain ``SET`` key of a similar name (the baseline).
+
+Run: ``python -m benchmarks.bench_index`` (``--quick`` for a seconds-long smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Final
+
+from events.hashing import BlockKey, RouterKeyer
+from events.schema import BlockRemoved, BlockStored, KVEventBatch
+from router.index.base import WorkerId
+from router.index.layout import KeyLayout
+from router.index.redis_index import RedisPrefixIndex
+from router.index.registry import WorkerRegistry
+from router.redis_conn import RedisClient, connect
+from router.redis_server import RedisServer, find_redis_server
+
+__all__ = ["main"]
+
+BLOCK_SIZE: Final = 16
+BLOCKS_PER_EVENT: Final = 32
+PROMPT_BLOCKS: Final = 512
+NUM_WORKERS: Final = 64
+HOLDERS_PER_PROMPT: Final = 2
+TARGET_RATIO: Final = 0.5
+TARGET_P50_MS: Final = 1.0
+TARGET_P99_MS: Final = 3.0
+KEYER: Final = RouterKeyer()
+
+
+def prompt_tokens(prompt: int, num_blocks: int = PROMPT_BLOCKS) -> list[int]:
+    """Token ids of a prompt, distinct per prompt from its first block."""
+    base = (prompt * 7919) % 100_000
+    return [(base + prompt * 31 + i) % 150_000 for i in range(num_blocks * BLOCK_SIZE)]
+
+
+def prompt_batches(prompt: int, num_blocks: int = PROMPT_BLOCKS) -> list[KVEventBatch]:
+    """The batches a worker publishes while caching ``num_blocks`` blocks of a prompt."""
+    tokens = prompt_tokens(prompt, num_blocks)
+    batches = []
+    for first in range(0, num_blocks, BLOCKS_PER_EVENT):
+        count = min(BLOCKS_PER_EVENT, num_blocks - first)
+        event = BlockStored(
+            block_hashes=[prompt * 1_000_000 + b for b in range(first, first + count)],
+            parent_block_hash=None if first == 0 else prompt * 1_000_000 + first - 1,
+            token_ids=tokens[first * BLOCK_SIZE : (first + count) * BLOCK_SIZE],
+            block_size=BLOCK_SIZE,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
+        batches.append(KVEventBatch(ts=time.time(), events=[event]))
+    return batches
+
+
+def percentile(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Row:
+    name: str
+    value: float
+    unit: str
+    baseline: float | None = None
+    note: str = ""
+
+    def format(self) -> str:
+        ratio = f"{self.value / self.baseline:.2f}" if self.baseline else ""
+        return f"| {self.name} | {self.value:,.3f} {self.unit} | {ratio} | {self.note} |"
+
+
+async def writers(
+    client: RedisClient, namespace: str, workers: Sequence[WorkerId]
+) -> RedisPrefixIndex:
+    """An index of ``namespace`` holding a lease for every worker."""
+    layout = KeyLayout(namespace)
+    index = RedisPrefixIndex(client, layout)
+    registry = WorkerRegistry(client, layout, lease_ttl_ms=3_600_000)
+    for worker in workers:
+        lease = await registry.acquire(worker)
+        assert lease is not None
+        index.use_lease(worker, lease.token)
+    return index
+
+
+async def apply_all(
+    index: RedisPrefixIndex, plan: dict[WorkerId, list[KVEventBatch]]
+) -> tuple[float, int]:
+    """Apply every worker's batches (workers concurrently); returns seconds and blocks."""
+
+    async def one(worker: WorkerId, batches: list[KVEventBatch]) -> int:
+        blocks = 0
+        for batch in batches:
+            await index.apply(worker, batch)
+            blocks += sum(len(e.block_hashes) for e in batch.events)  # type: ignore[union-attr]
+        return blocks
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(w, b) for w, b in plan.items()))
+    return time.perf_counter() - start, sum(counts)
+
+
+def redis_benchmark(port: int, requests: int) -> float:
+    """SET requests/s of ``redis-benchmark -P 64`` against the server."""
+    binary = shutil.which("redis-benchmark")
+    if binary is None:
+        raise SystemExit("redis-benchmark not found (install redis-tools)")
+    out = subprocess.run(
+        [binary, "-h", "127.0.0.1", "-p", str(port), "-P", "64", "-t", "set",
+         "-n", str(requests), "-q", "--csv"],
+        check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    for line in out.splitlines():
+        fields = [f.strip('"') for f in line.split(",")]
+        if fields[0] == "SET":
+            return float(fields[1])
+    raise SystemExit(f"could not parse redis-benchmark output: {out!r}")
+
+
+async def used_memory(client: RedisClient) -> int:
+    return int((await client.info("memory"))["used_memory"])
+
+
+async def latencies_ms(coro_factory: object, repeats: int) -> list[float]:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        await coro_factory()  # type: ignore[operator]
+        samples.append((time.perf_counter() - start) * 1000)
+    return samples
+
+
+async def run(args: argparse.Namespace, port: int) -> list[Row]:
+    client = await connect(f"redis://127.0.0.1:{port}/0")
+    rows: list[Row] = []
+    workers = [WorkerId(f"worker-{i:02d}") for i in range(NUM_WORKERS)]
+
+    set_per_s = redis_benchmark(port, args.set_requests)
+    rows.append(Row("redis-benchmark -P 64 SET (baseline)", set_per_s, "req/s", set_per_s))
+    await client.flushall()
+
+    # --- 1. ingest, and the population for the lookups -----------------------------------
+    index = await writers(client, "bench", workers)
+    prompts_per_worker = max(1, args.entries // (NUM_WORKERS * PROMPT_BLOCKS))
+    num_prompts = prompts_per_worker * NUM_WORKERS // HOLDERS_PER_PROMPT
+    plan: dict[WorkerId, list[KVEventBatch]] = {w: [] for w in workers}
+    for prompt in range(1, num_prompts + 1):
+        for h in range(HOLDERS_PER_PROMPT):
+            plan[workers[(prompt * (1 + 7 * h) + h) % NUM_WORKERS]].extend(prompt_batches(prompt))
+    target = 10**6  # the looked-up prompt: held by 8 workers to growing depths
+    for i in range(8):
+        plan[workers[i * 8]].extend(prompt_batches(target, (i + 1) * PROMPT_BLOCKS // 8))
+    before = await used_memory(client)
+    seconds, blocks = await apply_all(index, plan)
+    rows.append(
+        Row(
+            f"ingest, {NUM_WORKERS} workers concurrently",
+            blocks / seconds,
+            "block events/s",
+            set_per_s,
+            f"{blocks:,} BlockStored blocks in 32-block events",
+        )
+    )
+    stats = await index.stats()
+    memory_per_entry = (await used_memory(client) - before) / stats.num_entries
+
+    solo = await writers(client, "bench-solo", [WorkerId("solo")])
+    solo_plan = {WorkerId("solo"): [b for p in range(1, args.solo_prompts + 1)
+                                    for b in prompt_batches(-p)]}  # fmt: skip
+    seconds, blocks = await apply_all(solo, solo_plan)
+    rows.append(Row("ingest, 1 worker", blocks / seconds, "block events/s", set_per_s))
+
+    churn = await writers(client, "bench-churn", workers[:8])
+    churn_plan: dict[WorkerId, list[KVEventBatch]] = {}
+    for i, worker in enumerate(workers[:8]):
+        seq = [b for p in range(args.churn_prompts) for b in prompt_batches(2_000 + i * 100 + p)]
+        mixed = []
+        for j, batch in enumerate(seq):
+            events = list(batch.events)
+            if j >= 16:  # evict what was stored 16 batches (one prompt) earlier
+                old = seq[j - 16].events[0]
+                assert isinstance(old, BlockStored)
+                events.insert(0, BlockRemoved(block_hashes=list(old.block_hashes), medium="GPU"))
+            mixed.append(KVEventBatch(ts=batch.ts, events=events))
+        churn_plan[worker] = mixed
+    seconds, blocks = await apply_all(churn, churn_plan)
+    rows.append(
+        Row(
+            "ingest churn, 8 workers (store 32 + remove 32)",
+            blocks / seconds,
+            "block events/s",
+            set_per_s,
+            "stores + removals counted",
+        )
+    )
+
+    # --- 2. lookups ------------------------------------------------------------------------
+    tokens = prompt_tokens(target)
+    key_ms = await latencies_ms(_async(lambda: KEYER.keys(tokens, BLOCK_SIZE)), args.lookups)
+    keys: list[BlockKey] = KEYER.keys(tokens, BLOCK_SIZE)
+    expected = await index.lookup(keys)
+    assert sorted(m.num_blocks for m in expected.values()) == [64 * (i + 1) for i in range(8)]
+    ping = await latencies_ms(client.ping, args.lookups)
+    ping_p50 = statistics.median(ping)
+    rows.append(Row("PING round trip p50 (baseline)", ping_p50, "ms", ping_p50))
+    rows.append(Row("PING round trip p99", percentile(ping, 0.99), "ms", ping_p50))
+    rows.append(Row("router keys of 8,192 tokens p50", statistics.median(key_ms), "ms"))
+    note = f"{stats.num_entries:,} entries, {NUM_WORKERS} workers"
+    for name, call in (
+        ("lookup 512 blocks, all workers", lambda: index.lookup(keys)),
+        ("lookup 512 blocks, 64 candidates", lambda: index.lookup(keys, workers)),
+        ("lookup miss", lambda: index.lookup(KEYER.keys(prompt_tokens(-(10**6)), BLOCK_SIZE))),
+    ):
+        samples = await latencies_ms(call, args.lookups)
+        rows.append(Row(f"{name} p50", statistics.median(samples), "ms", ping_p50, note))
+        rows.append(Row(f"{name} p99", percentile(samples, 0.99), "ms", ping_p50))
+    worst = await writers(client, "bench-worst", workers)
+    await apply_all(worst, {w: prompt_batches(target) for w in workers})
+    samples = await latencies_ms(lambda: worst.lookup(keys), args.lookups)
+    rows.append(Row("lookup worst case (64 x 512 held) p50", statistics.median(samples), "ms",
+                    ping_p50, "every block of every worker walked"))  # fmt: skip
+    rows.append(Row("lookup worst case p99", percentile(samples, 0.99), "ms", ping_p50))
+
+    # --- 3. memory -------------------------------------------------------------------------
+    before = await used_memory(client)
+    count = 100_000 if not args.quick else 10_000
+    pipe = client.pipeline(transaction=False)
+    for i in range(count):
+        pipe.set(f"kvroute:bench:plain:{{{i:016x}}}".encode() + i.to_bytes(8, "big"), b"1")
+    await pipe.execute()
+    plain = (await used_memory(client) - before) / count
+    rows.append(Row("memory per plain SET key (baseline)", plain, "bytes", plain))
+    rows.append(Row("memory per index entry", memory_per_entry, "bytes", plain, note))
+    await client.aclose()
+    return rows
+
+
+def _async(fn: object) -> object:
+    async def call() -> object:
+        return fn()  # type: ignore[operator]
+
+    return call
+
+
+def _versions(binary: str) -> str:
+    server = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    return (
+        f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs; "
+        f"redis-py {metadata.version('redis')}, hiredis {metadata.version('hiredis')}; "
+        f"{server.split(' sha=')[0].strip()}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--quick", action="store_true", help="small sizes, seconds-long")
+    parser.add_argument(
+        "--entries", type=int, default=1_000_000, help="indexed block entries for the lookups"
+    )
+    parser.add_argument("--lookups", type=int, default=2000, help="timed lookups per row")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.entries, args.lookups = 65_536, 200
+    args.set_requests = 200_000 if args.quick else 2_000_000
+    args.solo_prompts = 4 if args.quick else 40
+    args.churn_prompts = 4 if args.quick else 20
+    binary = find_redis_server()
+    print(_versions(binary))
+    with RedisServer(binary=binary) as server:
+        rows = asyncio.run(run(args, server.port))
+    print("| row | figure | ratio to baseline | note |")
+    print("|---|---:|---:|---|")
+    for row in rows:
+        print(row.format())
+    ingest = rows[1].value / rows[0].value
+    p50 = next(r.value for r in rows if r.name == "lookup 512 blocks, all workers p50")
+    p99 = next(r.value for r in rows if r.name == "lookup 512 blocks, all workers p99")
+    print(
+        f"targets: ingest/SET {ingest:.2f} (>= {TARGET_RATIO}), lookup p50 {p50:.2f} ms "
+        f"(<= {TARGET_P50_MS}), p99 {p99:.2f} ms (<= {TARGET_P99_MS})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
