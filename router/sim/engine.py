@@ -136,7 +136,7 @@ class _Job:
 
 @dataclass(slots=True)
 class _Worker:
-    id: WorkerId
+    worker_id: WorkerId
     cache: WorkerCache
     queue: deque[_Job] = field(default_factory=deque)
     is_prefilling: bool = False
@@ -166,7 +166,7 @@ class _Simulation:
             _Worker(WorkerId(f"sim-{i}"), factory(config.capacity_blocks, config.block_size))
             for i in range(config.num_workers)
         ]
-        self.worker_ids = [w.id for w in self.workers]
+        self.worker_ids = [w.worker_id for w in self.workers]
         self.heap: list[tuple[float, int, int, _Job | SimRequest]] = []
         self.order = itertools.count()
         self.outcomes: list[RequestOutcome] = []
@@ -225,9 +225,9 @@ class _Simulation:
         if job.events:
             # The pool's events are the concrete event types the batch holds.
             batch = KVEventBatch(ts=now_s, events=job.events)  # type: ignore[arg-type]
-            await self.index.apply(worker.id, batch)
+            await self.index.apply(worker.worker_id, batch)
             job.events = []
-        await self.loads.add(worker.id, prefilled(job.expected_prefill))
+        await self.loads.add(worker.worker_id, prefilled(job.expected_prefill))
         request = job.request
         self.outcomes.append(
             RequestOutcome(
@@ -247,7 +247,7 @@ class _Simulation:
     async def decoded(self, job: _Job, now_s: float) -> None:
         worker = self.workers[job.worker]
         worker.cache.release(str(job.request.index))
-        await self.loads.add(worker.id, finished(job.request.num_output_tokens))
+        await self.loads.add(worker.worker_id, finished(job.request.num_output_tokens))
         self.start_next(job.worker, now_s)
 
 

@@ -31,12 +31,10 @@ def test_the_last_prompt_token_is_always_computed() -> None:
 
 
 def test_cached_prefix_is_worth_exactly_its_tokens_no_cliff() -> None:
-    # Worker A caches 2048 of 4096 tokens; B caches nothing. With the default weights a
-    # computed token costs 2 and a queued one 1, so A keeps winning while its extra queue
-    # is below 2 x 2048 tokens, and loses right after: no threshold at which the cache
-    # suddenly stops counting.
-    weights = CostWeights(per_request=0.0, decode=0.0)
-    assert (weights.prefill, weights.queued_prefill) == (2.0, 1.0)
+    # Worker A caches 2048 of 4096 tokens; B caches nothing. A computed token costs 2 and
+    # a queued one 1, so A keeps winning while its extra queue is below 2 x 2048 tokens,
+    # and loses right after: no threshold at which the cache suddenly stops counting.
+    weights = CostWeights(prefill=2.0, queued_prefill=1.0, per_request=0.0, decode=0.0)
     for queued in (0, 2000, 4095, 4096, 4097, 9000):
         a = score_candidate(4096, 2048.0, WorkerLoad(1, queued, 0), weights).score
         b = score_candidate(4096, 0.0, WorkerLoad(), weights).score

@@ -75,9 +75,10 @@ def test_cache_aware_weighs_cpu_tier_blocks() -> None:
 
 
 def test_cache_aware_leaves_a_cached_worker_once_its_queue_outweighs_the_saving() -> None:
-    policy = make_policy("cache_aware", PolicyConfig(weights=CostWeights(per_request=0.0)))
+    weights = CostWeights(prefill=2.0, per_request=0.0)
+    policy = make_policy("cache_aware", PolicyConfig(weights=weights))
     req = request(list(range(64)))
-    # w0 saves 48 tokens, worth 2 x 48 of queue with the default weights.
+    # w0 saves 48 tokens, worth 2 x 48 tokens of queue with these weights.
     matches = {W[0]: PrefixMatch(3, 3, 0)}
     stays = policy.decide(req, build_candidates(W[:2], {W[0]: WorkerLoad(1, 95, 0)}, matches))
     leaves = policy.decide(req, build_candidates(W[:2], {W[0]: WorkerLoad(1, 97, 0)}, matches))
@@ -123,18 +124,21 @@ def _route_burst(
 
 
 def test_a_system_prompt_one_worker_caches_does_not_pile_everything_on_it() -> None:
-    # 64 requests share a 2,048-token system prompt that only w0 caches, then differ.
+    # A burst of 200 requests shares a 2,048-token system prompt that only w0 caches.
     system = list(range(2048))
-    reqs = [request(system + [5000 + i] * 64, output=100) for i in range(64)]
+    reqs = [request(system + [5000 + i] * 64, output=100) for i in range(200)]
     system_match = PrefixMatch(128, 128, 0)
-    # Worst case: the others never learn it. w0 then takes requests while its total work
-    # stays below theirs: it computes 64 tokens per request, they compute 2,112.
-    static = _route_burst("cache_aware", reqs, {W[0]: system_match})
-    assert static == {W[0]: 37, W[1]: 9, W[2]: 9, W[3]: 9}
-    # Realistic case: a worker caches the system prompt once it computed it; after one
-    # request each, affinity to it is gone and the burst spreads (w0 less its head start).
+    # Realistic case: a worker caches the system prompt once it computed it (predicted
+    # entries credit it at once). Another worker gets a request as soon as w0's load
+    # outweighs computing the prompt there (8 x 2,112 tokens); from then on both hold it
+    # and the burst spreads over every worker, w0 keeping only its head start.
     learning = _route_burst("cache_aware", reqs, {W[0]: system_match}, learned=system_match)
-    assert sorted(learning.values()) == [15, 15, 16, 18]
+    assert learning == {W[0]: 53, W[1]: 49, W[2]: 49, W[3]: 49}
+    # Worst case: the others never learn it, so each of their requests computes 2,112
+    # tokens against w0's 64. w0 takes most requests, but its growing load still sends
+    # every other worker a share; there is no point where the cache stops counting.
+    static = _route_burst("cache_aware", reqs, {W[0]: system_match})
+    assert static == {W[0]: 145, W[1]: 18, W[2]: 19, W[3]: 18}
 
 
 def test_a_system_prompt_every_worker_caches_spreads_evenly() -> None:

@@ -130,7 +130,7 @@ def test_policies_on_a_slice_of_the_mooncake_trace() -> None:
     results = run_policies(reqs, ["cache_aware", "round_robin"], SimConfig(), pool_cache_factory())
     cache_aware, round_robin = results
     assert cache_aware.ideal == round_robin.ideal == ideal_hits(reqs)
-    assert cache_aware.ratio_to_ideal >= 0.94  # 0.9495 when written; the full trace: 0.985
+    assert cache_aware.ratio_to_ideal >= 0.98  # 0.997 when written
     assert cache_aware.hit_rate_blocks >= 3 * round_robin.hit_rate_blocks
     assert cache_aware.load_imbalance <= 1.25
     assert cache_aware.num_predicted_tokens == cache_aware.num_hit_tokens
