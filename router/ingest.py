@@ -41,6 +41,7 @@ from events.subscriber import (
     EventSubscriber,
     ReceivedBatch,
     SubscriberConfig,
+    WorkerCounters,
     WorkerStream,
 )
 from router.errors import OrphanParentError, PrefixIndexError
@@ -49,7 +50,7 @@ from router.index.bridge import BridgeCounters
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import Lease, WorkerRecord, WorkerRegistry
 from router.index.scripts import StaleLeaseError
-from router.metrics import IngestMetrics
+from router.metrics import IngestMetrics, StreamCollector
 
 __all__ = [
     "IndexIngest",
@@ -195,6 +196,7 @@ class IndexIngest:
         """Register ``records``, subscribe to every registered worker, start maintenance."""
         self._session = aiohttp.ClientSession()
         self._subscriber = EventSubscriber(self, self.config.subscriber)
+        self.metrics.registry.register(StreamCollector(self._stream_counters))
         for record in records:
             await self.registry.register(record)
         await self.maintain_once()
@@ -511,6 +513,12 @@ class IndexIngest:
         )
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _stream_counters(self) -> dict[str, WorkerCounters]:
+        subscriber = self._subscriber
+        if subscriber is None:
+            return {}
+        return {w: subscriber.counters(w) for w in subscriber.worker_ids}
 
     @contextlib.asynccontextmanager
     async def _exclusive(self, worker: _Worker) -> AsyncIterator[None]:

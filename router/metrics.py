@@ -6,11 +6,54 @@ Nothing registers in ``prometheus_client``'s global default registry, so several
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
-__all__ = ["IngestMetrics"]
+from events.subscriber import WorkerCounters
+
+__all__ = ["IngestMetrics", "StreamCollector"]
+
+
+class StreamCollector(Collector):
+    """Exports an ``EventSubscriber``'s per-worker stream counters (``kvroute_stream_*``).
+
+    Args:
+        read: Returns worker id -> counters snapshot at scrape time.
+    """
+
+    def __init__(self, read: Callable[[], Mapping[str, WorkerCounters]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counters = self._read()
+        plain = {
+            "batches": ("num_batches", "Batches delivered (live and replayed)."),
+            "replayed_batches": ("num_replayed", "Batches delivered through replay."),
+            "gaps": ("num_gaps", "Seq gaps seen on the live stream."),
+            "missed_batches": ("num_missed", "Seqs missing in those gaps, before replay."),
+            "replays": ("num_replays", "Replay requests made."),
+            "resets": ("num_resets", "Publisher restarts seen."),
+            "duplicates": ("num_duplicates", "Batches received again and skipped."),
+            "handshake_failures": ("num_handshake_failures", "Failed ZeroMQ handshakes."),
+        }
+        for name, (attr, doc) in plain.items():
+            family = CounterMetricFamily(f"kvroute_stream_{name}", doc, labels=["worker"])
+            for worker, c in counters.items():
+                family.add_metric([worker], getattr(c, attr))
+            yield family
+        for name, attr, doc in (
+            ("malformed", "malformed", "Malformed messages skipped, by reason."),
+            ("resyncs", "resyncs", "Resync signals, by reason."),
+        ):
+            family = CounterMetricFamily(f"kvroute_stream_{name}", doc, labels=["worker", "reason"])
+            for worker, c in counters.items():
+                for reason, value in getattr(c, attr).items():
+                    family.add_metric([worker, reason], value)
+            yield family
 
 
 @dataclass

@@ -66,6 +66,10 @@ def test_gap_is_replayed(redis_url: str, namespace: str) -> None:
             await eventually(lookup_is(s.index, 1, {"k1": match(7)}), what="gap replayed")
             assert await divergent(s.index, k1) == 0
             assert s.count("orphan_parents", worker="k1") == 0
+            # The subscriber's stream counters are exported beside the ingest's.
+            sample = s.metrics.registry.get_sample_value
+            assert sample("kvroute_stream_gaps_total", {"worker": "k1"}) == 1
+            assert sample("kvroute_stream_missed_batches_total", {"worker": "k1"}) == 2
 
     asyncio.run(main())
 
