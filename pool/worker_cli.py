@@ -30,6 +30,7 @@ from typing import Any, Final
 
 import torch
 
+from events.curve import CurveKeyError, CurveKeyPair, CurveServerConfig, load_public_key
 from events.endpoints import Endpoint, EndpointError
 from events.publisher import EventPublisher, PublisherConfig
 from events.tokenizer import Tokenizer, TokenizerError, load_tokenizer
@@ -76,6 +77,9 @@ class WorkerConfig:
         max_num_batched_tokens: Tokens computed per step.
         model_name: The ``model`` field of completions.
         torch_threads: Torch intra-op CPU threads (0: torch's default).
+        curve_secret_key: CURVE server secret key file; ``None`` leaves events plain.
+        curve_allow: Comma-separated public key files of the clients allowed to
+            subscribe; ``None`` admits any client that knows the server's public key.
     """
 
     worker_id: str = "worker-0"
@@ -101,6 +105,8 @@ class WorkerConfig:
     max_num_batched_tokens: int = 8192
     model_name: str = "kvroute-tiny"
     torch_threads: int = 0
+    curve_secret_key: str | None = None
+    curve_allow: str | None = None
 
     def model_config(self, tokenizer: Tokenizer) -> ModelConfig:
         """The model's config, its vocabulary sized by the tokenizer unless given."""
@@ -143,6 +149,10 @@ _HELP: Final[dict[str, str]] = {
     "max_num_batched_tokens": "tokens one engine step computes",
     "model_name": "the 'model' field of completion responses",
     "torch_threads": "torch CPU threads; 0 keeps torch's default (use 1 on a shared box)",
+    "curve_secret_key": "CURVE server secret key file (NAME.key_secret from `kvroute keys`): "
+    "encrypts the event and replay sockets and authenticates this worker to subscribers",
+    "curve_allow": "comma-separated public key files (NAME.key) of the only subscribers "
+    "allowed to connect (needs --curve-secret-key)",
 }
 
 
@@ -218,6 +228,7 @@ async def serve(
                 endpoint=Endpoint.binding(config.events),
                 replay_endpoint=Endpoint.binding(config.replay) if config.replay else None,
                 topic=config.topic.encode(),
+                curve=_curve(config),
             )
         )
     engine = Engine(
@@ -252,6 +263,17 @@ async def serve(
         if publisher is not None:
             publisher.close()
     logger.info("worker %s stopped", config.worker_id)
+
+
+def _curve(config: WorkerConfig) -> CurveServerConfig | None:
+    if config.curve_secret_key is None:
+        if config.curve_allow:
+            raise CurveKeyError("--curve-allow needs --curve-secret-key")
+        return None
+    allowed = None
+    if config.curve_allow:
+        allowed = frozenset(load_public_key(p) for p in config.curve_allow.split(",") if p)
+    return CurveServerConfig(CurveKeyPair.load(config.curve_secret_key), allowed)
 
 
 def main(argv: Sequence[str]) -> int:

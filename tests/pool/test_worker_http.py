@@ -23,6 +23,13 @@ import msgspec
 import pytest
 import zmq
 
+from events.curve import (
+    CurveClientConfig,
+    CurveKeyPair,
+    configure_client,
+    load_public_key,
+    write_keypair,
+)
 from events.framing import END_OF_REPLAY_SEQ, pack_seq, parse_message, unpack_seq
 from events.hashing import hash_blocks_sha256_cbor, wire_hash
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -135,11 +142,14 @@ class EventTap:
     batch arrives; everything before that batch is then fetched through replay.
     """
 
-    def __init__(self, worker: RunningWorker) -> None:
+    def __init__(self, worker: RunningWorker, curve: CurveClientConfig | None = None) -> None:
         self.ctx = zmq.Context()
         self.worker = worker
+        self.curve = curve
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.linger = 0
+        if curve is not None:
+            configure_client(self.sub, curve)
         self.sub.subscribe(b"kv")
         self.sub.connect(worker.events)
         self.batches: dict[int, KVEventBatch] = {}
@@ -163,6 +173,8 @@ class EventTap:
     def _replay_from(self, start: int) -> None:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.linger = 0
+        if self.curve is not None:
+            configure_client(dealer, self.curve)
         dealer.connect(self.worker.replay)
         dealer.send_multipart([b"", pack_seq(start)])
         while True:
@@ -374,3 +386,26 @@ def test_cli_worker_drains_on_sigterm(tmp_path: Path, model: DecoderModel) -> No
             proc.kill()
             proc.wait()
     assert b"draining" in proc.stderr.read()  # type: ignore[union-attr]
+
+
+def test_curve_secured_events_reach_an_allowed_subscriber(tmp_path: Path) -> None:
+    server_public, server_secret = write_keypair(tmp_path / "keys", "worker")
+    client_public, client_secret = write_keypair(tmp_path / "keys", "router")
+    config = _config(
+        20, tmp_path, curve_secret_key=str(server_secret), curve_allow=str(client_public)
+    )
+    running = _start_worker(config)
+    tap = EventTap(
+        running, CurveClientConfig(load_public_key(server_public), CurveKeyPair.load(client_secret))
+    )
+    try:
+        tap.handshake()
+        first = _complete(running, "secured prefix!!", max_tokens=1)
+        events = tap.until(_snapshot(running)["next_seq"])
+        assert first["usage"]["prompt_tokens"] == 16
+        tokens = ByteTokenizer().encode("secured prefix!!")
+        hashes = [wire_hash(d) for d in hash_blocks_sha256_cbor(tokens, BLOCK_SIZE)]
+        assert any(isinstance(e, BlockStored) and e.block_hashes == hashes for e in events)
+    finally:
+        tap.close()
+        running.stop()
