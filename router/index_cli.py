@@ -1,9 +1,11 @@
-"""``kvroute index``: check the Redis prefix index against kvroute workers, print its sizes.
+"""``kvroute index``: check the Redis prefix index against kvroute workers, stats, registry.
 
 ``kvroute index check`` folds each worker's ``GET /v1/snapshot`` into a fresh engine-hash
 bridge (exactly what ingest would write) and compares the result with the worker's
 entries in Redis: missing entries, extra entries and tier mismatches, per worker; exit
 code 1 if any. ``kvroute index stats`` prints entries, keys, workers and memory.
+``kvroute index register`` / ``unregister`` / ``workers`` manage the persistent worker
+registrations that every router replica ingests (from ``--worker`` specs or a JSON file).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import aiohttp
+import msgspec
 
 from events.hashing import BlockKey, RouterKeyer
 from router.errors import RouterError
@@ -24,7 +27,7 @@ from router.index.base import WorkerId
 from router.index.bridge import WorkerBridge
 from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRegistry
+from router.index.registry import WorkerRegistry, load_records, parse_worker_spec
 from router.ingest import fetch_snapshot, snapshot_events
 from router.redis_conn import RedisOptions, connect, redact_url
 
@@ -135,6 +138,37 @@ def _parser() -> argparse.ArgumentParser:
         help="print entries, keys, workers and Redis memory",
         description="Print the index's entries, distinct keys, workers and Redis memory.",
     )
+    register = sub.add_parser(
+        "register",
+        parents=[common],
+        help="register workers for every router replica to ingest (persisted in Redis)",
+        description="Add or replace worker registrations in Redis; running routers pick "
+        "them up at their next maintenance pass.",
+    )
+    register.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=kvroute|vllm][,block_size=N]"
+        "[,topic=T] (repeatable)",
+    )
+    register.add_argument(
+        "--config", help="JSON file: a list of {worker_id, events_endpoint, ...} objects"
+    )
+    unregister = sub.add_parser(
+        "unregister",
+        parents=[common],
+        help="remove worker registrations",
+        description="Remove worker registrations; their entries leave when their lease lapses.",
+    )
+    unregister.add_argument("worker_ids", nargs="+", metavar="ID", help="worker ids to remove")
+    sub.add_parser(
+        "workers",
+        parents=[common],
+        help="list registered workers and their lease holders",
+        description="List the registered workers, their endpoints and lease holders.",
+    )
     return parser
 
 
@@ -165,6 +199,8 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"redis memory   {stats.memory_bytes} bytes (whole server)")
                 print(f"memory/entry   {per_entry:.1f} bytes (upper bound)")
             return 0
+        if args.action in ("register", "unregister", "workers"):
+            return await _registry_action(args, WorkerRegistry(client, layout))
         index = RedisPrefixIndex(client, layout, RouterKeyer(args.seed))
         targets = _targets(args.worker)
         if not targets:
@@ -189,6 +225,39 @@ async def _run(args: argparse.Namespace) -> int:
         return 1 if any(c.num_divergent for c in checks) else 0
     finally:
         await client.aclose()
+
+
+async def _registry_action(args: argparse.Namespace, registry: WorkerRegistry) -> int:
+    if args.action == "register":
+        records = [parse_worker_spec(spec) for spec in args.worker]
+        if args.config:
+            records += load_records(args.config)
+        if not records:
+            raise RouterError("nothing to register: pass --worker SPEC or --config FILE")
+        for record in records:
+            await registry.register(record)
+        print(f"registered {len(records)} worker(s)")
+        return 0
+    if args.action == "unregister":
+        missing = [w for w in args.worker_ids if not await registry.unregister(WorkerId(w))]
+        for worker_id in missing:
+            print(f"kvroute index: worker {worker_id!r} was not registered", file=sys.stderr)
+        return 1 if missing else 0
+    records = await registry.records()
+    if args.json:
+        rows = [msgspec.to_builtins(r) for r in records]
+        for row in rows:
+            row["lease"] = await registry.holder(WorkerId(row["worker_id"]))
+        print(json.dumps(rows))
+        return 0
+    for record in records:
+        holder = await registry.holder(WorkerId(record.worker_id)) or "-"
+        print(
+            f"{record.worker_id:<20} {record.kind:<8} events={record.events_endpoint} "
+            f"replay={record.replay_endpoint or '-'} http={record.http_url or '-'} "
+            f"block_size={record.block_size} lease={holder}"
+        )
+    return 0
 
 
 def main(argv: list[str]) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +64,34 @@ def test_check_and_stats(
             assert "expected ID=HTTP_URL" in capsys.readouterr().err
 
     asyncio.run(main())
+
+
+def test_register_list_unregister(
+    redis_url: str, namespace: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--redis", redis_url, "--namespace", namespace]
+    config = tmp_path / "workers.json"
+    config.write_text(
+        '[{"worker_id": "v1", "events_endpoint": "tcp://127.0.0.1:6001", "kind": "vllm"}]'
+    )
+    spec = "k1=tcp://127.0.0.1:5001,replay=tcp://127.0.0.1:5002,http=http://127.0.0.1:8001"
+    argv = ["index", "register", *common, "--worker", spec, "--config", str(config)]
+    assert kvroute_main(argv) == 0
+    assert "registered 2 worker(s)" in capsys.readouterr().out
+    assert kvroute_main(["index", "workers", *common, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["worker_id"], r["kind"], r["lease"]) for r in rows] == [
+        ("k1", "kvroute", None),
+        ("v1", "vllm", None),
+    ]
+    assert rows[0]["replay_endpoint"] == "tcp://127.0.0.1:5002"
+    assert kvroute_main(["index", "unregister", *common, "v1"]) == 0
+    assert kvroute_main(["index", "unregister", *common, "v1"]) == 1
+    assert "was not registered" in capsys.readouterr().err
+    assert kvroute_main(["index", "workers", *common]) == 0
+    listing = capsys.readouterr().out
+    assert "k1" in listing and "v1" not in listing
+    assert kvroute_main(["index", "register", *common, "--worker", "bad"]) == 2
+    assert kvroute_main(["index", "register", *common]) == 2
+    assert "nothing to register" in capsys.readouterr().err
+    assert kvroute_main(["index", "unregister", *common, "k1"]) == 0
