@@ -40,10 +40,20 @@ __all__ = ["main"]
 HIT_FRACTIONS = (0.0, 0.5, 0.9)
 
 
-class _Bench:
-    """An engine over a fresh cache, driven step by step on this thread."""
+_CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int) -> None:
+
+class _Bench:
+    """An engine over a fresh cache, driven step by step on this thread.
+
+    Args:
+        model: The model.
+        num_blocks: KV cache blocks.
+        block_size: Tokens per block.
+        clock: ``"wall"`` or ``"cpu"`` (this process's CPU time).
+    """
+
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, clock: str) -> None:
         kv = KVCacheManager(KVCacheConfig(num_blocks, block_size))
         self.engine = Engine(
             model,
@@ -51,8 +61,10 @@ class _Bench:
             kv,
             EngineConfig(max_num_batched_tokens=1 << 20),
         )
+        self.device = model.device
         self.block_size = block_size
         self.vocab = model.config.vocab_size
+        self.clock = _CLOCKS[clock]
         self._next = 0
         self.cached_tokens: list[int] = []
 
@@ -61,57 +73,57 @@ class _Bench:
         self._next += 1
         return [(self._next * 7919 + i * 31) % self.vocab for i in range(length)]
 
-    def run(self, prompt: list[int], params: SamplingParams, batch: int = 1) -> None:
-        """Submit ``batch`` requests of ``prompt`` and step until they finish."""
+    def run(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """Submit one request per prompt and step until they all finish."""
 
         def sink(out: RequestOutput) -> None:
             if out.finished:
                 self.cached_tokens.append(out.num_cached_tokens)
 
-        for _ in range(batch):
+        for prompt in prompts:
             self._next += 1
             self.engine.submit(f"r{self._next}", prompt, params, sink)
         self.engine.run_inbox(block=False)
         while self.engine.has_work:
             self.engine.step()
 
+    def timed(self, fn: Callable[[], object]) -> float:
+        """Seconds ``fn`` takes on the chosen clock, device work included."""
+        self._sync()
+        start = self.clock()
+        fn()
+        self._sync()
+        return self.clock() - start
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    def prefill_seconds(self, length: int, hit: float) -> float:
+        """Submit-to-first-token time of a fresh prompt whose first ``hit`` part is cached."""
+        prompt = self.prompt(length)
+        num_cached = int(length * hit) // self.block_size * self.block_size
+        if num_cached:
+            # A hit needs one more token than the prefix: the last token is never a hit.
+            self.run([prompt[: num_cached + 1]], SamplingParams(max_tokens=1))
+        self.cached_tokens.clear()
+        seconds = self.timed(lambda: self.run([prompt], SamplingParams(max_tokens=1)))
+        assert self.cached_tokens == [num_cached], (self.cached_tokens, num_cached)
+        return seconds
 
+    def decode_tokens_per_s(self, batch: int, prompt_len: int, new_tokens: int) -> float:
+        """Tokens/s of ``batch`` greedy requests decoding ``new_tokens`` each, prefill excluded."""
+        prefill = self.timed(
+            lambda: self.run(
+                [self.prompt(prompt_len) for _ in range(batch)], SamplingParams(max_tokens=1)
+            )
+        )
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        total = self.timed(
+            lambda: self.run([self.prompt(prompt_len) for _ in range(batch)], params)
+        )
+        # `prefill` is the same batch's prefill and first token: subtract it.
+        return batch * (new_tokens - 1) / max(total - prefill, 1e-9)
 
-def _timed(fn: Callable[[], None], device: torch.device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    _sync(device)
-    return time.perf_counter() - start
-
-
-def prefill_seconds(bench: _Bench, length: int, hit: float, device: torch.device) -> float:
-    """Submit-to-first-token time of a fresh prompt whose first ``hit`` fraction is cached."""
-    prompt = bench.prompt(length)
-    num_cached = int(length * hit) // bench.block_size * bench.block_size
-    if num_cached:
-        # A hit needs one more token than the prefix: the last prompt token is never a hit.
-        bench.run(prompt[: num_cached + 1], SamplingParams(max_tokens=1))
-    bench.cached_tokens.clear()
-    seconds = _timed(lambda: bench.run(prompt, SamplingParams(max_tokens=1)), device)
-    assert bench.cached_tokens == [num_cached], (bench.cached_tokens, num_cached)
-    return seconds
-
-
-def decode_tokens_per_s(
-    bench: _Bench, batch: int, prompt_len: int, new_tokens: int, device: torch.device
-) -> float:
-    """Tokens/s of ``batch`` greedy requests decoding ``new_tokens`` each (prefill excluded)."""
-    prompt = bench.prompt(prompt_len)
-    first = _timed(lambda: bench.run(prompt, SamplingParams(max_tokens=1), batch), device)
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    total = _timed(lambda: bench.run(bench.prompt(prompt_len), params, batch), device)
-    # `first` is one prefill (+ first token) of the same shape: subtract it.
-    return batch * (new_tokens - 1) / max(total - first, 1e-9)
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def _stats(samples: list[float]) -> tuple[float, float]:
@@ -148,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (0: torch's default)"
     )
+    parser.add_argument(
+        "--clock",
+        choices=sorted(_CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time, steadier on a shared box "
+        "(meaningful on the CPU with --threads 1)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -168,23 +187,23 @@ def main(argv: list[str] | None = None) -> int:
     blocks_per_prompt = -(-args.prompt_tokens // args.block_size) + 1
     blocks_per_decode = -(-(decode_prompt + args.decode_tokens) // args.block_size)
     num_blocks = 1 + max(2 * blocks_per_prompt, 2 * args.batch * blocks_per_decode)
-    bench = _Bench(model, num_blocks, args.block_size)
+    bench = _Bench(model, num_blocks, args.block_size, args.clock)
 
     print(f"bench_worker: {_versions(device)}")
     print(
         f"model: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads} "
         f"heads, {config.dtype}; {num_blocks} blocks of {args.block_size} tokens; "
-        f"{args.repeats} repeats (median, min)"
+        f"{args.repeats} repeats (median, min); {args.clock} clock"
     )
-    prefill_seconds(bench, args.prompt_tokens, 0.0, device)  # warm-up
-    decode_tokens_per_s(bench, 1, decode_prompt, 4, device)
+    bench.prefill_seconds(args.prompt_tokens, 0.0)  # warm-up
+    bench.decode_tokens_per_s(1, decode_prompt, 4)
     samples: dict[float, list[float]] = {hit: [] for hit in HIT_FRACTIONS}
     dense: list[float] = []
     prompt = bench.prompt(args.prompt_tokens)
     for _ in range(args.repeats):  # rows interleaved so load drifts hit them alike
         for hit in HIT_FRACTIONS:
-            samples[hit].append(prefill_seconds(bench, args.prompt_tokens, hit, device))
-        dense.append(_timed(lambda: model.forward_dense(prompt)[-1].argmax().item(), device))
+            samples[hit].append(bench.prefill_seconds(args.prompt_tokens, hit))
+        dense.append(bench.timed(lambda: model.forward_dense(prompt)[-1].argmax().item()))
 
     base, _ = _stats(samples[0.0])
     print(f"\n| prefill of a {args.prompt_tokens}-token prompt | ms | min | ratio to 0 % |")
@@ -198,13 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     row = f"{median * 1e3:.1f} | {low * 1e3:.1f} | {median / base:.2f}"
     print(f"| dense forward, no KV cache | {row} |")
 
-    single = [decode_tokens_per_s(bench, 1, decode_prompt, args.decode_tokens, device)]
-    batched = [decode_tokens_per_s(bench, args.batch, decode_prompt, args.decode_tokens, device)]
+    single = [bench.decode_tokens_per_s(1, decode_prompt, args.decode_tokens)]
+    batched = [bench.decode_tokens_per_s(args.batch, decode_prompt, args.decode_tokens)]
     for _ in range(max(1, args.repeats // 2) - 1):
-        single.append(decode_tokens_per_s(bench, 1, decode_prompt, args.decode_tokens, device))
-        batched.append(
-            decode_tokens_per_s(bench, args.batch, decode_prompt, args.decode_tokens, device)
-        )
+        single.append(bench.decode_tokens_per_s(1, decode_prompt, args.decode_tokens))
+        batched.append(bench.decode_tokens_per_s(args.batch, decode_prompt, args.decode_tokens))
     one = statistics.median(single)
     print(
         f"\n| decode ({decode_prompt}-token prompts, {args.decode_tokens} tokens each) "
