@@ -218,6 +218,7 @@ class _Handlers:
 
     async def route(self, request: web.Request) -> web.Response:
         body: RouteBody = _decode(await self._body(request), RouteBody)
+        self._check_output(body.max_tokens)
         tokens = self._tokens(body.prompt)
         routed = await self.svc.decide(
             tokens, body.max_tokens, cache_salt=body.cache_salt, record=not body.dry_run

@@ -310,13 +310,15 @@ class RouterService:
             self._predicted.forget(worker_id)
 
     async def _sync_workers(self) -> None:
-        """Adopt registrations made by other replicas; forget those they removed."""
-        persisted = {WorkerId(r.worker_id): r for r in await self.registry.records()}
-        for wid, record in persisted.items():
-            if self._records.get(wid) != record:
+        """Adopt registrations made by other replicas (through Redis).
+
+        NOTE: a worker missing from Redis is kept: Redis may have restarted empty, and the
+        ingest registers its workers again on its next pass.
+        """
+        for record in await self.registry.records():
+            wid = WorkerId(record.worker_id)
+            if self._records.get(wid) != record and wid not in self._dead:
                 self._set_worker(record)
-        for wid in [w for w in self._records if w not in persisted]:
-            self._drop_worker(wid)
 
     # -- routing -------------------------------------------------------------------------
 

@@ -1,0 +1,358 @@
+"""The router's HTTP API in process: real Redis, real aiohttp workers, real HTTP clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from router.index.registry import WorkerRecord
+from router.redis_server import RedisServer, free_port
+from router.service import RequestLimits, RouterConfig, RouterService
+
+
+@dataclass
+class EchoWorker:
+    """A stand-in kvroute worker: echoes prompts, reports load, serves an empty snapshot."""
+
+    worker_id: str
+    prompts: list[Any] = field(default_factory=list)
+    url: str = ""
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.prompts.append(body["prompt"])
+        text = f"{self.worker_id}:{len(self.prompts)}"
+        return web.json_response(
+            {
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0},
+            }
+        )
+
+    async def health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "running": 0, "waiting": 0})
+
+    async def snapshot(self, _: web.Request) -> web.Response:
+        return web.json_response({"block_size": 16, "runs": [], "next_seq": 0})
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(
+            worker_id=self.worker_id,
+            events_endpoint=f"tcp://127.0.0.1:{free_port()}",  # nobody publishes there
+            http_url=self.url,
+        )
+
+
+@asynccontextmanager
+async def echo_workers(n: int) -> AsyncIterator[list[EchoWorker]]:
+    workers = [EchoWorker(f"w{i}") for i in range(n)]
+    runners = []
+    for w in workers:
+        app = web.Application()
+        app.router.add_post("/v1/completions", w.completions)
+        app.router.add_get("/health", w.health)
+        app.router.add_get("/v1/snapshot", w.snapshot)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        w.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        runners.append(runner)
+    try:
+        yield workers
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@asynccontextmanager
+async def running_router(
+    redis_url: str, namespace: str, workers: list[EchoWorker], **overrides: Any
+) -> AsyncIterator[tuple[RouterService, aiohttp.ClientSession]]:
+    config = RouterConfig(
+        redis_url=redis_url,
+        namespace=namespace,
+        port=0,
+        workers=tuple(w.record() for w in workers),
+    )
+    service = RouterService(replace(config, **overrides))
+    await service.start()
+    try:
+        async with aiohttp.ClientSession(base_url=service.url) as client:
+            yield service, client
+    finally:
+        await service.close()
+
+
+async def post(client: aiohttp.ClientSession, path: str, body: Any) -> tuple[int, Any]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with client.post(path, data=data) as resp:
+        return resp.status, await resp.json()
+
+
+Scenario = Callable[[RouterService, aiohttp.ClientSession, list[EchoWorker]], Awaitable[None]]
+
+
+def run(redis_url: str, namespace: str, scenario: Scenario, n: int = 2, **overrides: Any) -> None:
+    async def main() -> None:
+        async with (
+            echo_workers(n) as workers,
+            running_router(redis_url, namespace, workers, **overrides) as (svc, client),
+        ):
+            await scenario(svc, client, workers)
+
+    asyncio.run(main())
+
+
+BAD_BODIES = [
+    (b"{not json", 400, "request body is not valid JSON"),
+    (b"", 400, "request body is empty"),
+    (b"[1, 2]", 400, "invalid request body: Expected `object`, got `array`"),
+    (b'{"max_tokens": 3}', 400, "invalid request body: Object missing required field `prompt`"),
+    (
+        b'{"prompt": 7}',
+        400,
+        "invalid request body: Expected `str | array`, got `int` - at `$.prompt`",
+    ),
+    (b'{"prompt": "a", "max_tokens": -1}', 400, "Expected `int` >= 0 - at `$.max_tokens`"),
+    (b'{"prompt": "a", "stream": "yes"}', 400, "Expected `bool`, got `str` - at `$.stream`"),
+    (b'{"prompt": [1, -2]}', 400, "Expected `int` >= 0 - at `$.prompt[1]`"),
+    (b'{"prompt": [4294967296]}', 400, "Expected `int` <= 4294967295 - at `$.prompt[0]`"),
+    (b'{"prompt": ""}', 400, "prompt is empty"),
+    (b'{"prompt": []}', 400, "prompt is empty"),
+    (b'{"prompt": "\\ud800"}', 400, "request body is not valid JSON"),  # lone surrogate
+    (b'{"prompt": "' + b"x" * 101 + b'"}', 400, "prompt has 101 tokens; the limit is 100"),
+    (b'{"prompt": "a", "max_tokens": 1001}', 400, "max_tokens 1001 exceeds the limit 1000"),
+    (b'{"prompt": "' + b"x" * 5000 + b'"}', 413, "request body exceeds the limit of 4096 bytes"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/route"])
+def test_bad_bodies_get_a_4xx_with_a_clear_message(
+    redis_url: str, namespace: str, path: str
+) -> None:
+    async def scenario(svc: RouterService, client: aiohttp.ClientSession, _: Any) -> None:
+        for body, code, message in BAD_BODIES:
+            status, answer = await post(client, path, body)
+            assert (status, answer["error"]["type"]) == (code, "invalid_request_error"), body
+            assert message in answer["error"]["message"], (body, answer)
+        # The router is unharmed.
+        status, _ = await post(client, path, {"prompt": "fine"})
+        assert status == 200
+
+    limits = RequestLimits(max_body_bytes=4096, max_prompt_tokens=100, max_output_tokens=1000)
+    run(redis_url, namespace, scenario, limits=limits)
+
+
+def test_route_answers_the_documented_shape_and_dry_run_records_nothing(
+    redis_url: str, namespace: str
+) -> None:
+    prompt = "s" * 64  # four 16-token blocks with the byte tokenizer
+
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        status, dry = await post(client, "/v1/route", {"prompt": prompt, "dry_run": True})
+        assert status == 200
+        assert list(dry) == ["worker_id", "url", "matched_tokens", "candidates"]
+        assert dry["url"] == {w.worker_id: w.url for w in ws}[dry["worker_id"]]
+        assert dry["matched_tokens"] == 0
+        assert [sorted(c) for c in dry["candidates"]] == [
+            ["load", "matched_tokens", "predicted_tokens", "score", "worker_id"]
+        ] * 2
+        assert sorted(c["worker_id"] for c in dry["candidates"]) == ["w0", "w1"]
+        idle = {"num_requests": 0, "queued_prefill_tokens": 0, "decode_tokens": 0}
+        assert all(c["load"] == idle and c["predicted_tokens"] == 0 for c in dry["candidates"])
+        # A dry run left no predicted entry and no load behind.
+        _, again = await post(client, "/v1/route", {"prompt": prompt, "dry_run": True})
+        assert again["candidates"] == dry["candidates"]
+        # A real decision credits its worker with the prefix and counts as its load.
+        _, real = await post(client, "/v1/route", {"prompt": prompt, "max_tokens": 8})
+        chosen = real["worker_id"]
+        _, after = await post(client, "/v1/route", {"prompt": prompt, "dry_run": True})
+        by_id = {c["worker_id"]: c for c in after["candidates"]}
+        assert by_id[chosen]["predicted_tokens"] == 64
+        assert by_id[chosen]["matched_tokens"] == 0  # no event confirmed it
+        assert by_id[chosen]["load"]["num_requests"] == 1
+        assert by_id[chosen]["load"]["decode_tokens"] == 8
+        assert after["worker_id"] == chosen  # the sibling follows its prefix
+        metrics = await (await client.get("/metrics")).text()
+        assert (
+            f'kvroute_router_decisions_total{{policy="cache_aware",worker="{chosen}"}} 1.0'
+            in metrics
+        )
+
+    run(redis_url, namespace, scenario)
+
+
+def test_completions_are_proxied_and_siblings_follow_their_prefix(
+    redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "decisions.jsonl"
+
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        served = []
+        for i in range(4):
+            async with client.post("/v1/completions", json={"prompt": "p" * 48 + str(i)}) as resp:
+                assert resp.status == 200
+                served.append(resp.headers["X-Kvroute-Worker"])
+                body = await resp.json()
+                assert body["choices"][0]["text"].startswith(served[-1] + ":")
+        assert len(set(served)) == 1  # predicted entries keep siblings together
+        assert sum(len(w.prompts) for w in ws) == 4
+        records = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [r["worker_id"] for r in records] == served
+        assert all(r["policy"] == "cache_aware" and r["num_prompt_tokens"] == 49 for r in records)
+        # Load is released when each request finishes.
+        snap = await svc.load.snapshot([w.record().worker_id for w in ws])  # type: ignore[arg-type]
+        assert all(load.num_requests == 0 for load in snap.values())
+
+    run(redis_url, namespace, scenario, decision_log=str(log))
+
+
+def test_chat_uses_the_builtin_or_a_hugging_face_template(
+    redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": {"content": "</s>"},
+                "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}] "
+                "{{ m.content }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}",
+            }
+        )
+    )
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+    async def builtin(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        status, body = await post(client, "/v1/chat/completions", {"messages": messages})
+        assert status == 200
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"]["role"] == "assistant"
+        (prompt,) = [p for w in ws for p in w.prompts]
+        assert prompt == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+        status, err = await post(client, "/v1/chat/completions", {"messages": []})
+        assert (status, err["error"]["message"]) == (
+            400,
+            "messages is empty: send at least one message",
+        )
+        status, err = await post(client, "/v1/chat/completions", {"messages": [{"role": "user"}]})
+        assert status == 400
+        assert "missing required field `content` - at `$.messages[0]`" in err["error"]["message"]
+
+    async def hf(svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]) -> None:
+        parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+        chat = [messages[0], {"role": "user", "content": parts}]
+        status, _ = await post(client, "/v1/chat/completions", {"messages": chat})
+        assert status == 200
+        (prompt,) = [p for w in ws for p in w.prompts]
+        assert prompt == "<s>[system] be brief\n[user] hi\n[assistant] "
+
+    run(redis_url, namespace, builtin)
+    run(redis_url, namespace, hf, chat_template=str(config))
+
+
+def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str) -> None:
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        async with client.get("/v1/workers") as resp:
+            listed = (await resp.json())["workers"]
+        assert [w["worker_id"] for w in listed] == ["w0"]
+        assert sorted(listed[0]) == [
+            "block_size",
+            "events",
+            "kind",
+            "replay",
+            "topic",
+            "url",
+            "worker_id",
+        ]
+        new = {"worker_id": "w9", "url": ws[0].url, "events": "tcp://127.0.0.1:1", "replay": None,
+               "topic": "kv", "block_size": 32}  # fmt: skip
+        status, added = await post(client, "/v1/workers", new)
+        assert status == 201
+        assert added["worker"] == {**new, "kind": "kvroute"}
+        async with client.get("/v1/workers") as resp:
+            assert [w["worker_id"] for w in (await resp.json())["workers"]] == ["w0", "w9"]
+        for bad, message in [
+            ({**new, "colour": "red"}, "Object contains unknown field `colour`"),
+            ({"worker_id": "x", "url": ws[0].url}, "Object missing required field `events`"),
+            ({**new, "worker_id": "a b"}, "worker id 'a b' is not valid"),
+            ({**new, "url": "ftp://x"}, "must start with http:// or https://"),
+            ({**new, "block_size": 0}, "Expected `int` >= 1 - at `$.block_size`"),
+        ]:
+            status, err = await post(client, "/v1/workers", bad)
+            assert status == 400 and message in err["error"]["message"], (bad, err)
+        async with client.delete("/v1/workers/w9") as resp:
+            assert (resp.status, await resp.json()) == (200, {"removed": "w9"})
+        async with client.delete("/v1/workers/w9") as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["message"] == "worker 'w9' is not registered"
+        async with client.get("/nowhere") as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["type"] == "invalid_request_error"
+
+    run(redis_url, namespace, scenario, n=1)
+
+
+def test_no_workers_is_a_clear_503(redis_url: str, namespace: str) -> None:
+    async def scenario(svc: RouterService, client: aiohttp.ClientSession, _: Any) -> None:
+        status, err = await post(client, "/v1/completions", {"prompt": "x"})
+        assert status == 503
+        assert err["error"] == {
+            "message": "no worker is registered: add one with POST /v1/workers",
+            "type": "no_workers",
+        }
+
+    run(redis_url, namespace, scenario, n=0)
+
+
+def test_redis_outage_degrades_to_load_routing_and_recovers(private_redis: RedisServer) -> None:
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        async with client.get("/health") as resp:
+            assert (await resp.json())["index"] == "live"
+        private_redis.stop()
+        served = []
+        for i in range(6):
+            status, body = await post(client, "/v1/completions", {"prompt": f"q{i}" * 20})
+            assert status == 200, body
+            served.append(body["choices"][0]["text"].split(":")[0])
+        async with client.get("/health") as resp:
+            health = await resp.json()
+            assert resp.status == 200
+        assert (health["status"], health["index"]) == ("degraded", "degraded")
+        metrics = await (await client.get("/metrics")).text()
+        assert "kvroute_router_index_live 0.0" in metrics
+        assert 'kvroute_router_index_errors_total{operation="lookup"}' in metrics
+        private_redis.start()  # same port, empty: the ingest registers and rebuilds
+        deadline = time.monotonic() + 30
+        while True:
+            _, _ = await post(client, "/v1/route", {"prompt": "probe" * 10, "dry_run": True})
+            async with client.get("/health") as resp:
+                if (await resp.json())["index"] == "live":
+                    break
+            assert time.monotonic() < deadline, "index did not come back"
+            await asyncio.sleep(0.1)  # polling recovery with a deadline
+        assert sorted(set(served)) == ["w0", "w1"]  # load-based routing spread the work
+
+    run(private_redis.url, "degraded", scenario, probe_interval_s=0.2)
