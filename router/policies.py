@@ -150,7 +150,10 @@ class PolicyConfig:
             queueing plus prefill, after which the worker's ``BlockStored`` takes over.
         history_ttl_s: Lifetime of the route history of ``approximate``.
         hash_prefix_blocks: ``consistent_hash`` hashes the key of this many leading
-            blocks (fewer when the prompt is shorter).
+            blocks (fewer when the prompt is shorter). 2 rather than 1 so a system prompt
+            of one block that every request shares does not map them all to one worker:
+            78.5 -> 79.2 % of the ideal on the Mooncake synthetic trace, 31.4 -> 74.9 % on
+            its conversation trace (``kvroute sim``).
         hash_load_factor: ``consistent_hash`` skips workers whose in-flight requests
             exceed this factor times the mean (bounded-load consistent hashing).
         hash_vnodes: Points per worker on the ``consistent_hash`` ring.
@@ -160,7 +163,7 @@ class PolicyConfig:
     seed: int = 0
     predicted_ttl_s: float = 30.0
     history_ttl_s: float = 600.0
-    hash_prefix_blocks: int = 1
+    hash_prefix_blocks: int = 2
     hash_load_factor: float = 1.25
     hash_vnodes: int = 64
 

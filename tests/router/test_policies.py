@@ -167,7 +167,7 @@ def test_round_robin_random_and_least_loaded() -> None:
 
 def test_consistent_hash_is_sticky_per_prefix_and_bounded() -> None:
     policy = make_policy("consistent_hash", PolicyConfig(hash_load_factor=1.25))
-    family = [request([7] * 16 + [i] * 16) for i in range(10)]
+    family = [request([7] * 32 + [i] * 16) for i in range(10)]  # sharing 2 blocks
     idle = build_candidates(W, {})
     owners = {policy.decide(r, idle).worker_id for r in family}
     assert len(owners) == 1
