@@ -31,9 +31,10 @@ from importlib import metadata
 
 import torch
 
-from pool.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from pool.engine import Engine, EngineConfig, SamplingParams
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.model import DecoderModel, ModelConfig
+from pool.outputs import RequestOutput
 
 __all__ = ["main"]
 

@@ -4,21 +4,14 @@ One synchronous thread owns the :class:`KVCacheManager`, the :class:`PagedKVCach
 model. Other threads talk to it only through :meth:`Engine.submit` and :meth:`Engine.call`,
 which enqueue work for the loop, and receive results through the sinks they pass in.
 
-Each step follows vLLM V1's scheduler:
-
-1. Every running request gets one decode token. When its next block does not fit, the
-   most recently admitted running request is preempted (its blocks freed, its tokens to be
-   recomputed later; its cached prefix usually survives) until it fits.
-2. Waiting requests are admitted in arrival order while their uncached tokens fit the
-   token budget and the free blocks (no admission in a step that preempted).
-3. One paged forward computes all scheduled tokens; one token is sampled per request.
-4. Finished requests free their blocks; the step's KV events (evictions before the stores
-   of the same allocation) go out as one batch, if there are any.
+Each step asks the :class:`~pool.scheduler.Scheduler` which requests run (admission,
+queueing and preemption as vLLM V1 does), computes all their tokens in one paged forward,
+samples one token per request, retires the finished ones, and publishes the step's KV
+events (evictions before the stores of the same allocation) as one batch, if any.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -34,21 +27,18 @@ from events.schema import KVEventBatch
 from pool.errors import PoolError
 from pool.kv_cache_manager import KVCacheManager
 from pool.model import DecoderModel, ForwardItem
+from pool.outputs import EngineStats, OutputSink, RequestOutput, Snapshot
 from pool.paged_cache import PagedKVCache
-from pool.request import Request
-from pool.snapshot import CachedChains, ChainRun
+from pool.scheduler import Scheduled, Scheduler
+from pool.snapshot import CachedChains
 
 __all__ = [
     "BatchPublisher",
     "Engine",
     "EngineClosedError",
     "EngineConfig",
-    "EngineStats",
     "InvalidRequestError",
-    "OutputSink",
-    "RequestOutput",
     "SamplingParams",
-    "Snapshot",
 ]
 
 logger = logging.getLogger(__name__)
@@ -91,37 +81,6 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one request.
-
-    Attributes:
-        request_id: The request.
-        new_token_ids: Tokens generated in this step (empty when only finishing).
-        finish_reason: ``"stop"`` (end of sequence), ``"length"`` (``max_tokens``),
-            ``"abort"``, or ``None`` while running.
-        num_prompt_tokens: Prompt length.
-        num_cached_tokens: Prompt tokens found in the prefix cache at first admission.
-        num_output_tokens: Tokens generated so far.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-
-    @property
-    def finished(self) -> bool:
-        """Whether this is the request's last output."""
-        return self.finish_reason is not None
-
-
-OutputSink = Callable[[RequestOutput], None]
-"""Called on the engine thread with each output; must not block."""
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     """Scheduling limits of the engine.
 
@@ -139,62 +98,11 @@ class EngineConfig:
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A consistent view of the engine's load and counters, taken between steps.
-
-    Attributes:
-        num_running: Requests holding blocks and decoding.
-        num_waiting: Requests queued (new or preempted).
-        num_free_blocks: Blocks that can be allocated (cached ones included).
-        num_usable_blocks: Blocks of the pool, the null block excluded.
-        usage: Fraction of the usable blocks held by requests.
-        prefix_query_tokens: Tokens of admitted requests, counted at each admission.
-        prefix_hit_tokens: Of those, tokens found in the prefix cache.
-        num_preemptions: Requests preempted so far.
-        num_steps: Steps run so far.
-        num_batches_published: Event batches the sink accepted.
-        num_batches_dropped: Event batches the sink dropped.
-    """
-
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_usable_blocks: int
-    usage: float
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    num_preemptions: int
-    num_steps: int
-    num_batches_published: int
-    num_batches_dropped: int
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """The cached chains at a step boundary.
-
-    Attributes:
-        next_seq: Number of batches the engine has handed to its sink: the snapshot
-            reflects exactly the batches with seq below it.
-        block_size: Tokens per block.
-        runs: The cached blocks (see :class:`pool.snapshot.CachedChains`).
-    """
-
-    next_seq: int
-    block_size: int
-    runs: list[ChainRun]
-
-
-@dataclass
-class _Sequence:
-    request: Request
+@dataclass(eq=False, kw_only=True)
+class _Sequence(Scheduled):
     params: SamplingParams
     sink: OutputSink
     generator: torch.Generator | None
-    num_cached_tokens: int = -1  # -1 until first admitted
-    finish_reason: str | None = None
-    scheduled_tokens: int = 0
 
 
 class Engine:
@@ -239,11 +147,9 @@ class Engine:
         self._generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
         self._chains = CachedChains(kv_cache_manager.block_size)
         # NOTE: touched only by the engine thread (or by step() callers when not started).
-        self._waiting: collections.deque[_Sequence] = collections.deque()
-        self._running: list[_Sequence] = []
-        self._num_preemptions = 0
-        self._prefix_query_tokens = 0
-        self._prefix_hit_tokens = 0
+        self._scheduler: Scheduler[_Sequence] = Scheduler(
+            kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
         self._num_steps = 0
         self._num_batches = 0
         self._num_dropped = 0
@@ -315,8 +221,8 @@ class Engine:
         generator = None
         if params.temperature > 0 and params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
-        seq = _Sequence(request, params, sink, generator)
-        self._inbox.put(lambda: self._waiting.append(seq))
+        seq = _Sequence(request, params=params, sink=sink, generator=generator)
+        self._inbox.put(lambda: self._scheduler.add(seq))
 
     def abort(self, request_id: str) -> None:
         """Stop a request (e.g. its client went away); its sink gets ``"abort"``."""
@@ -367,20 +273,21 @@ class Engine:
     @property
     def has_work(self) -> bool:
         """Whether any request is running or waiting."""
-        return bool(self._running or self._waiting)
+        return self._scheduler.has_work
 
     def stats(self) -> EngineStats:
         """Load and counters; call on the engine thread (through :meth:`call`)."""
         pool = self.kv.block_pool
+        scheduler = self._scheduler
         return EngineStats(
-            num_running=len(self._running),
-            num_waiting=len(self._waiting),
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
             num_free_blocks=pool.get_num_free_blocks(),
             num_usable_blocks=pool.num_gpu_blocks - 1,
             usage=pool.get_usage(),
-            prefix_query_tokens=self._prefix_query_tokens,
-            prefix_hit_tokens=self._prefix_hit_tokens,
-            num_preemptions=self._num_preemptions,
+            prefix_query_tokens=scheduler.prefix_query_tokens,
+            prefix_hit_tokens=scheduler.prefix_hit_tokens,
+            num_preemptions=scheduler.num_preemptions,
             num_steps=self._num_steps,
             num_batches_published=self._num_batches - self._num_dropped,
             num_batches_dropped=self._num_dropped,
@@ -418,7 +325,7 @@ class Engine:
     def step(self) -> None:
         """Schedule, compute and sample one step, then publish its events."""
         started = time.perf_counter()
-        scheduled = self._schedule()
+        scheduled = self._scheduler.schedule()
         if scheduled:
             self._execute(scheduled)
         self._publish_events()
@@ -437,58 +344,9 @@ class Engine:
         except Exception:
             logger.exception("engine loop failed; the worker stops serving")
             self._accepting = False
-            for seq in [*self._running, *self._waiting]:
+            for seq in [*self._scheduler.running, *self._scheduler.waiting]:
                 seq.sink(self._output(seq, [], "abort"))
             raise
-
-    def _schedule(self) -> list[_Sequence]:
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[_Sequence] = []
-        preempted = False
-        index = 0
-        while index < len(self._running):
-            seq = self._running[index]
-            while self.kv.allocate_slots(seq.request, 1) is None:
-                victim = self._running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                seq.scheduled_tokens = 1
-                scheduled.append(seq)
-                budget -= 1
-                index += 1
-        while (
-            self._waiting and not preempted and len(self._running) < self.config.max_num_seqs
-        ):
-            seq = self._waiting[0]
-            request = seq.request
-            hits, num_hit = self.kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
-            if num_new > budget and scheduled:
-                break
-            if self.kv.allocate_slots(request, num_new, num_hit, hits) is None:
-                break
-            self._waiting.popleft()
-            request.num_computed_tokens = num_hit
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = num_hit
-            # Counted once per admission: a request that waits is looked up every step.
-            self._prefix_query_tokens += request.num_tokens
-            self._prefix_hit_tokens += num_hit
-            seq.scheduled_tokens = num_new
-            self._running.append(seq)
-            scheduled.append(seq)
-            budget -= num_new
-        return scheduled
-
-    def _preempt(self, seq: _Sequence) -> None:
-        self.kv.free(seq.request)
-        seq.request.num_computed_tokens = 0
-        self._waiting.appendleft(seq)
-        self._num_preemptions += 1
-        logger.debug("preempted %s", seq.request.request_id)
 
     def _execute(self, scheduled: list[_Sequence]) -> None:
         items = []
@@ -497,7 +355,7 @@ class Engine:
             start = request.num_computed_tokens
             items.append(
                 ForwardItem(
-                    request.all_token_ids[start : start + seq.scheduled_tokens],
+                    request.all_token_ids[start : start + seq.num_scheduled_tokens],
                     start,
                     self.kv.get_block_ids(request.request_id),
                 )
@@ -506,7 +364,7 @@ class Engine:
         tokens = self._sample(logits, scheduled)
         for seq, token in zip(scheduled, tokens, strict=True):
             request = seq.request
-            request.num_computed_tokens += seq.scheduled_tokens
+            request.num_computed_tokens += seq.num_scheduled_tokens
             request.append_output_token_ids(token)
             reason = None
             if token == self.eos_token_id and not seq.params.ignore_eos:
@@ -514,8 +372,7 @@ class Engine:
             elif len(request.output_token_ids) >= seq.params.max_tokens:
                 reason = "length"
             if reason is not None:
-                self._running.remove(seq)
-                self.kv.free(request)
+                self._scheduler.finish(seq)
             seq.sink(self._output(seq, [token], reason))
 
     def _sample(self, logits: torch.Tensor, scheduled: list[_Sequence]) -> list[int]:
@@ -529,17 +386,9 @@ class Engine:
         return tokens
 
     def _abort(self, request_id: str) -> None:
-        for seq in self._running:
-            if seq.request.request_id == request_id:
-                self._running.remove(seq)
-                self.kv.free(seq.request)
-                seq.sink(self._output(seq, [], "abort"))
-                return
-        for seq in self._waiting:
-            if seq.request.request_id == request_id:
-                self._waiting.remove(seq)
-                seq.sink(self._output(seq, [], "abort"))
-                return
+        seq = self._scheduler.remove(request_id)
+        if seq is not None:
+            seq.sink(self._output(seq, [], "abort"))
 
     def _publish_events(self) -> None:
         events = self.kv.take_events()

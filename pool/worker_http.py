@@ -52,14 +52,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from events.tokenizer import Tokenizer
-from pool.engine import (
-    Engine,
-    EngineClosedError,
-    EngineStats,
-    InvalidRequestError,
-    RequestOutput,
-    SamplingParams,
-)
+from pool.engine import Engine, EngineClosedError, InvalidRequestError, SamplingParams
+from pool.outputs import EngineStats, RequestOutput
 
 __all__ = ["WorkerHTTP", "WorkerInfo"]
 

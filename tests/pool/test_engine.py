@@ -14,11 +14,11 @@ from pool.engine import (
     EngineClosedError,
     EngineConfig,
     InvalidRequestError,
-    RequestOutput,
     SamplingParams,
 )
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.model import DecoderModel, ModelConfig, greedy_reference
+from pool.outputs import RequestOutput
 from pool.snapshot import CachedChains
 
 BLOCK_SIZE = 4

@@ -1,0 +1,88 @@
+"""What the engine hands back: per-step request outputs, load statistics, cache snapshots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pool.snapshot import ChainRun
+
+__all__ = ["EngineStats", "OutputSink", "RequestOutput", "Snapshot"]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one request.
+
+    Attributes:
+        request_id: The request.
+        new_token_ids: Tokens generated in this step (empty when only finishing).
+        finish_reason: ``"stop"`` (end of sequence), ``"length"`` (``max_tokens``),
+            ``"abort"``, or ``None`` while running.
+        num_prompt_tokens: Prompt length.
+        num_cached_tokens: Prompt tokens found in the prefix cache at first admission.
+        num_output_tokens: Tokens generated so far.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last output."""
+        return self.finish_reason is not None
+
+
+OutputSink = Callable[[RequestOutput], None]
+"""Called on the engine thread with each output; must not block."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A consistent view of the engine's load and counters, taken between steps.
+
+    Attributes:
+        num_running: Requests holding blocks and decoding.
+        num_waiting: Requests queued (new or preempted).
+        num_free_blocks: Blocks that can be allocated (cached ones included).
+        num_usable_blocks: Blocks of the pool, the null block excluded.
+        usage: Fraction of the usable blocks held by requests.
+        prefix_query_tokens: Tokens of admitted requests, counted at each admission.
+        prefix_hit_tokens: Of those, tokens found in the prefix cache.
+        num_preemptions: Requests preempted so far.
+        num_steps: Steps run so far.
+        num_batches_published: Event batches the sink accepted.
+        num_batches_dropped: Event batches the sink dropped.
+    """
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_usable_blocks: int
+    usage: float
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    num_steps: int
+    num_batches_published: int
+    num_batches_dropped: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The cached chains at a step boundary.
+
+    Attributes:
+        next_seq: Number of batches the engine has handed to its sink: the snapshot
+            reflects exactly the batches with seq below it.
+        block_size: Tokens per block.
+        runs: The cached blocks (see :class:`pool.snapshot.CachedChains`).
+    """
+
+    next_seq: int
+    block_size: int
+    runs: list[ChainRun]

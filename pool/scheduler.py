@@ -1,0 +1,154 @@
+"""Scheduler: which requests compute which tokens in the next engine step (vLLM V1 policy).
+
+Each step:
+
+1. Every running request gets one decode token. When its next block does not fit, the
+   most recently admitted running request is preempted (its blocks freed, its tokens to be
+   recomputed later; its cached prefix usually survives in the free queue) until it fits.
+2. Waiting requests are admitted in arrival order while their uncached tokens fit the
+   token budget and the free blocks, and no request was preempted in this step.
+
+The scheduler owns the waiting and running queues and talks to the KVCacheManager; it
+computes nothing and performs no I/O.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from pool.kv_cache_manager import KVCacheManager
+from pool.request import Request
+
+__all__ = ["Scheduled", "Scheduler"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Scheduled:
+    """A request as the scheduler tracks it (extended by the engine with its own state).
+
+    Attributes:
+        request: The tokens, block hashes and ``num_computed_tokens``.
+        num_cached_tokens: Prompt tokens found in the prefix cache at its first
+            admission; -1 until then.
+        num_scheduled_tokens: Tokens to compute in the current step.
+    """
+
+    request: Request
+    num_cached_tokens: int = -1
+    num_scheduled_tokens: int = 0
+
+
+S = TypeVar("S", bound=Scheduled)
+
+
+class Scheduler(Generic[S]):
+    """Waiting and running queues over a KVCacheManager.
+
+    Args:
+        kv: Allocates and frees the requests' blocks.
+        max_num_seqs: Requests running at once.
+        max_num_batched_tokens: Tokens one step computes; a longer prefill still runs
+            when it is the step's only work.
+
+    Attributes:
+        waiting: Requests to admit, oldest (or preempted) first.
+        running: Admitted requests, oldest first; they hold blocks.
+        num_preemptions: Preemptions so far.
+        prefix_query_tokens: Tokens of admitted requests, counted at each admission.
+        prefix_hit_tokens: Of those, tokens found in the prefix cache.
+    """
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # NOTE: an entry is in at most one queue; exactly the running ones hold blocks.
+        self.waiting: collections.deque[S] = collections.deque()
+        self.running: list[S] = []
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is running or waiting."""
+        return bool(self.running or self.waiting)
+
+    def add(self, entry: S) -> None:
+        """Queue a new request."""
+        self.waiting.append(entry)
+
+    def schedule(self) -> list[S]:
+        """Pick the requests of the next step and allocate their slots.
+
+        Returns:
+            The scheduled entries, each with ``num_scheduled_tokens`` set; their
+            ``request.num_computed_tokens`` counts the tokens already in the cache.
+        """
+        budget = self.max_num_batched_tokens
+        scheduled: list[S] = []
+        preempted = False
+        index = 0
+        while index < len(self.running):
+            entry = self.running[index]
+            while self.kv.allocate_slots(entry.request, 1) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is entry:
+                    break
+            else:
+                entry.num_scheduled_tokens = 1
+                scheduled.append(entry)
+                budget -= 1
+                index += 1
+        while self.waiting and not preempted and len(self.running) < self.max_num_seqs:
+            entry = self.waiting[0]
+            request = entry.request
+            hits, num_hit = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and scheduled:
+                break
+            if self.kv.allocate_slots(request, num_new, num_hit, hits) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit
+            if entry.num_cached_tokens < 0:
+                entry.num_cached_tokens = num_hit
+            # Counted once per admission: a request that waits is looked up every step.
+            self.prefix_query_tokens += request.num_tokens
+            self.prefix_hit_tokens += num_hit
+            entry.num_scheduled_tokens = num_new
+            self.running.append(entry)
+            scheduled.append(entry)
+            budget -= num_new
+        return scheduled
+
+    def finish(self, entry: S) -> None:
+        """Retire a running request and free its blocks."""
+        self.running.remove(entry)
+        self.kv.free(entry.request)
+
+    def remove(self, request_id: str) -> S | None:
+        """Take a request out of either queue (freeing its blocks); ``None`` if unknown."""
+        for entry in self.running:
+            if entry.request.request_id == request_id:
+                self.finish(entry)
+                return entry
+        for entry in self.waiting:
+            if entry.request.request_id == request_id:
+                self.waiting.remove(entry)
+                return entry
+        return None
+
+    def _preempt(self, entry: S) -> None:
+        self.kv.free(entry.request)
+        entry.request.num_computed_tokens = 0
+        self.waiting.appendleft(entry)
+        self.num_preemptions += 1
+        logger.debug("preempted %s", entry.request.request_id)
