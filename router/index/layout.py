@@ -1,12 +1,15 @@
 """Redis key naming of the prefix index: every key under ``kvroute:<ns>:`` with cluster hash tags.
 
-Keys that one server-side script touches together share a hash tag, so each script runs
-on one Redis Cluster shard:
+A prefix family is the set of chains that share block 0; its tag is block 0's router key.
+Per family and worker, the router keys the worker holds are two Redis sets (GPU tier,
+CPU tier) of signed 64-bit decimal members, which Redis stores as compact *intsets* (8
+bytes per key while a set holds at most ``set-max-intset-entries``, default 512). A
+family's holders hash counts each worker's entries, so a lookup finds its candidates in
+one command. Keys that one script touches together share a hash tag:
 
-* block entries of a prefix family (``{<tag>}``: the router key of the chain's block 0),
-  so a lookup walking one request's chain is one round trip;
-* a worker's lease, state hash and membership set (``{w:<worker>}``), so the fencing
-  check and the membership update are one atomic script.
+* a family's sets and holders hash (``{<tag>}``): a lookup is one script on one shard;
+* a worker's lease, state hash and family list (``{w:<worker>}``): the fencing check and
+  the bookkeeping are one atomic script.
 
 ``<ns>`` is *not* a hash tag: namespaces keep clusters and tests apart, tags spread
 families over shards.
@@ -15,6 +18,7 @@ families over shards.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -22,10 +26,11 @@ from events.hashing import BlockKey
 from router.errors import PrefixIndexError
 from router.index.base import WorkerId
 
-__all__ = ["MEMBER_BYTES", "KeyLayout", "check_name", "pack_member", "unpack_member"]
+__all__ = ["KeyLayout", "check_name", "decode_key", "encode_keys", "tag_text"]
 
 _NAME: Final = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
-MEMBER_BYTES: Final = 24
+_SIGN: Final = 1 << 63
+_WRAP: Final = 1 << 64
 
 
 def check_name(kind: str, value: str) -> str:
@@ -43,27 +48,29 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
-def pack_member(tag: BlockKey, key: BlockKey) -> bytes:
-    """A block's id in its worker's membership set: the tag as 16 hex digits, the key as
-    8 bytes big-endian (the Lua scripts cut block key names out of it)."""
-    return b"%016x" % tag + key.to_bytes(8, "big")
+def encode_keys(keys: Iterable[int]) -> bytes:
+    """Router keys as space-separated signed decimals (how the sets store them)."""
+    return " ".join([str(k - _WRAP if k >= _SIGN else k) for k in keys]).encode()
 
 
-def unpack_member(member: bytes) -> tuple[BlockKey, BlockKey]:
-    """Inverse of :func:`pack_member`.
+def decode_key(member: bytes) -> BlockKey:
+    """Inverse of one :func:`encode_keys` element.
 
     Raises:
-        PrefixIndexError: The member is not 24 bytes (the set was written by something else).
+        PrefixIndexError: The member is not a decimal 64-bit integer.
     """
-    if len(member) != MEMBER_BYTES:
-        raise PrefixIndexError(f"membership entry must be {MEMBER_BYTES} bytes, got {len(member)}")
     try:
-        tag = int(member[:16], 16)
+        value = int(member)
     except ValueError:
-        raise PrefixIndexError(
-            f"membership entry {member!r} does not start with a hex tag"
-        ) from None
-    return BlockKey(tag), BlockKey(int.from_bytes(member[16:], "big"))
+        raise PrefixIndexError(f"index set member {member!r} is not a router key") from None
+    if not -_SIGN <= value < _SIGN:
+        raise PrefixIndexError(f"index set member {member!r} is out of the 64-bit range")
+    return BlockKey(value % _WRAP)
+
+
+def tag_text(tag: BlockKey) -> str:
+    """A family tag as it appears in key names: 16 hex digits."""
+    return f"{tag:016x}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,21 +91,14 @@ class KeyLayout:
         """``kvroute:<ns>:``, the prefix of every key of the namespace."""
         return f"kvroute:{self.namespace}:"
 
-    def block(self, tag: BlockKey, key: BlockKey) -> bytes:
-        """Hash of one router key: field = worker id, value = tier mask.
+    def tier_set(self, tag: BlockKey, worker_id: WorkerId, tier: str) -> str:
+        """Set of the router keys of family ``tag`` that a worker holds on ``tier``
+        (``"g"``: GPU, ``"c"``: CPU); the scripts build the same names."""
+        return f"{self.prefix}{tier}:{{{tag_text(tag)}}}:{worker_id}"
 
-        NOTE: the key part after the tag is 8 raw bytes to save memory; only the tag,
-        which Redis Cluster hashes, must stay brace-free (hex).
-        """
-        return self.family_prefix(tag) + key.to_bytes(8, "big")
-
-    def block_prefix(self) -> bytes:
-        """What every block key starts with; the scripts append ``{tag}`` and the key."""
-        return f"{self.prefix}b:".encode()
-
-    def family_prefix(self, tag: BlockKey) -> bytes:
-        """What every block key of one prefix family starts with (``...b:{<tag>}``)."""
-        return f"{self.prefix}b:{{{tag:016x}}}".encode()
+    def holders(self, tag: BlockKey) -> str:
+        """Hash of one family: worker id -> number of entries it holds in the family."""
+        return f"{self.prefix}h:{{{tag_text(tag)}}}"
 
     def lease(self, worker_id: WorkerId) -> str:
         """String ``"<epoch>:<owner>"`` with a TTL: the worker's single-writer lease."""
@@ -108,9 +108,9 @@ class KeyLayout:
         """Hash of a worker's index state: ``epoch`` counter and ``entries`` count."""
         return f"{self.prefix}worker:{{w:{worker_id}}}"
 
-    def members(self, worker_id: WorkerId) -> str:
-        """Set of the worker's entries (:func:`pack_member` ids): O(its blocks) clears."""
-        return f"{self.prefix}members:{{w:{worker_id}}}"
+    def families(self, worker_id: WorkerId) -> str:
+        """Set of the family tags a worker may hold entries in: O(its families) clears."""
+        return f"{self.prefix}families:{{w:{worker_id}}}"
 
     @property
     def indexed(self) -> str:
@@ -121,8 +121,3 @@ class KeyLayout:
     def registry(self) -> str:
         """Hash worker id -> JSON registration (endpoints, kind, block size)."""
         return f"{self.prefix}registry"
-
-    @property
-    def stats(self) -> str:
-        """Hash of namespace-wide counters (``keys``: distinct block keys)."""
-        return f"{self.prefix}stats"

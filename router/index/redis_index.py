@@ -1,25 +1,27 @@
 """``PrefixIndex`` in Redis (single node or Redis Cluster): the production global prefix index.
 
-Layout (see :mod:`router.index.layout`): one Redis hash per router key, field = worker
-id, value = tier mask, tagged with its prefix family so a request's chain lives on one
-shard; one membership set per worker so clearing it is O(its blocks). Every write is
-fenced by the worker's lease token (see :mod:`router.index.registry`): a router that
-lost the lease cannot write.
+Layout (see :mod:`router.index.layout`): per prefix family and worker, two sets of the
+router keys it holds (GPU tier, CPU tier), stored by Redis as 8-byte-per-key intsets; per
+family, a hash of holder counts; per worker, the list of its families, so clearing a
+worker costs O(its families), never a keyspace scan. Every write is fenced by the
+worker's lease token (see :mod:`router.index.registry`): a router that lost the lease
+cannot write.
 
-Costs: a lookup is one ``EVALSHA`` walking the chain server-side; a batch is one
-``EVALSHA`` on a single node, and on a cluster one call to the worker's shard (fencing +
-membership) followed by one call per family shard, sent concurrently.
+Costs: a lookup is one ``EVALSHA`` on the family's shard: one ``HKEYS``/``HMGET`` for
+the candidates, then one ``SMISMEMBER`` over the request's keys per candidate that holds
+the family. A batch is one ``EVALSHA`` on a single node; on a cluster one call to the
+worker's shard (fencing + bookkeeping) followed by one call per family shard, sent
+concurrently.
 
-NOTE: on a cluster the fencing check and the block writes are separate scripts, so a
-writer whose lease lapses between the two may leave the entries of that one batch
-behind; the next resync or reap of the worker removes them only if they are in the
-membership set, which the fenced script updated first.
+NOTE: on a cluster the fencing check and the family writes are separate scripts, so a
+writer whose lease lapses between the two may write that one batch after a newer owner
+cleared the worker; its families were recorded in the worker's family list first, so
+the next clear of the worker removes them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -30,33 +32,48 @@ from events.hashing import BlockKey, RouterKeyer
 from events.schema import KVEventBatch
 from router.errors import PrefixIndexError
 from router.index.base import IndexStats, PrefixMatch, WorkerId
-from router.index.bridge import Changes, EntryChange, WorkerBridge, fold_batch
-from router.index.layout import KeyLayout, check_name, pack_member, unpack_member
+from router.index.bridge import CPU_MASK, GPU_MASK, Changes, WorkerBridge, fold_batch
+from router.index.layout import KeyLayout, check_name, decode_key, encode_keys, tag_text
 from router.index.scripts import (
-    APPLY_BLOCKS,
+    APPLY_FAMILIES,
     APPLY_SINGLE,
     APPLY_WORKER,
+    CLEAR_FAMILIES,
+    FORGET_FAMILIES,
     LOOKUP,
-    RESET_WORKER,
     Script,
 )
 from router.redis_conn import RedisClient, reply_bytes
 
 __all__ = ["RedisPrefixIndex"]
 
-_MASK_DIGITS: Final = (b"0", b"1", b"2", b"3")
-_CLEAR_CHUNK: Final = 2000
-"""Members removed per fenced script call while clearing a worker."""
+_CLEAR_CHUNK: Final = 500
+"""Families dropped per script call while clearing a worker."""
 
 _apply_single = Script(APPLY_SINGLE)
 _apply_worker = Script(APPLY_WORKER)
-_apply_blocks = Script(APPLY_BLOCKS)
-_reset_worker = Script(RESET_WORKER)
+_apply_families = Script(APPLY_FAMILIES)
+_clear_families = Script(CLEAR_FAMILIES)
+_forget_families = Script(FORGET_FAMILIES)
 _lookup = Script(LOOKUP)
 
 
-def _entries_delta(changes: Changes) -> int:
-    return sum(c.new_mask.bit_count() - c.old_mask.bit_count() for c in changes.values())
+def _family_args(changes: Changes) -> dict[BlockKey, list[bytes | int | str]]:
+    """Per family tag: its six script arguments (tag, entries delta, four key lists)."""
+    lists: dict[BlockKey, tuple[list[int], list[list[int]]]] = {}
+    for change in changes.values():
+        old, new = change.old_mask, change.new_mask
+        delta, sets = lists.setdefault(change.tag, ([0], [[], [], [], []]))
+        delta[0] += new.bit_count() - old.bit_count()
+        for bit, (added, dropped) in ((GPU_MASK, (0, 1)), (CPU_MASK, (2, 3))):
+            if new & bit and not old & bit:
+                sets[added].append(change.key)
+            elif old & bit and not new & bit:
+                sets[dropped].append(change.key)
+    return {
+        tag: [tag_text(tag), delta[0], *(encode_keys(keys) for keys in sets)]
+        for tag, (delta, sets) in lists.items()
+    }
 
 
 class RedisPrefixIndex:
@@ -111,6 +128,10 @@ class RedisPrefixIndex:
             )
         return token
 
+    def _worker_keys(self, worker_id: WorkerId) -> list[str]:
+        lay = self.layout
+        return [lay.lease(worker_id), lay.worker(worker_id), lay.families(worker_id)]
+
     async def apply(self, worker_id: WorkerId, batch: KVEventBatch) -> None:
         """Apply one worker's event batch (see ``PrefixIndex.apply``).
 
@@ -131,31 +152,25 @@ class RedisPrefixIndex:
 
     async def _write(self, worker_id: WorkerId, changes: Changes) -> None:
         token = self._token(worker_id)
-        lay = self.layout
-        worker_keys = [lay.lease(worker_id), lay.members(worker_id), lay.worker(worker_id)]
-        records = [pack_member(c.tag, c.key) + _MASK_DIGITS[c.new_mask] for c in changes.values()]
-        delta = _entries_delta(changes)
-        prefix = lay.block_prefix()
+        families = _family_args(changes)
+        delta = sum(int(args[1]) for args in families.values())
+        prefix = self.layout.prefix
         if not self.is_cluster:
+            flat = [a for args in families.values() for a in args]
             await _apply_single(
-                self.client,
-                [*worker_keys, lay.stats],
-                [token, worker_id, delta, prefix, b"".join(records)],
+                self.client, self._worker_keys(worker_id), [token, worker_id, prefix, delta, *flat]
             )
             return
-        await _apply_worker(self.client, worker_keys, [token, delta, b"".join(records)])
-        groups: dict[int, tuple[bytes, list[bytes]]] = {}
-        for change, record in zip(changes.values(), records, strict=True):
-            name = lay.block(change.tag, change.key)
-            groups.setdefault(key_slot(name), (name, []))[1].append(record)
-        created = await asyncio.gather(
-            *(
-                _apply_blocks(self.client, [name], [worker_id, prefix, b"".join(group)])
-                for name, group in groups.values()
-            )
+        tags = [args[0] for args in families.values()]
+        await _apply_worker(self.client, self._worker_keys(worker_id), [token, delta, *tags])
+        groups: dict[int, tuple[str, list[bytes | int | str]]] = {}
+        for tag, args in families.items():
+            holders = self.layout.holders(tag)
+            slot = key_slot(holders.encode())
+            groups.setdefault(slot, (holders, [worker_id, prefix]))[1].extend(args)
+        await asyncio.gather(
+            *(_apply_families(self.client, [key], args) for key, args in groups.values())
         )
-        if sum(created):
-            await self.client.hincrby(lay.stats, "keys", sum(created))
 
     async def lookup(
         self, keys: Sequence[BlockKey], workers: Sequence[WorkerId] | None = None
@@ -164,24 +179,23 @@ class RedisPrefixIndex:
         if not keys or (workers is not None and not workers):
             return {}
         tag = keys[0]
-        packed = struct.pack(f">{len(keys)}Q", *keys)
         fields = [] if workers is None else list(dict.fromkeys(workers))
         reply: list[Any] = await _lookup(
             self.client,
-            [self.layout.block(tag, tag)],
-            [self.layout.family_prefix(tag), packed, *fields],
+            [self.layout.holders(tag)],
+            [self.layout.prefix, tag_text(tag), encode_keys(keys), *fields],
         )
         out: dict[WorkerId, PrefixMatch] = {}
         for i in range(0, len(reply), 3):
             gpu, cpu = int(reply[i + 1]), int(reply[i + 2])
-            out[WorkerId(reply[i].decode())] = PrefixMatch(gpu + cpu, gpu, cpu)
+            out[WorkerId(reply_bytes(reply[i]).decode())] = PrefixMatch(gpu + cpu, gpu, cpu)
         return out
 
     async def clear_worker(self, worker_id: WorkerId) -> None:
-        """Drop every entry of one worker, found through its membership set.
+        """Drop every entry of one worker, found through its family list.
 
-        Costs O(its entries) in chunks of fenced writes; entries the bridge does not know
-        (written before a router restart) are removed too.
+        Costs O(its families) in chunks; entries the bridge does not know (written before
+        a router restart) are removed too.
 
         Raises:
             StaleLeaseError: This router no longer holds the worker's lease.
@@ -190,45 +204,54 @@ class RedisPrefixIndex:
         bridge = self._bridges.get(worker_id)
         if bridge is not None:
             bridge.reset()
-        lay = self.layout
-        while True:
-            chunk = await self.client.srandmember(lay.members(worker_id), _CLEAR_CHUNK)
-            if not chunk:
-                break
-            changes: Changes = {}
-            for member in chunk:
-                tag, key = unpack_member(reply_bytes(member))
-                changes[key] = EntryChange(key, tag, 0, 0)
-            await self._write(worker_id, changes)
-        await _reset_worker(
-            self.client,
-            [lay.lease(worker_id), lay.members(worker_id), lay.worker(worker_id)],
-            [token],
-        )
+        worker_keys = self._worker_keys(worker_id)
+        # Fenced first: a router that lost the lease stops here (and an empty list resets
+        # the entry count).
+        await _forget_families(self.client, worker_keys, [token])
+        prefix = self.layout.prefix
+        while chunk := await self.client.srandmember(self.layout.families(worker_id), _CLEAR_CHUNK):
+            tags = [reply_bytes(t).decode() for t in chunk]
+            groups: dict[int, tuple[str, list[str]]] = {}
+            for tag in tags:
+                holders = self.layout.holders(BlockKey(int(tag, 16)))
+                slot = key_slot(holders.encode())
+                groups.setdefault(slot, (holders, [worker_id, prefix]))[1].append(tag)
+            await asyncio.gather(
+                *(_clear_families(self.client, [key], args) for key, args in groups.values())
+            )
+            await _forget_families(self.client, worker_keys, [token, *tags])
 
     async def worker_entries(self, worker_id: WorkerId) -> dict[BlockKey, int]:
         """Every entry of one worker in Redis: router key -> tier mask (for checks)."""
         lay = self.layout
-        members = self.client.sscan_iter(lay.members(worker_id), count=1000)
-        tags_keys = [unpack_member(reply_bytes(m)) async for m in members]
-        masks = await asyncio.gather(
-            *(self.client.hget(lay.block(tag, key), worker_id) for tag, key in tags_keys)
-        )
-        return {key: int(mask) for (_, key), mask in zip(tags_keys, masks, strict=True) if mask}
+        out: dict[BlockKey, int] = {}
+        async for raw in self.client.sscan_iter(lay.families(worker_id), count=500):
+            tag = BlockKey(int(reply_bytes(raw), 16))
+            for tier, bit in (("g", GPU_MASK), ("c", CPU_MASK)):
+                for member in await self.client.smembers(lay.tier_set(tag, worker_id, tier)):
+                    key = decode_key(reply_bytes(member))
+                    out[key] = out.get(key, 0) | bit
+        return out
 
     async def stats(self) -> IndexStats:
-        """Entries and distinct keys of the namespace; memory is the servers' ``used_memory``."""
+        """Sizes of the namespace; memory is the servers' ``used_memory``.
+
+        NOTE: ``num_keys`` (distinct router keys over all workers) is computed by reading
+        every worker's sets: O(entries), for tools, not for the request path.
+        """
         lay = self.layout
         indexed = await self.client.smembers(lay.indexed)
         workers = [WorkerId(reply_bytes(w).decode()) for w in indexed]
         counts = await asyncio.gather(
             *(self.client.hget(lay.worker(w), "entries") for w in workers)
         )
-        num_keys = await self.client.hget(lay.stats, "keys")
         entries = [int(c) for c in counts if c is not None]
+        keys: set[BlockKey] = set()
+        for worker in workers:
+            keys.update(await self.worker_entries(worker))
         return IndexStats(
             num_entries=sum(entries),
-            num_keys=int(num_keys or 0),
+            num_keys=len(keys),
             num_workers=sum(1 for c in entries if c > 0),
             memory_bytes=await self._used_memory(),
         )

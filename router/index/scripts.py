@@ -4,9 +4,9 @@ Each script touches keys of one hash tag only (see :mod:`router.index.layout`), 
 runs unchanged on a single node and on a Redis Cluster shard. Scripts are composed
 from shared fragments instead of repeating them.
 
-Entry values are tier masks (``1`` GPU, ``2`` CPU tier, ``3`` both). Keys and writes
-travel packed in one argument each (8 bytes per key, 25 bytes per write record) and the
-scripts build the key names: far cheaper for the client than thousands of arguments.
+Router keys travel as one space-separated argument of signed decimals per list (the
+scripts split them), and the scripts build key names from the namespace prefix, the
+family tag and the worker id: far cheaper for the client than thousands of arguments.
 """
 
 from __future__ import annotations
@@ -21,15 +21,16 @@ from router.errors import PrefixIndexError
 
 __all__ = [
     "ACQUIRE",
-    "APPLY_BLOCKS",
+    "APPLY_FAMILIES",
     "APPLY_SINGLE",
     "APPLY_WORKER",
+    "CLEAR_FAMILIES",
+    "FAMILY_ARGS",
     "FENCED_ERROR",
+    "FORGET_FAMILIES",
     "LOOKUP",
-    "RECORD_BYTES",
     "RELEASE",
     "RENEW",
-    "RESET_WORKER",
     "Script",
     "StaleLeaseError",
 ]
@@ -52,143 +53,178 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
 end
 """
 
-# A write record is 25 bytes: the family tag as 16 hex digits, the router key as 8 raw
-# bytes (together: the member id in the worker's set) and the new tier mask as one digit
-# ('0' removes). The block key is ARGV prefix .. '{' .. tag .. '}' .. key.
-RECORD_BYTES: Final = 25
-
-# Applies the records in ARGV[rec] to block keys; with members set, also to the worker's
-# membership set. Returns +created-deleted block keys (the namespace's key counter).
-_WRITE: Final = f"""
-local function write(prefix, field, recs, members)
-  local created = 0
-  for off = 1, #recs, {RECORD_BYTES} do
-    local member = string.sub(recs, off, off + 23)
-    local mask = string.sub(recs, off + 24, off + 24)
-    local key = prefix .. '{{' .. string.sub(recs, off, off + 15) .. '}}' .. string.sub(member, 17)
-    if mask == '0' then
-      if members then
-        redis.call('SREM', members, member)
-      end
-      if redis.call('HDEL', key, field) == 1 and redis.call('EXISTS', key) == 0 then
-        created = created - 1
-      end
-    else
-      if members then
-        redis.call('SADD', members, member)
-      end
-      if redis.call('HSET', key, field, mask) == 1 and redis.call('HLEN', key) == 1 then
-        created = created + 1
-      end
+# Splits a space-separated key list and applies a set command to it, in chunks that
+# stay far below Lua's limit on unpack() arguments.
+_SET_OP: Final = """
+local function set_op(cmd, key, list)
+  if list == '' then
+    return
+  end
+  local chunk = {}
+  for member in string.gmatch(list, '%S+') do
+    chunk[#chunk + 1] = member
+    if #chunk == 1000 then
+      redis.call(cmd, key, unpack(chunk))
+      chunk = {}
     end
   end
-  return created
+  if #chunk > 0 then
+    redis.call(cmd, key, unpack(chunk))
+  end
 end
 """
 
-APPLY_SINGLE: Final = (
-    _WRITE
-    + _FENCE
-    + """
--- Single node: the whole batch in one atomic, fenced script.
--- KEYS: lease, members, worker, stats   ARGV: token, field, entries_delta, prefix, records
-local created = write(ARGV[4], ARGV[2], ARGV[5], KEYS[2])
-redis.call('HINCRBY', KEYS[3], 'entries', ARGV[3])
-if created ~= 0 then
-  redis.call('HINCRBY', KEYS[4], 'keys', created)
+# Applies one family's part of a batch: ARGV from position a: tag, entries delta, GPU keys
+# added, GPU keys removed, CPU keys added, CPU keys removed. Returns the worker's entry
+# count left in the family.
+_FAMILY: Final = """
+local function family(ns, worker, a)
+  local tag = ARGV[a]
+  local g = ns .. 'g:{' .. tag .. '}:' .. worker
+  local c = ns .. 'c:{' .. tag .. '}:' .. worker
+  set_op('SADD', g, ARGV[a + 2])
+  set_op('SREM', g, ARGV[a + 3])
+  set_op('SADD', c, ARGV[a + 4])
+  set_op('SREM', c, ARGV[a + 5])
+  local h = ns .. 'h:{' .. tag .. '}'
+  local left = redis.call('HINCRBY', h, worker, ARGV[a + 1])
+  if left <= 0 then
+    redis.call('HDEL', h, worker)
+  end
+  return left
 end
-return created
+"""
+
+FAMILY_ARGS: Final = 6
+"""Arguments per family in the write scripts (see ``_FAMILY``)."""
+
+APPLY_SINGLE: Final = (
+    _SET_OP
+    + _FAMILY
+    + _FENCE
+    + f"""
+-- Single node: the whole batch in one atomic, fenced script.
+-- KEYS: lease, worker, families   ARGV: token, worker id, ns prefix, entries delta,
+-- then {FAMILY_ARGS} arguments per family.
+for a = 5, #ARGV, {FAMILY_ARGS} do
+  if family(ARGV[3], ARGV[2], a) > 0 then
+    redis.call('SADD', KEYS[3], ARGV[a])
+  else
+    redis.call('SREM', KEYS[3], ARGV[a])
+  end
+end
+redis.call('HINCRBY', KEYS[2], 'entries', ARGV[4])
+return 0
 """
 )
 
 APPLY_WORKER: Final = (
     _FENCE
-    + f"""
--- Cluster, worker shard: fencing check and membership of one batch.
--- KEYS: lease, members, worker   ARGV: token, entries_delta, records
-local recs = ARGV[3]
-for off = 1, #recs, {RECORD_BYTES} do
-  local member = string.sub(recs, off, off + 23)
-  if string.sub(recs, off + 24, off + 24) == '0' then
-    redis.call('SREM', KEYS[2], member)
-  else
-    redis.call('SADD', KEYS[2], member)
-  end
+    + """
+-- Cluster, worker shard: fencing check and bookkeeping of one batch. The family list
+-- only grows here (a superset); clear_worker empties it.
+-- KEYS: lease, worker, families   ARGV: token, entries delta, family tags...
+for a = 3, #ARGV do
+  redis.call('SADD', KEYS[3], ARGV[a])
 end
-redis.call('HINCRBY', KEYS[3], 'entries', ARGV[2])
+redis.call('HINCRBY', KEYS[2], 'entries', ARGV[2])
 return 0
 """
 )
 
-APPLY_BLOCKS: Final = (
-    _WRITE
-    + """
--- Cluster, one slot: block entries of one batch (every key in KEYS[1]'s slot).
--- KEYS: one block key of the slot   ARGV: field, prefix, records
-return write(ARGV[2], ARGV[1], ARGV[3], nil)
+APPLY_FAMILIES: Final = (
+    _SET_OP
+    + _FAMILY
+    + f"""
+-- Cluster, one slot: the families of a batch that live in KEYS[1]'s slot.
+-- KEYS: one holders hash of the slot   ARGV: worker id, ns prefix, then
+-- {FAMILY_ARGS} arguments per family.
+for a = 3, #ARGV, {FAMILY_ARGS} do
+  family(ARGV[2], ARGV[1], a)
+end
+return 0
 """
 )
 
-RESET_WORKER: Final = (
+CLEAR_FAMILIES: Final = """
+-- Drop a worker's sets and holder counts in some families (one slot).
+-- KEYS: one holders hash of the slot   ARGV: worker id, ns prefix, family tags...
+local worker, ns = ARGV[1], ARGV[2]
+for a = 3, #ARGV do
+  local tag = ARGV[a]
+  redis.call('DEL', ns .. 'g:{' .. tag .. '}:' .. worker, ns .. 'c:{' .. tag .. '}:' .. worker)
+  redis.call('HDEL', ns .. 'h:{' .. tag .. '}', worker)
+end
+return 0
+"""
+
+FORGET_FAMILIES: Final = (
     _FENCE
     + """
--- KEYS: lease, members, worker   ARGV: token
-redis.call('DEL', KEYS[2])
-redis.call('HSET', KEYS[3], 'entries', 0)
+-- Fenced end of a clear: forget dropped families; the last one resets the entry count.
+-- KEYS: lease, worker, families   ARGV: token, family tags whose sets were dropped
+for a = 2, #ARGV do
+  redis.call('SREM', KEYS[3], ARGV[a])
+end
+if redis.call('SCARD', KEYS[3]) == 0 then
+  redis.call('HSET', KEYS[2], 'entries', 0)
+end
 return 0
 """
 )
 
 LOOKUP: Final = """
--- Walk one request's chain (all keys share a tag, so one slot) and stop at the first
--- block no candidate still matching holds.
--- KEYS: block 0's key (routing)   ARGV: key prefix with the tag, packed 8-byte keys,
--- then the candidate fields (none: every holder of block 0).
--- Returns: flat list field, gpu_blocks, cpu_blocks for each worker matching block 0.
-local prefix, packed = ARGV[1], ARGV[2]
-local alive = {}
-local gpu, cpu = {}, {}
-local first = {}
-if #ARGV == 2 then
-  local all = redis.call('HGETALL', KEYS[1])
-  for j = 1, #all, 2 do
-    alive[#alive + 1] = all[j]
-  end
+-- The longest consecutive prefix of one request's keys per candidate worker, in one
+-- family (one slot). KEYS: the family's holders hash.
+-- ARGV: ns prefix, family tag, space-separated keys, then the candidate worker ids
+-- (none: every holder of the family).
+-- Returns: flat list worker, gpu_blocks, cpu_blocks for each worker holding block 0.
+local ns, tag = ARGV[1], ARGV[2]
+local candidates = {}
+if #ARGV == 3 then
+  candidates = redis.call('HKEYS', KEYS[1])
 else
-  for j = 3, #ARGV do
-    alive[#alive + 1] = ARGV[j]
+  local asked = {}
+  for j = 4, #ARGV do
+    asked[#asked + 1] = ARGV[j]
   end
-end
-for i = 1, #packed / 8 do
-  if #alive == 0 then
-    break
-  end
-  local masks = redis.call('HMGET', prefix .. string.sub(packed, 8 * i - 7, 8 * i), unpack(alive))
-  local next_alive = {}
-  for j = 1, #alive do
-    local mask = masks[j]
-    if mask then
-      local w = alive[j]
-      if i == 1 then
-        first[#first + 1] = w
-        gpu[w] = 0
-        cpu[w] = 0
-      end
-      if mask == '1' or mask == '3' then
-        gpu[w] = gpu[w] + 1
-      else
-        cpu[w] = cpu[w] + 1
-      end
-      next_alive[#next_alive + 1] = w
+  local counts = redis.call('HMGET', KEYS[1], unpack(asked))
+  for j = 1, #asked do
+    if counts[j] then
+      candidates[#candidates + 1] = asked[j]
     end
   end
-  alive = next_alive
+end
+if #candidates == 0 then
+  return {}
+end
+local keys = {}
+for member in string.gmatch(ARGV[3], '%S+') do
+  keys[#keys + 1] = member
 end
 local out = {}
-for _, w in ipairs(first) do
-  out[#out + 1] = w
-  out[#out + 1] = gpu[w]
-  out[#out + 1] = cpu[w]
+for _, w in ipairs(candidates) do
+  local g = redis.call('SMISMEMBER', ns .. 'g:{' .. tag .. '}:' .. w, unpack(keys))
+  local cset = ns .. 'c:{' .. tag .. '}:' .. w
+  local c = nil
+  if redis.call('EXISTS', cset) == 1 then
+    c = redis.call('SMISMEMBER', cset, unpack(keys))
+  end
+  local gpu, cpu = 0, 0
+  for i = 1, #keys do
+    if g[i] == 1 then
+      gpu = gpu + 1
+    elseif c and c[i] == 1 then
+      cpu = cpu + 1
+    else
+      break
+    end
+  end
+  if gpu + cpu > 0 then
+    out[#out + 1] = w
+    out[#out + 1] = gpu
+    out[#out + 1] = cpu
+  end
 end
 return out
 """
