@@ -1,0 +1,383 @@
+"""Routers in front of real workers: affinity, saturation, replicas, a killed worker, vLLM wires.
+
+Workers are real ``kvroute worker`` subprocesses (tiny model, CPU, one torch thread); the
+routers run in process so the tests can read their index and load directly. A "vLLM"
+engine is a raw ZeroMQ PUB socket publishing hand-encoded batches in vLLM's map shape or
+its legacy array shape, beside an aiohttp stand-in for its HTTP API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+from aiohttp import web
+
+from events.framing import make_message
+from router.index.base import WorkerId
+from router.index.layout import KeyLayout
+from router.index.redis_index import RedisPrefixIndex
+from router.index.registry import WorkerRecord
+from router.redis_conn import connect
+from router.service import RouterConfig, RouterService
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(240)
+BLOCK = 16
+
+
+@dataclass
+class WorkerProc:
+    """A running ``kvroute worker`` subprocess and the endpoints it announced."""
+
+    worker_id: str
+    proc: subprocess.Popen[str]
+    http: str
+    events: str
+    replay: str
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(
+            worker_id=self.worker_id,
+            events_endpoint=self.events,
+            replay_endpoint=self.replay,
+            http_url=self.http,
+            block_size=BLOCK,
+        )
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def start_workers(ids: list[str], num_blocks: int = 512) -> list[WorkerProc]:
+    """Start workers in parallel and wait for each one's ready line (stdout JSON)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "router",
+                "worker",
+                "--id",
+                wid,
+                "--port",
+                "0",
+                "--events",
+                "tcp://127.0.0.1:*",
+                "--replay",
+                "tcp://127.0.0.1:*",
+                "--num-blocks",
+                str(num_blocks),
+                "--block-size",
+                str(BLOCK),
+                "--torch-threads",
+                "1",
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for wid in ids
+    ]
+    workers = []
+    for wid, proc in zip(ids, procs, strict=True):
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the worker prints it once listening (or dies)
+        if not line:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"worker {wid} exited before it was ready")
+        ready = json.loads(line)
+        workers.append(WorkerProc(wid, proc, ready["http"], ready["events"], ready["replay"]))
+    return workers
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[WorkerProc]]:
+    """Three workers shared by the tests that do not kill any (distinct prompts per test)."""
+    started = start_workers(["a", "b", "c"])
+    yield started
+    for w in started:
+        w.kill()
+
+
+@asynccontextmanager
+async def router(
+    redis_url: str, namespace: str, records: list[WorkerRecord], **kw: Any
+) -> AsyncIterator[RouterService]:
+    config = RouterConfig(redis_url=redis_url, namespace=namespace, port=0, workers=tuple(records))
+    service = RouterService(replace(config, **kw))
+    await service.start()
+    try:
+        yield service
+    finally:
+        await service.close()
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)  # polling a condition with a deadline
+
+
+async def complete(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 4
+) -> tuple[str, dict[str, Any]]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        answer = await resp.json()
+        assert resp.status == 200, answer
+        return resp.headers["X-Kvroute-Worker"], answer["usage"]
+
+
+async def dry_route(session: aiohttp.ClientSession, url: str, prompt: str) -> dict[str, Any]:
+    async with session.post(f"{url}/v1/route", json={"prompt": prompt, "dry_run": True}) as resp:
+        assert resp.status == 200
+        return await resp.json()  # type: ignore[no-any-return]
+
+
+def matched(route: dict[str, Any]) -> dict[str, int]:
+    return {c["worker_id"]: c["matched_tokens"] for c in route["candidates"] if c["matched_tokens"]}
+
+
+def test_prefix_affinity_then_spreading_under_load(
+    redis_url: str, namespace: str, workers: list[WorkerProc]
+) -> None:
+    prefix = "You are a careful assistant. " * 9  # 261 bytes: 16 full blocks shared
+
+    async def scenario() -> None:
+        async with (
+            router(redis_url, namespace, [w.record() for w in workers]) as svc,
+            aiohttp.ClientSession() as s,
+        ):
+            first, _ = await complete(s, svc.url, prefix + "Q0")
+            await until(
+                lambda: _holds(s, svc.url, prefix + "Q1", first, 256), "the prefix in the index"
+            )
+            for i in range(1, 4):
+                served, usage = await complete(s, svc.url, prefix + f"Q{i}")
+                assert served == first
+                assert usage["cached_tokens"] == 256  # confirmed by the worker itself
+            # Saturation: a burst of long siblings cannot all fit on the caching worker.
+            burst = await asyncio.gather(
+                *(complete(s, svc.url, prefix + f"R{i}", 48) for i in range(9))
+            )
+            per_worker = {
+                w.worker_id: sum(1 for sv, _ in burst if sv == w.worker_id) for w in workers
+            }
+            assert per_worker[first] >= 3  # affinity still pays ...
+            assert sum(1 for n in per_worker.values() if n) >= 2  # ... but load spread the rest
+            hits = sum(u["cached_tokens"] for _, u in burst)
+            assert hits >= 256 * per_worker[first]  # graceful: the cached worker's hits stay
+
+    asyncio.run(scenario())
+
+
+async def _holds(s: aiohttp.ClientSession, url: str, prompt: str, worker: str, tokens: int) -> bool:
+    return matched(await dry_route(s, url, prompt)).get(worker, 0) >= tokens
+
+
+def test_two_replicas_share_index_and_load(
+    redis_url: str, namespace: str, workers: list[WorkerProc]
+) -> None:
+    records = [w.record() for w in workers]
+    prefix = "Replica test system prompt, identical everywhere. " * 4  # 204 bytes: 12 blocks
+
+    async def scenario() -> None:
+        async with (
+            router(redis_url, namespace, records, route_hold_s=60.0) as one,
+            router(redis_url, namespace, [], route_hold_s=60.0) as two,
+            aiohttp.ClientSession() as s,
+        ):
+            # The index is shared: what one replica's ingest wrote, the other reads.
+            first, _ = await complete(s, one.url, prefix + "x")
+            await until(lambda: _holds(s, two.url, prefix + "y", first, 192), "the index via two")
+            served, usage = await complete(s, two.url, prefix + "y")
+            assert (served, usage["cached_tokens"]) == (first, 192)
+            # The load is shared: decisions alternate between replicas, each one seeing
+            # the other's; with equal caches (none) they never pick the same worker.
+            chosen: list[str] = []
+            for i, replica in enumerate([one, two, one]):
+                async with s.post(f"{replica.url}/v1/route", json={"prompt": f"{i}" * 64}) as resp:
+                    chosen.append((await resp.json())["worker_id"])
+                other_url = (two if replica is one else one).url
+                await until(
+                    lambda u=other_url: _sees_load(s, u, chosen),  # type: ignore[misc]
+                    "the other replica's view",
+                )
+            assert sorted(chosen) == ["a", "b", "c"]
+
+    asyncio.run(scenario())
+
+
+async def _sees_load(s: aiohttp.ClientSession, url: str, chosen: list[str]) -> bool:
+    route = await dry_route(s, url, "probe")
+    loads = {c["worker_id"]: c["load"]["num_requests"] for c in route["candidates"]}
+    return all(loads[w] >= chosen.count(w) for w in chosen)
+
+
+def test_killed_worker_requests_retried_and_entries_leave(redis_url: str, namespace: str) -> None:
+    pair = start_workers(["k0", "k1"])
+    prefix = "Long shared context for the doomed worker. " * 6  # 264 bytes: 16 blocks
+    try:
+
+        async def scenario() -> None:
+            async with (
+                router(redis_url, namespace, [w.record() for w in pair], lease_ttl_s=2.0) as svc,
+                aiohttp.ClientSession() as s,
+            ):
+                doomed, _ = await complete(s, svc.url, prefix + "0")
+                victim = next(w for w in pair if w.worker_id == doomed)
+                await until(
+                    lambda: _holds(s, svc.url, prefix + "1", doomed, 256), "the prefix indexed"
+                )
+                # In flight on the doomed worker (its prefix attracts them), then it dies.
+                inflight = [
+                    asyncio.ensure_future(complete(s, svc.url, prefix + f"r{i}", 64))
+                    for i in range(3)
+                ]
+                await until(lambda: _running(s, victim.http), "requests running on the victim")
+                victim.kill()
+                results = await asyncio.gather(*inflight)
+                survivor = next(w.worker_id for w in pair if w is not victim)
+                assert [served for served, _ in results] == [survivor] * 3
+                # Its entries leave the index within its lease (plus a maintenance pass).
+                index = RedisPrefixIndex(await connect(redis_url), KeyLayout(namespace))
+                killed_at = time.monotonic()
+                await until(
+                    lambda: _no_entries(index, doomed), "the dead worker's entries gone", 30
+                )
+                assert time.monotonic() - killed_at < 2.0 * 3
+                route = await dry_route(s, svc.url, prefix + "2")
+                assert doomed not in [c["worker_id"] for c in route["candidates"]]
+                await index.client.aclose()
+
+        asyncio.run(scenario())
+    finally:
+        for w in pair:
+            w.kill()
+
+
+async def _running(s: aiohttp.ClientSession, url: str) -> bool:
+    async with s.get(f"{url}/health") as resp:
+        body = await resp.json()
+    return int(body["running"]) + int(body["waiting"]) >= 1
+
+
+async def _no_entries(index: RedisPrefixIndex, worker: str) -> bool:
+    return not await index.worker_entries(WorkerId(worker))
+
+
+@asynccontextmanager
+async def vllm_http(worker_id: str) -> AsyncIterator[str]:
+    """A stand-in for a vLLM engine's HTTP API (completions echo, empty /health, /metrics)."""
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        text = f"{worker_id}:{body['prompt'][:4]}"
+        usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        return web.json_response({"choices": [{"text": text}], "usage": usage})
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            text="# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+        )
+
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", completions), web.get("/health", health),
+                    web.get("/metrics", metrics)])  # fmt: skip
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _map_batch(tokens: list[int], hashes: list[int]) -> bytes:
+    event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+             "token_ids": tokens, "block_size": BLOCK, "lora_id": None, "medium": "GPU",
+             "lora_name": None, "extra_keys": [None] * len(hashes), "group_idx": 0}  # fmt: skip
+    return msgspec.msgpack.encode([time.time(), [event], 0])
+
+
+def _array_batch(tokens: list[int], hashes: list[int]) -> bytes:
+    event = ["BlockStored", hashes, None, tokens, BLOCK, None, "GPU", None]
+    return msgspec.msgpack.encode([time.time(), [event], 0])
+
+
+def test_foreign_publishers_in_map_and_legacy_array_shapes(redis_url: str, namespace: str) -> None:
+    prompts = {"vmap": "M" * 64 + "tail", "varr": "A" * 64 + "tail"}
+    encoders = {"vmap": _map_batch, "varr": _array_batch}
+    ctx = zmq.Context.instance()
+    socks = {name: ctx.socket(zmq.PUB) for name in prompts}
+    ports = {name: sock.bind_to_random_port("tcp://127.0.0.1") for name, sock in socks.items()}
+
+    async def scenario() -> None:
+        async with vllm_http("vmap") as url_map, vllm_http("varr") as url_arr:
+            urls = {"vmap": url_map, "varr": url_arr}
+            records = [
+                WorkerRecord(
+                    worker_id=n,
+                    events_endpoint=f"tcp://127.0.0.1:{ports[n]}",
+                    http_url=urls[n],
+                    kind="vllm",
+                    block_size=BLOCK,
+                )
+                for n in prompts
+            ]
+            async with router(redis_url, namespace, records) as svc, aiohttp.ClientSession() as s:
+                seq = 0
+
+                async def published_and_indexed() -> bool:
+                    nonlocal seq
+                    for name, sock in socks.items():  # re-publish until the SUB has joined
+                        tokens = list(prompts[name][:64].encode())
+                        payload = encoders[name](tokens, [1000 + 10 * seq + i for i in range(4)])
+                        sock.send_multipart(make_message(b"", seq, payload))
+                    seq += 1
+                    routes = [await dry_route(s, svc.url, prompts[n]) for n in prompts]
+                    return all(
+                        matched(r).get(n) == 64 for n, r in zip(prompts, routes, strict=True)
+                    )
+
+                await until(published_and_indexed, "both foreign streams in the index")
+                for name, prompt in prompts.items():
+                    route = await dry_route(s, svc.url, prompt)
+                    assert (route["worker_id"], route["matched_tokens"]) == (name, 64)
+                    assert matched(route) == {name: 64}
+                    async with s.post(f"{svc.url}/v1/completions", json={"prompt": prompt}) as resp:
+                        assert resp.status == 200
+                        assert resp.headers["X-Kvroute-Worker"] == name
+                        assert (await resp.json())["choices"][0]["text"] == f"{name}:{prompt[:4]}"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for sock in socks.values():
+            sock.close(linger=0)
