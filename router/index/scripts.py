@@ -203,22 +203,32 @@ for member in string.gmatch(ARGV[3], '%S+') do
   keys[#keys + 1] = member
 end
 local out = {}
+local n = #keys
 for _, w in ipairs(candidates) do
-  local g = redis.call('SMISMEMBER', ns .. 'g:{' .. tag .. '}:' .. w, unpack(keys))
+  local gset = ns .. 'g:{' .. tag .. '}:' .. w
   local cset = ns .. 'c:{' .. tag .. '}:' .. w
-  local c = nil
-  if redis.call('EXISTS', cset) == 1 then
-    c = redis.call('SMISMEMBER', cset, unpack(keys))
-  end
+  local has_cpu = redis.call('EXISTS', cset) == 1
   local gpu, cpu = 0, 0
-  for i = 1, #keys do
-    if g[i] == 1 then
-      gpu = gpu + 1
-    elseif c and c[i] == 1 then
-      cpu = cpu + 1
-    else
-      break
+  -- Growing windows: a worker holding a short prefix costs a short check.
+  local first, size, held = 1, 32, true
+  while held and first <= n do
+    local last = math.min(n, first + size - 1)
+    local g = redis.call('SMISMEMBER', gset, unpack(keys, first, last))
+    local c = nil
+    if has_cpu then
+      c = redis.call('SMISMEMBER', cset, unpack(keys, first, last))
     end
+    for i = 1, last - first + 1 do
+      if g[i] == 1 then
+        gpu = gpu + 1
+      elseif c and c[i] == 1 then
+        cpu = cpu + 1
+      else
+        held = false
+        break
+      end
+    end
+    first, size = last + 1, size * 4
   end
   if gpu + cpu > 0 then
     out[#out + 1] = w

@@ -206,3 +206,28 @@ class _Positive:
         return isinstance(other, int) and other > 0
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def test_long_chains_across_lookup_windows(open_index: OpenIndex) -> None:
+    # The Redis lookup checks growing windows of blocks (32, 128, ...): cut at and
+    # around their edges, on both tiers.
+    long_tokens = list(range(5_000, 5_000 + 200 * BS))
+    long_keys = KEYER.keys(long_tokens, BS)
+
+    def chain(count: int, start: int = 0, medium: str = "GPU") -> BlockStored:
+        parent = None if start == 0 else 10_000 + start - 1
+        return stored(
+            [10_000 + i for i in range(start, start + count)], parent, start, medium, long_tokens
+        )
+
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        await idx.apply(W1, batch(chain(100), removed([10_070])))
+        await idx.apply(W2, batch(chain(32)))
+        await idx.apply(W3, batch(chain(32), chain(130, 32, medium="CPU")))
+        assert await idx.lookup(long_keys) == {W1: m(70), W2: m(32), W3: m(32, 130)}
+        assert await idx.lookup(long_keys[:33], [W3]) == {W3: m(32, 1)}
+        await idx.apply(W3, batch(removed([10_000 + 160], medium="CPU")))
+        assert await idx.lookup(long_keys, [W3, W2]) == {W3: m(32, 128), W2: m(32)}
+
+    run(open_index, body)
