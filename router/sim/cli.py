@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import sys
+import time
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -97,12 +98,17 @@ def run_policies(
     results = []
     for name in policies:
         bar = tqdm(total=len(requests), desc=name, unit="req", disable=not progress, leave=False)
+        started_s, started_cpu_s = time.perf_counter(), time.process_time()
         with bar:
-            outcomes, wall_s = asyncio.run(
+            outcomes = asyncio.run(
                 simulate(requests, make_policy(name, config.policy), config, factory, bar.update)
             )
-        results.append(summarize(name, requests, outcomes, ideal, config.num_workers, wall_s))
-        logger.info("%s: %d requests in %.1f s", name, len(requests), wall_s)
+        wall_s = time.perf_counter() - started_s
+        cpu_s = time.process_time() - started_cpu_s
+        results.append(
+            summarize(name, requests, outcomes, ideal, config.num_workers, wall_s, cpu_s)
+        )
+        logger.info("%s: %d requests in %.1f s (%.1f s CPU)", name, len(requests), wall_s, cpu_s)
     return results
 
 

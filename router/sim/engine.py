@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -257,7 +256,7 @@ async def simulate(
     config: SimConfig,
     factory: WorkerCacheFactory,
     on_arrival: Callable[[], None] | None = None,
-) -> tuple[list[RequestOutcome], float]:
+) -> list[RequestOutcome]:
     """Replay ``requests`` through ``policy`` over fresh workers.
 
     Args:
@@ -268,12 +267,11 @@ async def simulate(
         on_arrival: Called once per request routed (progress reporting).
 
     Returns:
-        One outcome per request, in trace order, and the wall-clock seconds it took.
+        One outcome per request, in trace order.
 
     Raises:
         SimError: A request needs more blocks than a worker has.
     """
-    started = time.perf_counter()
     bs = config.block_size
     for r in requests:
         if -(-r.num_prompt_tokens // bs) > config.capacity_blocks:
@@ -299,4 +297,4 @@ async def simulate(
             await sim.decoded(item, now_s)
     outcomes = sorted(sim.outcomes, key=lambda o: o.index)
     assert len(outcomes) == len(requests), "every request is prefilled exactly once"
-    return outcomes, time.perf_counter() - started
+    return outcomes

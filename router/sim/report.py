@@ -47,6 +47,8 @@ class PolicyResult:
         ttft_p90_s: 90th percentile TTFT.
         ttft_p99_s: 99th percentile TTFT.
         wall_s: Wall-clock seconds the simulation took.
+        cpu_s: CPU seconds it took (equal to ``wall_s`` on an idle machine; less when
+            other processes share the cores).
     """
 
     policy: str
@@ -63,6 +65,7 @@ class PolicyResult:
     ttft_p90_s: float
     ttft_p99_s: float
     wall_s: float
+    cpu_s: float
 
     @property
     def hit_rate_blocks(self) -> float:
@@ -115,6 +118,7 @@ class PolicyResult:
             "prefill_tokens_per_worker": list(self.prefill_tokens_per_worker),
             "num_requests": self.num_requests,
             "wall_s": self.wall_s,
+            "cpu_s": self.cpu_s,
         }
 
 
@@ -125,6 +129,7 @@ def summarize(
     ideal: IdealHits,
     num_workers: int,
     wall_s: float,
+    cpu_s: float,
 ) -> PolicyResult:
     """Aggregate one run's outcomes (in trace order, one per request)."""
     per_worker_requests = [0] * num_workers
@@ -153,6 +158,7 @@ def summarize(
         ttft_p90_s=percentile(ttfts, 90),
         ttft_p99_s=percentile(ttfts, 99),
         wall_s=wall_s,
+        cpu_s=cpu_s,
     )
 
 
@@ -163,7 +169,7 @@ def format_table(results: Sequence[PolicyResult], baseline: str | None = None) -
     header = (
         f"{'policy':<16}{'hit blk':>8}{'hit tok':>8}{'/ideal':>8}"
         f"{'/' + (baseline or 'base')[:11]:>13}{'max/mean req':>13}{'max/mean pf':>12}"
-        f"{'TTFT p50':>10}{'p90':>8}{'p99':>8}{'wall s':>8}"
+        f"{'TTFT p50':>10}{'p90':>8}{'p99':>8}{'CPU s':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
@@ -172,7 +178,7 @@ def format_table(results: Sequence[PolicyResult], baseline: str | None = None) -
             f"{r.policy:<16}{r.hit_rate_blocks:>8.2%}{r.hit_rate_tokens:>8.2%}"
             f"{r.ratio_to_ideal:>8.3f}{vs_base:>13.2f}{r.request_imbalance:>13.2f}"
             f"{r.prefill_imbalance:>12.2f}{r.ttft_p50_s:>10.2f}{r.ttft_p90_s:>8.2f}"
-            f"{r.ttft_p99_s:>8.2f}{r.wall_s:>8.1f}"
+            f"{r.ttft_p99_s:>8.2f}{r.cpu_s:>7.1f}"
         )
     if results:
         ideal = results[0].ideal

@@ -78,10 +78,7 @@ def test_ideal_of_the_mooncake_trace_is_the_published_figure() -> None:
 
 def run(reqs: list[SimRequest], policy: str, **config: Any) -> list[RequestOutcome]:
     cfg = SimConfig(**config)
-    outcomes, _ = asyncio.run(
-        simulate(reqs, make_policy(policy, cfg.policy), cfg, pool_cache_factory())
-    )
-    return outcomes
+    return asyncio.run(simulate(reqs, make_policy(policy, cfg.policy), cfg, pool_cache_factory()))
 
 
 def test_latency_model_queue_prefill_and_the_hit_found_at_prefill_start() -> None:
