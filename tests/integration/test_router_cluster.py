@@ -237,58 +237,6 @@ async def _sees_load(s: aiohttp.ClientSession, url: str, chosen: list[str]) -> b
     return all(loads[w] >= chosen.count(w) for w in chosen)
 
 
-def test_killed_worker_requests_retried_and_entries_leave(redis_url: str, namespace: str) -> None:
-    pair = start_workers(["k0", "k1"])
-    prefix = "Long shared context for the doomed worker. " * 6  # 264 bytes: 16 blocks
-    try:
-
-        async def scenario() -> None:
-            async with (
-                router(redis_url, namespace, [w.record() for w in pair], lease_ttl_s=2.0) as svc,
-                aiohttp.ClientSession() as s,
-            ):
-                doomed, _ = await complete(s, svc.url, prefix + "0")
-                victim = next(w for w in pair if w.worker_id == doomed)
-                await until(
-                    lambda: _holds(s, svc.url, prefix + "1", doomed, 256), "the prefix indexed"
-                )
-                # In flight on the doomed worker (its prefix attracts them), then it dies.
-                inflight = [
-                    asyncio.ensure_future(complete(s, svc.url, prefix + f"r{i}", 64))
-                    for i in range(3)
-                ]
-                await until(lambda: _running(s, victim.http), "requests running on the victim")
-                victim.kill()
-                results = await asyncio.gather(*inflight)
-                survivor = next(w.worker_id for w in pair if w is not victim)
-                assert [served for served, _ in results] == [survivor] * 3
-                # Its entries leave the index within its lease (plus a maintenance pass).
-                index = RedisPrefixIndex(await connect(redis_url), KeyLayout(namespace))
-                killed_at = time.monotonic()
-                await until(
-                    lambda: _no_entries(index, doomed), "the dead worker's entries gone", 30
-                )
-                assert time.monotonic() - killed_at < 2.0 * 3
-                route = await dry_route(s, svc.url, prefix + "2")
-                assert doomed not in [c["worker_id"] for c in route["candidates"]]
-                await index.client.aclose()
-
-        asyncio.run(scenario())
-    finally:
-        for w in pair:
-            w.kill()
-
-
-async def _running(s: aiohttp.ClientSession, url: str) -> bool:
-    async with s.get(f"{url}/health") as resp:
-        body = await resp.json()
-    return int(body["running"]) + int(body["waiting"]) >= 1
-
-
-async def _no_entries(index: RedisPrefixIndex, worker: str) -> bool:
-    return not await index.worker_entries(WorkerId(worker))
-
-
 @asynccontextmanager
 async def vllm_http(worker_id: str) -> AsyncIterator[str]:
     """A stand-in for a vLLM engine's HTTP API (completions echo, empty /health, /metrics)."""
@@ -381,3 +329,49 @@ def test_foreign_publishers_in_map_and_legacy_array_shapes(redis_url: str, names
     finally:
         for sock in socks.values():
             sock.close(linger=0)
+
+
+async def _running(s: aiohttp.ClientSession, url: str) -> bool:
+    async with s.get(f"{url}/health") as resp:
+        body = await resp.json()
+    return int(body["running"]) + int(body["waiting"]) >= 1
+
+
+async def _no_entries(index: RedisPrefixIndex, worker: str) -> bool:
+    return not await index.worker_entries(WorkerId(worker))
+
+
+def test_killed_worker_requests_retried_and_entries_leave(
+    redis_url: str, namespace: str, workers: list[WorkerProc]
+) -> None:
+    """Runs last: it kills one of the module's workers."""
+    pair = workers[:2]
+    prefix = "Long shared context for the doomed worker. " * 6  # 264 bytes: 16 blocks
+
+    async def scenario() -> None:
+        async with (
+            router(redis_url, namespace, [w.record() for w in pair], lease_ttl_s=2.0) as svc,
+            aiohttp.ClientSession() as s,
+        ):
+            doomed, _ = await complete(s, svc.url, prefix + "0")
+            victim = next(w for w in pair if w.worker_id == doomed)
+            await until(lambda: _holds(s, svc.url, prefix + "1", doomed, 256), "the prefix indexed")
+            # In flight on the doomed worker (its prefix attracts them), then it dies.
+            inflight = [
+                asyncio.ensure_future(complete(s, svc.url, prefix + f"r{i}", 64)) for i in range(3)
+            ]
+            await until(lambda: _running(s, victim.http), "requests running on the victim")
+            victim.kill()
+            results = await asyncio.gather(*inflight)
+            survivor = next(w.worker_id for w in pair if w is not victim)
+            assert [served for served, _ in results] == [survivor] * 3
+            # Its entries leave the index within its lease (plus a maintenance pass).
+            index = RedisPrefixIndex(await connect(redis_url), KeyLayout(namespace))
+            killed_at = time.monotonic()
+            await until(lambda: _no_entries(index, doomed), "the dead worker's entries gone", 30)
+            assert time.monotonic() - killed_at < 2.0 * 3
+            route = await dry_route(s, svc.url, prefix + "2")
+            assert doomed not in [c["worker_id"] for c in route["candidates"]]
+            await index.client.aclose()
+
+    asyncio.run(scenario())
