@@ -173,10 +173,12 @@ def format_table(results: Sequence[PolicyResult], baseline: str | None = None) -
     )
     lines = [header, "-" * len(header)]
     for r in results:
-        vs_base = r.hit_rate_blocks / base.hit_rate_blocks if base and base.hit_rate_blocks else 0
+        vs_base = "-"  # no baseline in this run, or it hit nothing
+        if base is not None and base.hit_rate_blocks:
+            vs_base = f"{r.hit_rate_blocks / base.hit_rate_blocks:.2f}"
         lines.append(
             f"{r.policy:<16}{r.hit_rate_blocks:>8.2%}{r.hit_rate_tokens:>8.2%}"
-            f"{r.ratio_to_ideal:>8.3f}{vs_base:>13.2f}{r.request_imbalance:>13.2f}"
+            f"{r.ratio_to_ideal:>8.3f}{vs_base:>13}{r.request_imbalance:>13.2f}"
             f"{r.prefill_imbalance:>12.2f}{r.ttft_p50_s:>10.2f}{r.ttft_p90_s:>8.2f}"
             f"{r.ttft_p99_s:>8.2f}{r.cpu_s:>7.1f}"
         )

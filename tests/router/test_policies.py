@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from events.hashing import BlockKey, RouterKeyer
 from router.cost import CostConfigError, CostWeights
@@ -197,3 +200,21 @@ def test_candidate_defaults() -> None:
     c = Candidate(WorkerId("x"))
     assert (c.load, c.match, c.num_predicted_blocks) == (WorkerLoad(), PrefixMatch(), 0)
     assert BlockKey(1) == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    in_flight=st.lists(st.integers(0, 20), min_size=1, max_size=8),
+    key=st.integers(0, 2**64 - 1),
+    factor=st.floats(1.0, 2.0),
+)
+def test_consistent_hash_never_exceeds_its_load_bound(
+    in_flight: list[int], key: int, factor: float
+) -> None:
+    policy = make_policy("consistent_hash", PolicyConfig(hash_load_factor=factor))
+    workers = [WorkerId(f"h{i}") for i in range(len(in_flight))]
+    loads = {w: WorkerLoad(n, 0, 0) for w, n in zip(workers, in_flight, strict=True)}
+    req = RouteRequest([BlockKey(key)], 16, 16)
+    chosen = policy.decide(req, build_candidates(workers, loads)).worker_id
+    bound = math.ceil(factor * (sum(in_flight) + 1) / len(workers))
+    assert loads[chosen].num_requests + 1 <= bound
