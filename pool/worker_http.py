@@ -237,8 +237,9 @@ class WorkerHTTP:
             finished = True
             return response
         finally:
-            if not finished:
+            if not finished:  # the client went away (or the handler failed)
                 self.engine.abort(request_id)
+                self._requests.labels("abort").inc()
 
     def _parse_completion(self, raw: bytes) -> tuple[list[int], SamplingParams, bool]:
         try:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -409,3 +410,23 @@ def test_curve_secured_events_reach_an_allowed_subscriber(tmp_path: Path) -> Non
     finally:
         tap.close()
         running.stop()
+
+
+def test_a_client_that_goes_away_aborts_its_request(worker: RunningWorker) -> None:
+    host, port = worker.http.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
+    body = {"prompt": [1, 2, 3], "max_tokens": 70, "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body))
+    response = conn.getresponse()
+    assert response.readline().startswith(b"data: ")
+    conn.close()  # mid-stream: the worker notices at its next write and aborts
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        health = json.loads(_get(f"{worker.http}/health")[1])
+        if health["running"] == 0:
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)  # polling another process's state over HTTP; nothing to wait on
+    assert health["free_blocks"] == 19
+    metrics = _get(f"{worker.http}/metrics")[1].decode()
+    assert 'kvroute_worker_requests_total{finish_reason="abort"} 1.0' in metrics
