@@ -135,7 +135,7 @@ class RouterConfig:
     suspect_s: float = 5.0
     dead_after_s: float | None = None
     load_refresh_s: float = 0.05
-    health_poll_s: float = 0.5
+    health_poll_s: float = 1.0
     replica_id: str | None = None
 
 
@@ -191,6 +191,7 @@ class RouterService:
         self._next_probe = 0.0
         self._decision_log: IO[bytes] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._holds: set[asyncio.TimerHandle] = set()
         self._closing = asyncio.Event()
         self.port = config.port
 
@@ -251,6 +252,8 @@ class RouterService:
         self._closing.set()
         if hasattr(self, "_runner"):
             await self._runner.cleanup()
+        for handle in self._holds:
+            handle.cancel()  # the tracker's close withdraws this replica's load anyway
         for task in list(self._tasks):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -403,9 +406,9 @@ class RouterService:
                     if size == base
                     else self.keyer.keys(token_ids, size, cache_salt=cache_salt)
                 )
-                found = await asyncio.wait_for(
-                    self._lookup_index.lookup(group_keys, members), self.config.lookup_timeout_s
-                )
+                # Bounded by the fast client's socket timeout (lookup_timeout_s); no
+                # wait_for, which would cost a task per decision.
+                found = await self._lookup_index.lookup(group_keys, members)
                 for wid, match in found.items():
                     out[wid] = match if size == base else _rescale(match, size, base)
         except _INDEX_ERRORS as exc:
@@ -450,13 +453,15 @@ class RouterService:
         wid = routed_.decision.worker_id
         prefill = routed_.prefill_of(wid)
         await self.load.add(wid, routed(prefill, routed_.num_output_tokens))
+        release = prefilled(prefill) + finished(routed_.num_output_tokens)
 
-        async def release() -> None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), self.config.route_hold_s)
-            await self.load.add(wid, prefilled(prefill) + finished(routed_.num_output_tokens))
+        def expire() -> None:
+            self._holds.discard(handle)
+            self._spawn(self.load.add(wid, release), f"release-{wid}")
 
-        self._spawn(release(), f"hold-{wid}")
+        # A timer, not a sleeping task per decision: /v1/route is the hot path.
+        handle = asyncio.get_running_loop().call_later(self.config.route_hold_s, expire)
+        self._holds.add(handle)
 
     def accounting(self, routed_: Routed) -> LoadAccounting:
         """An observer that accounts a forwarded request's load on each worker tried."""

@@ -1,0 +1,242 @@
+"""Benchmark: the router's overhead per request, route only and through the proxy.
+
+For 1, 8 and 64 workers, in one run and one process: a private ``redis-server``, the
+workers, a :class:`router.service.RouterService` (cache-aware policy, real Redis index,
+shared load, decision recording) and one HTTP client sending requests one at a time.
+
+The workers are trivial aiohttp echo servers (they answer ``/v1/completions`` at once),
+so what is measured is the router's own cost, not a model's. The prompt is 8,192 tokens
+of text (byte-level tokenizer, 512 blocks of 16); eight workers (or all, when fewer) hold
+its prefix in the index to depths of 64, 128, ..., 512 blocks, written through the real
+fenced index path, so every lookup walks real chains.
+
+Rows, each p50 and p99 over ``--requests`` sequential requests:
+
+* bare: the client posting the same body straight to a worker (the baseline);
+* decide: ``RouterService.decide`` called in process (tokens -> keys -> one Redis lookup
+  -> load -> policy), no HTTP;
+* route: ``POST /v1/route`` (decision recorded: predicted entry, load held);
+* proxy: ``POST /v1/completions`` through the router to the chosen worker.
+
+Ratios are to the bare round trip of the same row; "overhead" is proxy minus bare.
+Client, router and workers share one event loop, so every figure includes the client's
+own work, exactly as the baseline does.
+
+Run: ``python -m benchmarks.bench_router`` (``--quick`` for a seconds-long smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from importlib import metadata
+from typing import Final
+
+import aiohttp
+from aiohttp import web
+
+from events.schema import BlockStored, KVEventBatch
+from router.index.base import WorkerId
+from router.index.layout import KeyLayout
+from router.index.redis_index import RedisPrefixIndex
+from router.index.registry import WorkerRecord, WorkerRegistry
+from router.redis_conn import connect
+from router.redis_server import RedisServer, find_redis_server, free_port
+from router.service import RouterConfig, RouterService
+
+__all__ = ["main"]
+
+BLOCK_SIZE: Final = 16
+PROMPT_TOKENS: Final = 8192
+HOLDERS: Final = 8
+WORKER_COUNTS: Final = (1, 8, 64)
+TARGET_ROUTE_P50_MS: Final = 2.0
+_ANSWER: Final = (
+    b'{"object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"length"}],'
+    b'"usage":{"prompt_tokens":8192,"completion_tokens":1,"cached_tokens":0}}'
+)
+
+
+async def start_echo_workers(n: int) -> tuple[list[web.AppRunner], list[str]]:
+    """``n`` echo workers on loopback: completions answered at once, empty snapshot."""
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=_ANSWER, content_type="application/json")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "running": 0, "waiting": 0})
+
+    async def snapshot(_: web.Request) -> web.Response:
+        return web.json_response({"block_size": BLOCK_SIZE, "runs": [], "next_seq": 0})
+
+    runners, urls = [], []
+    for _ in range(n):
+        app = web.Application(client_max_size=1 << 24)
+        app.add_routes(
+            [
+                web.post("/v1/completions", completions),
+                web.get("/health", health),
+                web.get("/v1/snapshot", snapshot),
+            ]
+        )
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    return runners, urls
+
+
+async def index_prompt(redis_url: str, namespace: str, records: Sequence[WorkerRecord]) -> None:
+    """Register the workers and index the prompt's prefix on up to eight of them.
+
+    The leases are taken here with a one-hour TTL, so the router's ingest leaves these
+    entries alone (it ingests only workers whose lease it holds).
+    """
+    client = await connect(redis_url)
+    layout = KeyLayout(namespace)
+    index = RedisPrefixIndex(client, layout)
+    registry = WorkerRegistry(client, layout, lease_ttl_ms=3_600_000)
+    tokens = list(prompt_text().encode())
+    for i, record in enumerate(records):
+        await registry.register(record)
+        wid = WorkerId(record.worker_id)
+        lease = await registry.acquire(wid)
+        assert lease is not None
+        index.use_lease(wid, lease.token)
+        if i < HOLDERS:
+            depth = (PROMPT_TOKENS // BLOCK_SIZE) * (i + 1) // min(HOLDERS, len(records))
+            event = BlockStored(
+                block_hashes=list(range(i * 10_000, i * 10_000 + depth)),
+                parent_block_hash=None,
+                token_ids=tokens[: depth * BLOCK_SIZE],
+                block_size=BLOCK_SIZE,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+            await index.apply(wid, KVEventBatch(ts=time.time(), events=[event]))
+    await client.aclose()
+
+
+def prompt_text() -> str:
+    """8,192 bytes of text: 8,192 tokens with the byte-level tokenizer."""
+    words = "the router keeps a global prefix index of every worker cache "
+    return (words * (PROMPT_TOKENS // len(words) + 1))[:PROMPT_TOKENS]
+
+
+async def timed(call: Callable[[], Awaitable[None]], n: int) -> list[float]:
+    """Seconds of ``n`` sequential calls, after a short warm-up."""
+    for _ in range(max(3, n // 20)):
+        await call()
+    samples = []
+    for _ in range(n):
+        start = time.perf_counter()
+        await call()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def pct(samples: Sequence[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
+
+
+async def measure(redis_url: str, num_workers: int, requests: int) -> dict[str, list[float]]:
+    """Every row's samples for one cluster size."""
+    runners, urls = await start_echo_workers(num_workers)
+    namespace = f"bench-router-{num_workers}-{os.getpid()}"
+    records = [
+        WorkerRecord(
+            worker_id=f"w{i}",
+            events_endpoint=f"tcp://127.0.0.1:{free_port()}",  # nobody publishes
+            http_url=url,
+            block_size=BLOCK_SIZE,
+        )
+        for i, url in enumerate(urls)
+    ]
+    await index_prompt(redis_url, namespace, records)
+    service = RouterService(RouterConfig(redis_url=redis_url, namespace=namespace, port=0))
+    await service.start()
+    body = ('{"prompt": "' + prompt_text() + '", "max_tokens": 1}').encode()
+    headers = {"Content-Type": "application/json"}
+    tokens = list(prompt_text().encode())
+    try:
+        assert len(service.workers) == num_workers
+        routed = await service.decide(tokens, 1, record=False)
+        expected = min(HOLDERS, num_workers)
+        assert routed.decision.chosen.matched_tokens == PROMPT_TOKENS, routed.decision
+        assert sum(1 for c in routed.decision.candidates if c.matched_tokens) == expected
+        async with aiohttp.ClientSession() as client:
+
+            async def post(url: str) -> None:
+                async with client.post(url, data=body, headers=headers) as resp:
+                    await resp.read()
+                    assert resp.status == 200, resp.status
+
+            async def decide() -> None:
+                await service.decide(tokens, 1, record=False)
+
+            return {
+                "bare": await timed(lambda: post(f"{urls[0]}/v1/completions"), requests),
+                "decide": await timed(decide, requests),
+                "route": await timed(lambda: post(f"{service.url}/v1/route"), requests),
+                "proxy": await timed(lambda: post(f"{service.url}/v1/completions"), requests),
+            }
+    finally:
+        await service.close()
+        for runner in runners:
+            await runner.cleanup()
+
+
+def _versions(binary: str) -> str:
+    server = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    return (
+        f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs; "
+        f"aiohttp {metadata.version('aiohttp')}, redis-py {metadata.version('redis')}, "
+        f"hiredis {metadata.version('hiredis')}; {server.split(' sha=')[0].strip()}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--quick", action="store_true", help="few requests, seconds-long")
+    parser.add_argument("--requests", type=int, default=1000, help="timed requests per row")
+    args = parser.parse_args(argv)
+    requests = 40 if args.quick else args.requests
+    binary = find_redis_server()
+    print(_versions(binary))
+    print(
+        f"prompt {PROMPT_TOKENS} tokens (text, {PROMPT_TOKENS // BLOCK_SIZE} blocks), "
+        f"{requests} sequential requests per row, echo workers (router overhead only)"
+    )
+    print("| workers | row | p50 ms | p99 ms | p50 / bare p50 |")
+    print("|---:|---|---:|---:|---:|")
+    route_p50_at_max = 0.0
+    with RedisServer(binary=binary) as server:
+        for n in WORKER_COUNTS:
+            rows = asyncio.run(measure(server.url, n, requests))
+            bare = pct(rows["bare"], 0.5)
+            for name, samples in rows.items():
+                p50, p99 = pct(samples, 0.5), pct(samples, 0.99)
+                print(f"| {n} | {name} | {p50:.3f} | {p99:.3f} | {p50 / bare:.2f} |")
+            overhead = pct(rows["proxy"], 0.5) - bare
+            print(f"| {n} | proxy overhead (proxy - bare) | {overhead:.3f} | | |")
+            route_p50_at_max = pct(rows["route"], 0.5)
+    status = "met" if route_p50_at_max <= TARGET_ROUTE_P50_MS else "MISSED"
+    print(
+        f"target: /v1/route p50 at {WORKER_COUNTS[-1]} workers {route_p50_at_max:.3f} ms "
+        f"(<= {TARGET_ROUTE_P50_MS} ms): {status}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
