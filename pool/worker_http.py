@@ -6,15 +6,10 @@ back through ``loop.call_soon_threadsafe`` into a per-request queue.
 
 Endpoints:
 
-* ``POST /v1/completions``: body ``{"prompt": str | list[int], "max_tokens": int = 16,
-  "stream": bool = false, "temperature": float = 0.0, "ignore_eos": bool = false,
-  "seed": int | null}``. Response (OpenAI style): ``{"id", "object": "text_completion",
-  "created", "model", "choices": [{"index": 0, "text", "token_ids", "finish_reason"}],
-  "usage": {"prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens",
-  "prompt_tokens_details": {"cached_tokens"}}}``. With ``stream``, Server-Sent Events:
-  one ``data: {chunk}`` per generated token (``choices[0].text`` is the new text,
-  ``token_ids`` the new ids), the last chunk carries ``finish_reason`` and ``usage``, then
-  ``data: [DONE]``. ``cached_tokens`` counts the prompt tokens found in the prefix cache.
+* ``POST /v1/completions``: OpenAI-style completions (see :mod:`pool.completions` for the
+  body and response); with ``"stream": true``, Server-Sent Events: one ``data: {chunk}``
+  per generated token (``choices[0].text`` the new text, ``token_ids`` the new ids), the
+  last chunk with ``finish_reason`` and ``usage``, then ``data: [DONE]``.
 * ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "running", "waiting",
   "free_blocks", "total_blocks", "usage"}``; 503 while draining.
 * ``GET /metrics``: Prometheus text, from the worker's own ``CollectorRegistry``.
@@ -40,11 +35,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Final, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -52,7 +46,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from events.tokenizer import Tokenizer
-from pool.engine import Engine, EngineClosedError, InvalidRequestError, SamplingParams
+from pool.completions import (
+    CompletionRequestError,
+    IncrementalText,
+    completion_chunk,
+    parse_completion_request,
+    usage,
+)
+from pool.engine import Engine, EngineClosedError, InvalidRequestError
 from pool.outputs import EngineStats, RequestOutput
 
 __all__ = ["WorkerHTTP", "WorkerInfo"]
@@ -80,13 +81,6 @@ class WorkerInfo:
     model_name: str = "kvroute-tiny"
     hash_algo: str = "sha256_cbor"
     medium: str = "GPU"
-
-
-class _BadRequest(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
 
 
 class _EngineCollector(Collector):
@@ -209,14 +203,10 @@ class WorkerHTTP:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            prompt, params, stream = self._parse_completion(await request.read())
-            self.engine.validate(prompt, params)
-        except _BadRequest as exc:
-            return _error(exc.status, str(exc), exc.kind)
-        except InvalidRequestError as exc:
+            parsed = parse_completion_request(await request.read(), self.tokenizer)
+            self.engine.validate(parsed.prompt_token_ids, parsed.params)
+        except (CompletionRequestError, InvalidRequestError) as exc:
             return _error(400, str(exc))
-        except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") is no UTF-8 text
-            return _error(400, f"'prompt' is not valid Unicode text: {exc}")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -225,12 +215,12 @@ class WorkerHTTP:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         try:
-            self.engine.submit(request_id, prompt, params, deliver)
+            self.engine.submit(request_id, parsed.prompt_token_ids, parsed.params, deliver)
         except EngineClosedError as exc:
             return _error(503, str(exc), "unavailable")
         finished = False
         try:
-            if stream:
+            if parsed.stream:
                 response = await self._stream(request, request_id, outputs)
             else:
                 response = await self._collect(request_id, outputs)
@@ -240,30 +230,6 @@ class WorkerHTTP:
             if not finished:  # the client went away (or the handler failed)
                 self.engine.abort(request_id)
                 self._requests.labels("abort").inc()
-
-    def _parse_completion(self, raw: bytes) -> tuple[list[int], SamplingParams, bool]:
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise _BadRequest(400, f"the body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise _BadRequest(400, "the body must be a JSON object")
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            tokens = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            tokens = prompt
-        else:
-            raise _BadRequest(400, "'prompt' must be a string or a list of token ids (ints)")
-        params = SamplingParams(
-            max_tokens=_int_field(body, "max_tokens", 16),
-            temperature=_float_field(body, "temperature", 0.0),
-            ignore_eos=_bool_field(body, "ignore_eos", False),
-            seed=None if body.get("seed") is None else _int_field(body, "seed", 0),
-        )
-        return tokens, params, _bool_field(body, "stream", False)
 
     async def _collect(
         self, request_id: str, outputs: asyncio.Queue[RequestOutput]
@@ -277,8 +243,10 @@ class WorkerHTTP:
         if last.finish_reason == "abort":
             return _error(503, "the request was aborted: the engine stopped", "unavailable")
         text = self.tokenizer.decode(token_ids)
-        body = self._chunk(request_id, text, token_ids, last.finish_reason)
-        body["usage"] = _usage(last)
+        body = completion_chunk(
+            request_id, self.info.model_name, text, token_ids, last.finish_reason
+        )
+        body["usage"] = usage(last)
         return web.json_response(body)
 
     async def _stream(
@@ -287,20 +255,15 @@ class WorkerHTTP:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         response.headers["Cache-Control"] = "no-cache"
         await response.prepare(request)
-        token_ids: list[int] = []
-        sent = ""
+        text = IncrementalText(self.tokenizer)
         async for out in self._until_finished(request_id, outputs):
-            token_ids.extend(out.new_token_ids)
-            text = self.tokenizer.decode(token_ids)
-            if not out.finished:
-                # Hold back an incomplete UTF-8 sequence until its last byte arrives.
-                text = text.rstrip("\ufffd")
-            delta = text[len(sent) :] if text.startswith(sent) else ""
-            sent += delta
-            chunk = self._chunk(request_id, delta, out.new_token_ids, out.finish_reason)
+            delta = text.push(out.new_token_ids, out.finished)
+            chunk = completion_chunk(
+                request_id, self.info.model_name, delta, out.new_token_ids, out.finish_reason
+            )
             if out.finished:
                 self._count(out)
-                chunk["usage"] = _usage(out)
+                chunk["usage"] = usage(out)
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
@@ -321,19 +284,6 @@ class WorkerHTTP:
             yield out
             if out.finished:
                 return
-
-    def _chunk(
-        self, request_id: str, text: str, token_ids: list[int], reason: str | None
-    ) -> dict[str, Any]:
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.info.model_name,
-            "choices": [
-                {"index": 0, "text": text, "token_ids": token_ids, "finish_reason": reason}
-            ],
-        }
 
     def _count(self, last: RequestOutput) -> None:
         self._requests.labels(last.finish_reason).inc()
@@ -384,43 +334,6 @@ class WorkerHTTP:
             "runs": snap.runs,
         }
         return web.json_response(body)
-
-
-def _int_field(body: dict[str, Any], name: str, default: int) -> int:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _BadRequest(400, f"{name!r} must be an integer, got {value!r}")
-    return value
-
-
-def _float_field(body: dict[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise _BadRequest(400, f"{name!r} must be a number, got {value!r}")
-    return float(value)
-
-
-def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _BadRequest(400, f"{name!r} must be true or false, got {value!r}")
-    return value
-
-
-def _usage(last: RequestOutput) -> dict[str, Any]:
-    return {
-        "prompt_tokens": last.num_prompt_tokens,
-        "completion_tokens": last.num_output_tokens,
-        "total_tokens": last.num_prompt_tokens + last.num_output_tokens,
-        "cached_tokens": last.num_cached_tokens,
-        "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens},
-    }
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
