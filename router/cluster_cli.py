@@ -244,7 +244,7 @@ def write_plot(report: ClusterReport, path: Path) -> None:
     )
     ax_hit.set_ylabel("prefix hit rate (% of prompt tokens)")
     ax_hit.set_title("prefix cache hits")
-    ax_hit.legend()
+    ax_hit.legend(loc="lower center")
     for run in runs:
         ttfts = sorted(1000 * r.ttft_s for r in run.results if r.ok)
         ax_ttft.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=run.policy)
