@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from events.hashing import BlockKey, RouterKeyer
 from router.cost import CostConfigError, CostWeights
 from router.index.base import PrefixMatch, WorkerId
-from router.load import MemoryLoadTracker, WorkerLoad, routed
+from router.load import MemoryLoadTracker, WorkerLoad, finished, prefilled, routed
 from router.policies import (
     DEFAULT_POLICY,
     POLICY_NAMES,
@@ -218,3 +218,23 @@ def test_consistent_hash_never_exceeds_its_load_bound(
     chosen = policy.decide(req, build_candidates(workers, loads)).worker_id
     bound = math.ceil(factor * (sum(in_flight) + 1) / len(workers))
     assert loads[chosen].num_requests + 1 <= bound
+
+
+def test_memory_load_tracker_follows_a_request_and_never_goes_negative() -> None:
+    tracker = MemoryLoadTracker()
+
+    async def scenario() -> None:
+        await tracker.add(W[0], routed(prefill_tokens=300, decode_tokens=20))
+        await tracker.add(W[0], routed(prefill_tokens=100, decode_tokens=5))
+        assert await tracker.snapshot([W[0], W[1]]) == {
+            W[0]: WorkerLoad(2, 400, 25),
+            W[1]: WorkerLoad(),
+        }
+        await tracker.add(W[0], prefilled(300))
+        await tracker.add(W[0], finished(20))
+        assert (await tracker.snapshot([W[0]]))[W[0]] == WorkerLoad(1, 100, 5)
+        await tracker.forget(W[0])
+        await tracker.add(W[0], finished(5))  # a late update for a forgotten request
+        assert (await tracker.snapshot([W[0]]))[W[0]] == WorkerLoad()
+
+    asyncio.run(scenario())
