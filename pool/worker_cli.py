@@ -173,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser.add_argument(
             flag,
             dest=f.name,
+            metavar=name.upper(),
             type=kind,
             default=f.default if raw is None else kind(raw),
             help=f"{_HELP[f.name]} (default: {f.default}; env ${env})",

@@ -430,3 +430,32 @@ def test_a_client_that_goes_away_aborts_its_request(worker: RunningWorker) -> No
     assert health["free_blocks"] == 19
     metrics = _get(f"{worker.http}/metrics")[1].decode()
     assert 'kvroute_worker_requests_total{finish_reason="abort"} 1.0' in metrics
+
+
+def test_worker_serves_safetensors_weights_with_a_tokenizer_json(tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["[UNK]", "</s>", *(f"w{i}" for i in range(38))]
+    hf = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")
+    )
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf.add_special_tokens(["</s>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    trained = DecoderModel(ModelConfig(vocab_size=40, seed=9))
+    trained.save_safetensors(tmp_path / "weights.safetensors")
+    config = _config(
+        20,
+        tmp_path,
+        events=None,
+        replay=None,
+        weights=str(tmp_path / "weights.safetensors"),
+        tokenizer=str(tmp_path / "tokenizer.json"),
+    )
+    running = _start_worker(config)
+    try:
+        reply = _complete(running, "w3 w1 w4 w1 w5", max_tokens=5)
+    finally:
+        running.stop()
+    expected = greedy_reference(trained, [5, 3, 6, 3, 7], 5)
+    assert reply["choices"][0]["token_ids"] == expected
+    assert reply["choices"][0]["text"] == " ".join(words[t] for t in expected if t != 1)
