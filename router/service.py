@@ -291,6 +291,7 @@ class RouterService:
             redis.exceptions.RedisError: Redis is unreachable.
         """
         await self.ingest.add_worker(record)
+        self._dead.pop(WorkerId(record.worker_id), None)
         self._set_worker(record)
 
     async def remove_worker(self, worker_id: WorkerId) -> bool:
@@ -327,7 +328,7 @@ class RouterService:
 
     def _candidates(self) -> list[WorkerRecord]:
         now = time.monotonic()
-        records = self.workers
+        records = [r for r in self.workers if r.http_url]  # events-only: nowhere to proxy
         healthy = [r for r in records if self._suspect_until.get(WorkerId(r.worker_id), 0) <= now]
         return healthy or records
 
@@ -357,7 +358,9 @@ class RouterService:
         started = time.perf_counter()
         records = self._candidates()
         if not records:
-            raise NoWorkersError("no worker is registered: add one with POST /v1/workers")
+            raise NoWorkersError(
+                "no worker with an HTTP URL is registered: add one with POST /v1/workers"
+            )
         block_size = records[0].block_size
         keys = self.keyer.keys(token_ids, block_size, cache_salt=cache_salt)
         workers = [WorkerId(r.worker_id) for r in records]

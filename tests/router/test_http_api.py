@@ -318,7 +318,7 @@ def test_no_workers_is_a_clear_503(redis_url: str, namespace: str) -> None:
         status, err = await post(client, "/v1/completions", {"prompt": "x"})
         assert status == 503
         assert err["error"] == {
-            "message": "no worker is registered: add one with POST /v1/workers",
+            "message": "no worker with an HTTP URL is registered: add one with POST /v1/workers",
             "type": "no_workers",
         }
 
