@@ -1,0 +1,146 @@
+"""Event stream faults into a real router: PUB high-water-mark drops; a silent replay endpoint.
+
+The worker is a :class:`SyntheticWorker` (a real pool and publisher in the test process,
+with the worker's ``/health`` and ``/v1/snapshot``), so the test controls the publisher's
+high-water mark and can lose batches on purpose; the router is a real ``kvroute router``
+process. Expectations: the index converges to the worker's truth (``kvroute index check``
+reports 0 divergent entries) within the stated bound, and every gap, replay and resync
+shows in ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import zmq
+from fault_helpers import (
+    BLOCK_SIZE,
+    HOST,
+    Cluster,
+    SyntheticWorker,
+    index_check,
+    metric,
+    scrape,
+    wait_converged,
+)
+
+from events.framing import unpack_seq
+
+STALL_BOUND_S = 60.0
+"""Replaying some thousands of batches and applying them, plus ``index check`` runs."""
+REPLAY_TIMEOUT_S = 5.0
+"""The subscriber's replay timeout (``SubscriberConfig.replay_timeout_s``)."""
+SILENT_BOUND_S = REPLAY_TIMEOUT_S + 40.0
+
+
+def unique_prompts(seed: int, num_blocks: int = 16) -> Iterator[list[int]]:
+    rng = random.Random(seed)
+    while True:
+        yield [rng.randrange(256) for _ in range(num_blocks * BLOCK_SIZE)]
+
+
+def handshake(
+    cluster: Cluster, router: str, worker: SyntheticWorker, prompts: Iterator[list[int]]
+) -> None:
+    """Wait until the router owns the worker and receives its live batches (slow joiner)."""
+    wid = worker.ports.worker_id
+    deadline = time.monotonic() + 60
+    while True:
+        samples = scrape(router)
+        if metric(samples, "kvroute_stream_batches_total", worker=wid) >= 1:
+            return
+        cluster.group.check_alive()
+        assert time.monotonic() < deadline, "the router never received the worker's events"
+        if metric(samples, "kvroute_ingest_snapshots_total", worker=wid, outcome="ok") >= 1:
+            worker.step(next(prompts))  # a probe, once the router has loaded the snapshot
+        time.sleep(0.1)  # polling another process's metrics
+
+
+def test_stalled_consumer_makes_pub_drop_then_replay_converges(tmp_path: Path) -> None:
+    prompts = unique_prompts(1)
+    with (
+        Cluster(tmp_path, num_workers=0) as cluster,
+        SyntheticWorker("s0", hwm=8, buffer_steps=100_000) as worker,
+    ):
+        router = cluster.start_router("router", [worker.ports.spec()])
+        cluster.wait_healthy([router])
+        handshake(cluster, router, worker, prompts)
+        targets = [("s0", worker.url)]
+        wait_converged(cluster, targets, STALL_BOUND_S, poke=lambda: worker.step(next(prompts)))
+        router_pid = cluster.group._procs["router"].pid
+        os.kill(router_pid, signal.SIGSTOP)  # the consumer stalls: PUB hits its HWM
+        try:
+            num_stalled = 2_000  # far past what the socket buffers and HWM 8 hold
+            worker.steps(next(prompts) for _ in range(num_stalled))
+            # Every batch has left the publisher (sent to the socket or dropped at its HWM).
+            deadline = time.monotonic() + 60
+            while worker.publisher.num_published < worker.publisher.next_seq:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)  # the publisher thread drains its queue
+        finally:
+            os.kill(router_pid, signal.SIGCONT)
+        worker.step(next(prompts))  # a live batch after the drop reveals the gap
+        took = wait_converged(
+            cluster, targets, STALL_BOUND_S, poke=lambda: worker.step(next(prompts))
+        )
+        samples = scrape(router)
+        assert index_check(cluster, targets) == {"s0": 0}
+    assert took < STALL_BOUND_S
+    assert worker.publisher.num_dropped == 0  # the drops were ZeroMQ's, after the queue
+    missed = metric(samples, "kvroute_stream_missed_batches_total", worker="s0")
+    assert metric(samples, "kvroute_stream_gaps_total", worker="s0") >= 1
+    assert 1 <= missed <= num_stalled
+    assert metric(samples, "kvroute_stream_replays_total", worker="s0") >= 1
+    assert metric(samples, "kvroute_stream_resyncs_total", worker="s0") == 0
+    # Every seq from the stall on reached the sink once: live, or replayed after its gap.
+    assert metric(samples, "kvroute_stream_replayed_batches_total", worker="s0") >= missed
+
+
+def test_silent_replay_endpoint_times_out_and_resyncs_from_the_snapshot(tmp_path: Path) -> None:
+    prompts = unique_prompts(2)
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)  # accepts replay requests, never answers
+    silent.linger = 0
+    silent_port = silent.bind_to_random_port(f"tcp://{HOST}")
+    skip: set[int] = set()
+    try:
+        with (
+            Cluster(tmp_path, num_workers=0) as cluster,
+            SyntheticWorker("s1", skip_live_seqs=skip) as worker,
+        ):
+            spec = worker.ports.spec(replay=f"tcp://{HOST}:{silent_port}")
+            router = cluster.start_router("router", [spec])
+            cluster.wait_healthy([router])
+            handshake(cluster, router, worker, prompts)
+            targets = [("s1", worker.url)]
+            wait_converged(
+                cluster, targets, SILENT_BOUND_S, poke=lambda: worker.step(next(prompts))
+            )
+            lost = worker.publisher.next_seq
+            skip.add(lost)  # this batch never goes out live; only replay could bring it
+            assert worker.step(next(prompts)) == lost
+            worker.step(next(prompts))  # the gap shows
+            assert silent.poll(int(SILENT_BOUND_S * 1000)), "no replay request came"
+            identity, empty, seq = silent.recv_multipart()
+            assert (empty, unpack_seq(seq)) == (b"", lost)
+            took = wait_converged(cluster, targets, SILENT_BOUND_S)
+            samples = scrape(router)
+            assert not silent.poll(0), "a second replay was requested"
+            del identity
+    finally:
+        context.destroy(linger=0)
+    assert took < SILENT_BOUND_S
+    assert metric(samples, "kvroute_stream_gaps_total", worker="s1") == 1
+    assert metric(samples, "kvroute_stream_missed_batches_total", worker="s1") == 1
+    assert (
+        metric(samples, "kvroute_stream_resyncs_total", worker="s1", reason="replay_timeout") == 1
+    )
+    assert (
+        metric(samples, "kvroute_ingest_resyncs_total", worker="s1", reason="replay_timeout") == 1
+    )
+    assert metric(samples, "kvroute_ingest_snapshots_total", worker="s1", outcome="ok") == 2
