@@ -380,8 +380,7 @@ class RouterService:
         targets = tuple(ProxyTarget(c.worker_id, by_id[c.worker_id].http_url or "") for c in order)
         routed_ = Routed(decision, targets, tuple(keys), len(token_ids), num_output_tokens)
         if record:
-            if self._predicted is not None:
-                self._predicted.credit(decision.worker_id, keys, now)
+            self.credit(decision.worker_id, keys)
             self._record(decision, len(token_ids))
         self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
         return routed_
@@ -522,6 +521,11 @@ class RouterService:
                     await self.add_worker(record)
                     del self._dead[wid]
 
+    def credit(self, worker_id: WorkerId, keys: Sequence[BlockKey]) -> None:
+        """Credit a worker with a prefix it is about to compute (predicted entries)."""
+        if self._predicted is not None:
+            self._predicted.credit(worker_id, keys, time.monotonic())
+
     def mark_suspect(self, worker_id: WorkerId) -> None:
         """Skip a worker that just failed a forwarded request for ``suspect_s``."""
         self._suspect_until[worker_id] = time.monotonic() + self.config.suspect_s
@@ -541,7 +545,9 @@ class LoadAccounting:
         self._prefilled: set[WorkerId] = set()
 
     async def attempt_started(self, target: ProxyTarget) -> None:
-        """Add the request's load to ``target``."""
+        """Add the request's load to ``target`` (a retry also moves the prefix credit)."""
+        if target.worker_id != self._routed.decision.worker_id:
+            self._service.credit(target.worker_id, self._routed.keys)
         prefill = self._routed.prefill_of(target.worker_id)
         await self._service.load.add(
             target.worker_id, routed(prefill, self._routed.num_output_tokens)
