@@ -149,6 +149,15 @@ def redis_benchmark(port: int, requests: int) -> float:
     raise SystemExit(f"could not parse redis-benchmark output: {out!r}")
 
 
+async def server_us(client: RedisClient, reset: bool = False) -> float:
+    """Microseconds the server spent in scripts since the last reset (``INFO commandstats``)."""
+    stats = await client.info("commandstats")
+    spent = sum(float(v["usec"]) for k, v in stats.items() if k.startswith("cmdstat_eval"))
+    if reset:
+        await client.config_resetstat()
+    return spent
+
+
 async def used_memory(client: RedisClient) -> int:
     return int((await client.info("memory"))["used_memory"])
 
@@ -183,6 +192,7 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
     for i in range(8):
         plan[workers[i * 8]].extend(prompt_batches(target, (i + 1) * PROMPT_BLOCKS // 8))
     before = await used_memory(client)
+    await server_us(client, reset=True)
     seconds, blocks = await apply_all(index, plan)
     rows.append(
         Row(
@@ -190,7 +200,8 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
             blocks / seconds,
             "block events/s",
             set_per_s,
-            f"{blocks:,} BlockStored blocks in 32-block events",
+            f"{blocks:,} blocks in 32-block BlockStored; "
+            f"server {await server_us(client, reset=True) / blocks:.2f} µs/block",
         )
     )
     stats = await index.stats()
@@ -199,8 +210,10 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
     solo = await writers(client, "bench-solo", [WorkerId("solo")])
     solo_plan = {WorkerId("solo"): [b for p in range(1, args.solo_prompts + 1)
                                     for b in prompt_batches(-p)]}  # fmt: skip
+    await server_us(client, reset=True)
     seconds, blocks = await apply_all(solo, solo_plan)
-    rows.append(Row("ingest, 1 worker", blocks / seconds, "block events/s", set_per_s))
+    note = f"server {await server_us(client, reset=True) / blocks:.2f} µs/block"
+    rows.append(Row("ingest, 1 worker", blocks / seconds, "block events/s", set_per_s, note))
 
     churn = await writers(client, "bench-churn", workers[:8])
     churn_plan: dict[WorkerId, list[KVEventBatch]] = {}
@@ -215,6 +228,7 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
                 events.insert(0, BlockRemoved(block_hashes=list(old.block_hashes), medium="GPU"))
             mixed.append(KVEventBatch(ts=batch.ts, events=events))
         churn_plan[worker] = mixed
+    await server_us(client, reset=True)
     seconds, blocks = await apply_all(churn, churn_plan)
     rows.append(
         Row(
@@ -222,7 +236,8 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
             blocks / seconds,
             "block events/s",
             set_per_s,
-            "stores + removals counted",
+            f"stores + removals; server {await server_us(client, reset=True) / blocks:.2f} "
+            "µs/block",
         )
     )
 
@@ -237,21 +252,21 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
     rows.append(Row("PING round trip p50 (baseline)", ping_p50, "ms", ping_p50))
     rows.append(Row("PING round trip p99", percentile(ping, 0.99), "ms", ping_p50))
     rows.append(Row("router keys of 8,192 tokens p50", statistics.median(key_ms), "ms"))
-    note = f"{stats.num_entries:,} entries, {NUM_WORKERS} workers"
-    for name, call in (
-        ("lookup 512 blocks, all workers", lambda: index.lookup(keys)),
-        ("lookup 512 blocks, 64 candidates", lambda: index.lookup(keys, workers)),
-        ("lookup miss", lambda: index.lookup(KEYER.keys(prompt_tokens(-(10**6)), BLOCK_SIZE))),
-    ):
-        samples = await latencies_ms(call, args.lookups)
-        rows.append(Row(f"{name} p50", statistics.median(samples), "ms", ping_p50, note))
-        rows.append(Row(f"{name} p99", percentile(samples, 0.99), "ms", ping_p50))
+    miss = KEYER.keys(prompt_tokens(-(10**6)), BLOCK_SIZE)
     worst = await writers(client, "bench-worst", workers)
     await apply_all(worst, {w: prompt_batches(target) for w in workers})
-    samples = await latencies_ms(lambda: worst.lookup(keys), args.lookups)
-    rows.append(Row("lookup worst case (64 x 512 held) p50", statistics.median(samples), "ms",
-                    ping_p50, "every block of every worker walked"))  # fmt: skip
-    rows.append(Row("lookup worst case p99", percentile(samples, 0.99), "ms", ping_p50))
+    for name, call, what in (
+        ("lookup 512 blocks, all workers", lambda: index.lookup(keys), "8 holders"),
+        ("lookup 512 blocks, 64 candidates", lambda: index.lookup(keys, workers), "8 holders"),
+        ("lookup miss", lambda: index.lookup(miss), "no holder"),
+        ("lookup worst case", lambda: worst.lookup(keys), "64 workers x 512 blocks held"),
+    ):
+        await server_us(client, reset=True)
+        samples = await latencies_ms(call, args.lookups)
+        server = await server_us(client) / args.lookups / 1000
+        note = f"{what}; server {server:.3f} ms; {stats.num_entries:,} entries"
+        rows.append(Row(f"{name} p50", statistics.median(samples), "ms", ping_p50, note))
+        rows.append(Row(f"{name} p99", percentile(samples, 0.99), "ms", ping_p50))
 
     # --- 3. memory -------------------------------------------------------------------------
     before = await used_memory(client)
@@ -262,7 +277,15 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
     await pipe.execute()
     plain = (await used_memory(client) - before) / count
     rows.append(Row("memory per plain SET key (baseline)", plain, "bytes", plain))
-    rows.append(Row("memory per index entry", memory_per_entry, "bytes", plain, note))
+    rows.append(
+        Row(
+            "memory per index entry",
+            memory_per_entry,
+            "bytes",
+            plain,
+            f"{stats.num_entries:,} (key, worker, tier) entries, {NUM_WORKERS} workers",
+        )
+    )
     await client.aclose()
     return rows
 
