@@ -10,7 +10,7 @@ of text (byte-level tokenizer, 512 blocks of 16); eight workers (or all, when fe
 its prefix in the index to depths of 64, 128, ..., 512 blocks, written through the real
 fenced index path, so every lookup walks real chains.
 
-Rows, each p50 and p99 over ``--requests`` sequential requests:
+Rows, each p50 and p99 over ``--requests`` sequential requests (rows interleaved):
 
 * bare: the client posting the same body straight to a worker (the baseline);
 * decide: ``RouterService.decide`` called in process (tokens -> keys -> one Redis lookup
@@ -20,7 +20,8 @@ Rows, each p50 and p99 over ``--requests`` sequential requests:
 
 Ratios are to the bare round trip of the same row; "overhead" is proxy minus bare.
 Client, router and workers share one event loop, so every figure includes the client's
-own work, exactly as the baseline does.
+own work, exactly as the baseline does. After start-up the objects are frozen out of the
+garbage collector's scans (``gc.freeze()``), as ``kvroute router`` does.
 
 Run: ``python -m benchmarks.bench_router`` (``--quick`` for a seconds-long smoke run).
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import platform
 import subprocess
@@ -132,15 +134,20 @@ def prompt_text() -> str:
     return (words * (PROMPT_TOKENS // len(words) + 1))[:PROMPT_TOKENS]
 
 
-async def timed(call: Callable[[], Awaitable[None]], n: int) -> list[float]:
-    """Seconds of ``n`` sequential calls, after a short warm-up."""
+async def timed(calls: dict[str, Callable[[], Awaitable[None]]], n: int) -> dict[str, list[float]]:
+    """Seconds of ``n`` calls of each, interleaved (one of each per round) after a warm-up.
+
+    Interleaving spreads the noise of a shared machine evenly over the rows.
+    """
     for _ in range(max(3, n // 20)):
-        await call()
-    samples = []
+        for call in calls.values():
+            await call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(n):
-        start = time.perf_counter()
-        await call()
-        samples.append(time.perf_counter() - start)
+        for name, call in calls.items():
+            start = time.perf_counter()
+            await call()
+            samples[name].append(time.perf_counter() - start)
     return samples
 
 
@@ -165,6 +172,7 @@ async def measure(redis_url: str, num_workers: int, requests: int) -> dict[str, 
     await index_prompt(redis_url, namespace, records)
     service = RouterService(RouterConfig(redis_url=redis_url, namespace=namespace, port=0))
     await service.start()
+    gc.freeze()  # as `kvroute router` does once started
     body = ('{"prompt": "' + prompt_text() + '", "max_tokens": 1}').encode()
     headers = {"Content-Type": "application/json"}
     tokens = list(prompt_text().encode())
@@ -184,12 +192,13 @@ async def measure(redis_url: str, num_workers: int, requests: int) -> dict[str, 
             async def decide() -> None:
                 await service.decide(tokens, 1, record=False)
 
-            return {
-                "bare": await timed(lambda: post(f"{urls[0]}/v1/completions"), requests),
-                "decide": await timed(decide, requests),
-                "route": await timed(lambda: post(f"{service.url}/v1/route"), requests),
-                "proxy": await timed(lambda: post(f"{service.url}/v1/completions"), requests),
+            calls: dict[str, Callable[[], Awaitable[None]]] = {
+                "bare": lambda: post(f"{urls[0]}/v1/completions"),
+                "decide": decide,
+                "route": lambda: post(f"{service.url}/v1/route"),
+                "proxy": lambda: post(f"{service.url}/v1/completions"),
             }
+            return await timed(calls, requests)
     finally:
         await service.close()
         for runner in runners:
