@@ -263,10 +263,17 @@ class Engine:
             True when the thread exited within ``timeout_s``.
         """
         self.drain()
-        if self._thread is None:
-            return True
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        return self.join(timeout_s)
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Wait for the loop thread to exit (after a drain, or when it fails).
+
+        Returns:
+            True when the thread is not running any more.
+        """
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        return not self.is_running
 
     # ----------------------------------------------------- engine thread (or tests)
 
@@ -342,11 +349,11 @@ class Engine:
                 elif not self._accepting:
                     return
         except Exception:
+            # The thread ends here: is_running turns False, which the worker watches.
             logger.exception("engine loop failed; the worker stops serving")
             self._accepting = False
             for seq in [*self._scheduler.running, *self._scheduler.waiting]:
                 seq.sink(self._output(seq, [], "abort"))
-            raise
 
     def _execute(self, scheduled: list[_Sequence]) -> None:
         items = []

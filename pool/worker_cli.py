@@ -243,6 +243,7 @@ async def serve(
     info = WorkerInfo(config.worker_id, config.model_name, config.hash_algo, MEDIUM_GPU)
     http = WorkerHTTP(engine, tokenizer, info)
     engine.start()
+    engine_exited = asyncio.ensure_future(asyncio.to_thread(engine.join))
     try:
         port = await http.start(config.host, config.port)
         ready = {
@@ -254,11 +255,17 @@ async def serve(
         logger.info("worker ready: %s", ready)
         if on_ready is not None:
             on_ready(ready)
-        await stop.wait()
+        stop_asked = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({engine_exited, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
+        stop_asked.cancel()
+        if not stop.is_set():
+            raise PoolError("the engine loop failed (see the log above); the worker stops")
         logger.info("draining: finishing running and queued requests")
     finally:
         drained = await asyncio.to_thread(engine.stop, _DRAIN_TIMEOUT_S)
-        if not drained:
+        if drained:
+            await engine_exited
+        else:
             logger.error("engine did not drain within %.0f s", _DRAIN_TIMEOUT_S)
         await http.stop()
         if publisher is not None:

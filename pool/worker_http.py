@@ -11,7 +11,8 @@ Endpoints:
   per generated token (``choices[0].text`` the new text, ``token_ids`` the new ids), the
   last chunk with ``finish_reason`` and ``usage``, then ``data: [DONE]``.
 * ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "running", "waiting",
-  "free_blocks", "total_blocks", "usage"}``; 503 while draining.
+  "free_blocks", "total_blocks", "usage"}``; 503 while draining, and 503 ``{"status":
+  "stopped"}`` once the engine loop has exited.
 * ``GET /metrics``: Prometheus text, from the worker's own ``CollectorRegistry``.
 * ``POST /v1/reset_prefix_cache``: ``{"success": true}`` (an ``AllBlocksCleared`` event
   is published), or 409 ``{"success": false, "error"}`` while requests hold blocks.
@@ -291,6 +292,9 @@ class WorkerHTTP:
         self._tokens.labels("generated").inc(last.num_output_tokens)
 
     async def _health(self, request: web.Request) -> web.Response:
+        if not self.engine.is_running:
+            stopped = {"status": "stopped", "worker_id": self.info.worker_id}
+            return web.json_response(stopped, status=503)
         stats = await self._on_engine(self.engine.stats)
         accepting = self.engine.is_accepting
         body = {
