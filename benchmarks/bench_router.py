@@ -50,7 +50,8 @@ from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRecord, WorkerRegistry
 from router.redis_conn import connect
 from router.redis_server import RedisServer, find_redis_server, free_port
-from router.service import RouterConfig, RouterService
+from router.service import RouterService
+from router.service_config import RouterConfig
 
 __all__ = ["main"]
 

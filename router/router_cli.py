@@ -36,7 +36,8 @@ from router.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig
 from router.proxy import ProxyConfig
 from router.redis_conn import redact_url
 from router.redis_server import RedisServer
-from router.service import RequestLimits, RouterConfig, RouterService
+from router.service import RouterService
+from router.service_config import RequestLimits, RouterConfig
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_worker_flag"]
 

@@ -34,7 +34,8 @@ from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRecord
 from router.redis_conn import connect
-from router.service import RouterConfig, RouterService
+from router.service import RouterService
+from router.service_config import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)

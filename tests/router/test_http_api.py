@@ -17,7 +17,8 @@ from aiohttp import web
 
 from router.index.registry import WorkerRecord
 from router.redis_server import RedisServer, free_port
-from router.service import RequestLimits, RouterConfig, RouterService
+from router.service import RouterService
+from router.service_config import RequestLimits, RouterConfig
 
 
 @dataclass
