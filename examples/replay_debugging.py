@@ -48,24 +48,25 @@ async def published(session: aiohttp.ClientSession, url: str) -> int:
     return 0
 
 
-def batches_in_log(log: Path) -> dict[str, int]:
-    counts: dict[str, int] = {}
+def last_seqs_in_log(log: Path) -> dict[str, int]:
+    """The seq of each worker's last batch in the log so far."""
+    last: dict[str, int] = {}
     if log.exists() and log.stat().st_size > 0:
         for record in read_log(log):
-            if record.kind == "batch":
-                counts[record.worker_id] = counts.get(record.worker_id, 0) + 1
-    return counts
+            if record.kind == "batch" and record.seq is not None:
+                last[record.worker_id] = record.seq
+    return last
 
 
 async def until_recorded(
     session: aiohttp.ClientSession, urls: dict[str, str], log: Path, timeout_s: float = 60.0
 ) -> None:
-    """Wait until the log holds every batch each worker published."""
+    """Wait until the log holds the last batch each worker published (seq = count - 1)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        wanted = {w: await published(session, url) for w, url in urls.items()}
-        have = batches_in_log(log)
-        if all(have.get(w, 0) >= n for w, n in wanted.items()):
+        wanted = {w: await published(session, url) - 1 for w, url in urls.items()}
+        have = last_seqs_in_log(log)
+        if all(have.get(w, -1) >= seq for w, seq in wanted.items()):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"recorder has {have}, workers published {wanted}")
@@ -82,7 +83,7 @@ async def subscribed(
     """
     deadline = time.monotonic() + timeout_s
     for worker, url in urls.items():
-        while batches_in_log(log).get(worker, 0) == 0:
+        while worker not in last_seqs_in_log(log):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the recorder never received {worker}'s events")
             async with session.post(f"{url}/v1/reset_prefix_cache") as resp:
