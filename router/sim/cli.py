@@ -171,6 +171,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds per output token of one request; decoding is batched (default %(default)s)",
     )
     parser.add_argument(
+        "--w-prefill",
+        type=float,
+        default=w.prefill,
+        help="cost per prompt token a worker would compute for the request (default %(default)s)",
+    )
+    parser.add_argument(
         "--w-queued-prefill",
         type=float,
         default=w.queued_prefill,
@@ -230,6 +236,7 @@ def main(argv: list[str]) -> int:
     try:
         policies = _policies(args.policy)
         weights = CostWeights(
+            prefill=args.w_prefill,
             queued_prefill=args.w_queued_prefill,
             decode=args.w_decode,
             per_request=args.w_request,
