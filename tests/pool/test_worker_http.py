@@ -84,12 +84,12 @@ def _start_worker(config: WorkerConfig) -> RunningWorker:
     return RunningWorker(info["http"], info["events"], info["replay"], thread, loop, holder[0])
 
 
-def _config(num_blocks: int, tmp_path: Path, **overrides: Any) -> WorkerConfig:
+def _config(num_blocks: int, **overrides: Any) -> WorkerConfig:
     base = {
         "worker_id": "w-test",
         "port": 0,
         "events": "tcp://127.0.0.1:*",
-        "replay": f"ipc://{tmp_path}/replay",
+        "replay": "tcp://127.0.0.1:*",
         "topic": "kv",
         "num_blocks": num_blocks,
         "block_size": BLOCK_SIZE,
@@ -101,7 +101,7 @@ def _config(num_blocks: int, tmp_path: Path, **overrides: Any) -> WorkerConfig:
 
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[RunningWorker]:
-    running = _start_worker(_config(20, tmp_path))
+    running = _start_worker(_config(20))
     yield running
     running.stop()
 
@@ -392,9 +392,7 @@ def test_cli_worker_drains_on_sigterm(tmp_path: Path, model: DecoderModel) -> No
 def test_curve_secured_events_reach_an_allowed_subscriber(tmp_path: Path) -> None:
     server_public, server_secret = write_keypair(tmp_path / "keys", "worker")
     client_public, client_secret = write_keypair(tmp_path / "keys", "router")
-    config = _config(
-        20, tmp_path, curve_secret_key=str(server_secret), curve_allow=str(client_public)
-    )
+    config = _config(20, curve_secret_key=str(server_secret), curve_allow=str(client_public))
     running = _start_worker(config)
     tap = EventTap(
         running, CurveClientConfig(load_public_key(server_public), CurveKeyPair.load(client_secret))
@@ -445,7 +443,6 @@ def test_worker_serves_safetensors_weights_with_a_tokenizer_json(tmp_path: Path)
     trained.save_safetensors(tmp_path / "weights.safetensors")
     config = _config(
         20,
-        tmp_path,
         events=None,
         replay=None,
         weights=str(tmp_path / "weights.safetensors"),
