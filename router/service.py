@@ -337,10 +337,12 @@ class RouterService:
                 found = await self._lookup_index.lookup(group_keys, members)
                 for wid, match in found.items():
                     out[wid] = match if size == base else _rescale(match, size, base)
-        except _INDEX_ERRORS as exc:
+        except Exception as exc:  # whatever the index does, it never causes a 5xx
             self.metrics.index_errors.labels("lookup").inc()
             self._next_probe = now + self.config.probe_interval_s
-            if self._index_live:
+            if not isinstance(exc, _INDEX_ERRORS):
+                logger.exception("index lookup raised unexpectedly; routing on load only")
+            elif self._index_live:
                 logger.warning(
                     "index lookup failed (%s); routing on load only until it answers", exc
                 )
