@@ -155,7 +155,6 @@ class Engine:
         self._num_dropped = 0
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._accepting = True
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- thread-safe API
