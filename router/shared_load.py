@@ -148,7 +148,10 @@ class RedisLoadTracker:
         local, remote, reported = self._local_view, self._remote, self._reported
         out: dict[WorkerId, WorkerLoad] = {}
         for w in workers:
-            routed = local.get(w, _IDLE) + remote.get(w, _IDLE)
+            routed = local.get(w, _IDLE)
+            other = remote.get(w)
+            if other is not None:
+                routed = routed + other
             own = reported.get(w)
             out[w] = routed if own is None else _field_max(routed, own)
         return out
