@@ -172,7 +172,7 @@ def test_prefix_affinity_then_spreading_under_load(
             router(redis_url, namespace, [w.record() for w in workers]) as svc,
             aiohttp.ClientSession() as s,
         ):
-            first, _ = await complete(s, svc.url, prefix + "Q0")
+            first, usage0 = await complete(s, svc.url, prefix + "Q0")
             await until(
                 lambda: _holds(s, svc.url, prefix + "Q1", first, 256), "the prefix in the index"
             )
@@ -191,8 +191,21 @@ def test_prefix_affinity_then_spreading_under_load(
             assert sum(1 for n in per_worker.values() if n) >= 2  # ... but load spread the rest
             hits = sum(u["cached_tokens"] for _, u in burst)
             assert hits >= 256 * per_worker[first]  # graceful: the cached worker's hits stay
+            # The router counted exactly the hits the workers reported.
+            async with s.get(f"{svc.url}/metrics") as resp:
+                metrics = await resp.text()
+            reported = usage0["cached_tokens"] + 3 * 256 + hits
+            name = "kvroute_router_actual_hit_tokens_total"
+            assert sum(_sample(metrics, name, w.worker_id) for w in workers) == reported
 
     asyncio.run(scenario())
+
+
+def _sample(metrics: str, name: str, worker: str) -> float:
+    """A counter's value for one worker in Prometheus text (0 when absent)."""
+    prefix = f'{name}{{worker="{worker}"}} '
+    lines = [line for line in metrics.splitlines() if line.startswith(prefix)]
+    return float(lines[0][len(prefix) :]) if lines else 0.0
 
 
 async def _holds(s: aiohttp.ClientSession, url: str, prompt: str, worker: str, tokens: int) -> bool:
@@ -316,6 +329,13 @@ def test_foreign_publishers_in_map_and_legacy_array_shapes(redis_url: str, names
                     )
 
                 await until(published_and_indexed, "both foreign streams in the index")
+                async with s.get(f"{svc.url}/metrics") as resp:
+                    metrics = await resp.text()
+                for name in prompts:  # every batch the ingest applied is counted per worker
+                    assert (
+                        f'kvroute_ingest_batches_total{{outcome="applied",worker="{name}"}}'
+                        in metrics
+                    )
                 for name, prompt in prompts.items():
                     route = await dry_route(s, svc.url, prompt)
                     assert (route["worker_id"], route["matched_tokens"]) == (name, 64)
