@@ -1,11 +1,13 @@
 """Debugging by replay: record two workers' KV events, then rebuild the index and explain.
 
-1. Start two kvroute workers and ``kvroute record`` subscribed to both.
-2. Send a few prompts straight to the workers (w0 gets a shared system prompt, w1 a
-   document), note the moment, then reset w0's prefix cache (an ``AllBlocksCleared``).
-3. ``kvroute replay`` the log at that moment and at the end, and ``kvroute explain``
-   where a new prompt with the system prompt would go at each: to w0 before the reset,
-   anywhere after it.
+1. Start two kvroute workers, ``kvroute record`` subscribed to both, and a router in front
+   of them that writes a decision log (it starts its own embedded Redis).
+2. Send three prompts through the router: a question after a shared system prompt, a
+   document, a second question after the same system prompt (it follows the first).
+   Note the moment, then reset the prefix cache of the worker holding the system prompt.
+3. ``kvroute replay`` the log at that moment and at the end; ``kvroute explain`` why the
+   second question went where it did (the replayed state agrees with the router's
+   decision record), and where it would go after the reset (anywhere: nobody holds it).
 
     python examples/replay_debugging.py [--keep DIR]
 """
@@ -28,15 +30,17 @@ from router.redis_server import free_port
 
 SYSTEM = "You are a careful assistant for the kvroute project. Answer briefly. " * 3
 DOCUMENT = "Chapter one. The cache remembered every prefix it had ever computed. " * 3
+SECOND = SYSTEM + "Question: what is a seq?"
 PYTHON = [sys.executable, "-m", "router"]
 
 
-async def complete(session: aiohttp.ClientSession, url: str, prompt: str) -> int:
-    """Send one completion; returns the prompt tokens the worker found cached."""
+async def complete(session: aiohttp.ClientSession, url: str, prompt: str) -> tuple[str, int]:
+    """Send one completion through the router; returns its worker and cached prompt tokens."""
     body = {"prompt": prompt, "max_tokens": 2}
     async with session.post(f"{url}/v1/completions", json=body) as resp:
         resp.raise_for_status()
-        return int((await resp.json())["usage"]["cached_tokens"])
+        cached = int((await resp.json())["usage"]["cached_tokens"])
+        return resp.headers["X-Kvroute-Worker"], cached
 
 
 async def published(session: aiohttp.ClientSession, url: str) -> int:
@@ -91,22 +95,29 @@ async def subscribed(
             await asyncio.sleep(0.2)  # give the probe time to land before the next one
 
 
-async def drive(urls: dict[str, str], group: ProcessGroup, log: Path) -> float:
-    """Run the scenario; returns the moment between the requests and w0's reset."""
+async def drive(urls: dict[str, str], router: str, group: ProcessGroup, log: Path) -> float:
+    """Run the scenario; returns the moment between the requests and the cache reset."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         deadline = time.monotonic() + 120
-        await asyncio.gather(*(wait_healthy(session, u, group, deadline) for u in urls.values()))
+        await asyncio.gather(
+            *(wait_healthy(session, u, group, deadline) for u in [*urls.values(), router])
+        )
         await subscribed(session, urls, log)
-        await complete(session, urls["w0"], SYSTEM + "Question: what is a block?")
-        await complete(session, urls["w1"], DOCUMENT + "Summarise.")
-        cached = await complete(session, urls["w0"], SYSTEM + "Question: what is a seq?")
-        print(f"w0 served the second question with {cached} cached prompt tokens")
+        holder, _ = await complete(session, router, SYSTEM + "Question: what is a block?")
+        await complete(session, router, DOCUMENT + "Summarise.")
+        again, cached = await complete(session, router, SECOND)
+        print(f"the second question went to {again} ({cached} cached prompt tokens); the "
+              f"first went to {holder}")  # fmt: skip
         await until_recorded(session, urls, log)
         moment = time.time()
-        async with session.post(f"{urls['w0']}/v1/reset_prefix_cache") as resp:
+        async with session.post(f"{urls[holder]}/v1/reset_prefix_cache") as resp:
             resp.raise_for_status()
         await until_recorded(session, urls, log)
         return moment
+
+
+def _each(flag: str, values: list[str]) -> list[str]:
+    return [item for value in values for item in (flag, value)]
 
 
 def main(argv: list[str]) -> int:
@@ -116,9 +127,13 @@ def main(argv: list[str]) -> int:
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="kvroute-replay-"))
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "events.kvlog"
+    decisions = workdir / "decisions.jsonl"
     urls: dict[str, str] = {}
+    router_port = free_port()
+    router = f"http://127.0.0.1:{router_port}"
     with ProcessGroup(workdir / "logs") as group:
-        specs = []
+        specs: list[str] = []
+        routes: list[str] = []
         for worker in ("w0", "w1"):
             http, events, replay = free_port(), free_port(), free_port()
             urls[worker] = f"http://127.0.0.1:{http}"
@@ -128,20 +143,23 @@ def main(argv: list[str]) -> int:
                  "--events", f"tcp://127.0.0.1:{events}",
                  "--replay", f"tcp://127.0.0.1:{replay}"],
             )  # fmt: skip
-            specs += [
-                "--worker",
-                f"{worker}=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay}",
-            ]
-        group.start("record", [*PYTHON, "record", *specs, "--out", str(log),
+            streams = f"events=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay}"
+            specs.append(f"{worker}=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay}")
+            routes.append(f"{worker}={urls[worker]},{streams}")
+        group.start("record", [*PYTHON, "record", *_each("--worker", specs), "--out", str(log),
                                "--flush-interval-s", "0.1"])  # fmt: skip
-        moment = asyncio.run(drive(urls, group, log))
-    question = SYSTEM + "Question: what is an epoch?"
+        group.start("router", [*PYTHON, "router", "--port", str(router_port),
+                               "--decision-log", str(decisions),
+                               *_each("--worker", routes)])  # fmt: skip
+        moment = asyncio.run(drive(urls, router, group, log))
     for at in (str(moment), "end"):
         print(f"\n$ kvroute replay {log} --at {at}")
         if kvroute(["replay", str(log), "--at", at]) != 0:
             return 1
-        print(f"\n$ kvroute explain {log} --at {at} --prompt '<system prompt> + question'")
-        if kvroute(["explain", str(log), "--at", at, "--prompt", question]) != 0:
+        print(f"\n$ kvroute explain {log} --at {at} --prompt '<the second question>' "
+              f"--decisions {decisions}")  # fmt: skip
+        explain = ["explain", str(log), "--at", at, "--prompt", SECOND]
+        if kvroute([*explain, "--decisions", str(decisions)]) != 0:
             return 1
     print(f"\nevent log kept in {log}")
     return 0

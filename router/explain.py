@@ -68,6 +68,8 @@ class RecordedDecision:
         policy: The policy it used.
         num_prompt_tokens: The request's prompt length.
         candidates: Every candidate as it scored them.
+        index_live: False when the router's index was unreachable and it routed on load
+            alone (matched tokens are then all 0).
     """
 
     ts: float
@@ -75,6 +77,7 @@ class RecordedDecision:
     policy: str
     num_prompt_tokens: int
     candidates: tuple[RecordedCandidate, ...] = ()
+    index_live: bool = True
 
 
 @dataclass(frozen=True)

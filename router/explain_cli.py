@@ -135,6 +135,7 @@ def explanation_json(exp: Explanation, span: LogSpan) -> dict[str, Any]:
             "ts": exp.recorded.ts,
             "worker_id": exp.recorded.worker_id,
             "policy": exp.recorded.policy,
+            "index_live": exp.recorded.index_live,
             "agrees": exp.agrees,
             "disagreements": exp.disagreements,
         }
@@ -171,14 +172,16 @@ def explanation_text(exp: Explanation, span: LogSpan) -> str:
     lines += ["", f"why: {exp.reason}"]
     recorded = exp.recorded
     if recorded is not None:
+        verdict = (
+            "the replayed state agrees."
+            if exp.agrees
+            else "the replayed state disagrees: " + "; ".join(exp.disagreements) + "."
+        )
+        degraded = "" if recorded.index_live else " with its index degraded (load only)"
         lines.append(
-            f"router: at {format_ts(recorded.ts)} it chose {recorded.worker_id} "
-            f"({recorded.policy}); "
-            + (
-                "the replayed state agrees."
-                if exp.agrees
-                else "the replayed state disagrees: " + "; ".join(exp.disagreements) + "."
-            )
+            f"router: at {format_ts(recorded.ts)} ({exp.at_ts - recorded.ts:.3f} s before the "
+            f"replayed moment) it chose {recorded.worker_id} ({recorded.policy}){degraded}; "
+            + verdict
         )
     return "\n".join(lines)
 
