@@ -1,0 +1,112 @@
+"""Infrastructure faults under load: Redis restarted empty; a router replica SIGKILLed.
+
+Real processes on loopback. Expectations after each fault: ``kvroute index check``
+reports 0 divergent entries within the stated bound, no request is lost (an answer, a
+JSON error, or, for the killed replica's own clients, a connection error), and the fault
+shows in ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from fault_helpers import (
+    Cluster,
+    Load,
+    get_json,
+    index_check,
+    metric,
+    scrape,
+    wait_converged,
+)
+
+pytest.importorskip("torch")
+
+LEASE_TTL_S = 3.0
+REDIS_BOUND_S = 45.0
+"""Redis back -> every worker rebuilt from its snapshot: a maintenance pass (a third of
+the lease) per worker plus ``index check`` runs, with room for a loaded 2-core machine."""
+REPLICA_BOUND_S = 45.0
+"""The dead replica's leases lapse (3 s), the survivor's maintenance takes them over and
+rebuilds the workers from their snapshots."""
+
+
+def wait_health(router: str, index: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = get_json(f"{router}/health")
+        if status == 200 and body.get("index") == index:
+            return
+        assert time.monotonic() < deadline, f"/health never said index={index}: {body}"
+        time.sleep(0.1)  # polling another process's state
+
+
+def test_redis_stopped_and_restarted_empty(tmp_path: Path) -> None:
+    with Cluster(tmp_path) as cluster:
+        for w in cluster.workers:
+            cluster.start_worker(w)
+        cluster.wait_healthy([w.url for w in cluster.workers])
+        router = cluster.start_router(
+            "router", [w.spec() for w in cluster.workers], "--lease-ttl", str(LEASE_TTL_S)
+        )
+        cluster.wait_healthy([*(w.url for w in cluster.workers), router])
+        targets = [(w.worker_id, w.url) for w in cluster.workers]
+        with Load([router], clients=3) as load:
+            load.wait_for(15)
+            cluster.stop_redis()
+            load.wait_for(15)  # served on load alone while Redis is down
+            wait_health(router, "degraded")
+            outage = scrape(router)
+            cluster.start_redis()  # empty: no registrations, no leases, no entries
+            wait_health(router, "live")
+            load.wait_for(10)
+            took = wait_converged(cluster, targets, REDIS_BOUND_S)
+        outcomes = load.stop()
+        samples = scrape(router)
+        cluster.group.check_alive()
+        assert index_check(cluster, targets) == {"w0": 0, "w1": 0}
+    assert set(outcomes) == {"200"}, dict(outcomes)
+    assert took < REDIS_BOUND_S
+    assert metric(outage, "kvroute_router_index_live") == 0
+    assert metric(samples, "kvroute_router_index_live") == 1
+    assert metric(samples, "kvroute_router_index_errors_total") >= 1
+    for w in ("w0", "w1"):  # each worker was rebuilt from its snapshot after the outage
+        assert metric(samples, "kvroute_ingest_snapshots_total", worker=w, outcome="ok") >= 2
+
+
+def test_router_replica_killed_with_in_flight_load(tmp_path: Path) -> None:
+    with Cluster(tmp_path) as cluster:
+        for w in cluster.workers:
+            cluster.start_worker(w)
+        cluster.wait_healthy([w.url for w in cluster.workers])
+        specs = [w.spec() for w in cluster.workers]
+        lease = ("--lease-ttl", str(LEASE_TTL_S))
+        r0 = cluster.start_router("r0", specs, *lease)
+        cluster.wait_healthy([*(w.url for w in cluster.workers), r0])
+        r1 = cluster.start_router("r1", specs, *lease)  # r0 holds both leases first
+        cluster.wait_healthy([r1])
+        targets = [(w.worker_id, w.url) for w in cluster.workers]
+        assert metric(scrape(r0), "kvroute_ingest_owned_workers") == 2
+        with Load([r0, r1], clients=4) as load:
+            load.wait_for(20)
+            cluster.kill("r0")
+            killed_at = time.monotonic()
+            load.wait_for(30)  # r1 keeps answering
+            while metric(scrape(r1), "kvroute_ingest_owned_workers") < 2:  # r1 takes over
+                assert time.monotonic() - killed_at < REPLICA_BOUND_S, "no takeover"
+                time.sleep(0.2)  # polling another process's metrics
+            load.wait_for(10)  # the workers' caches moved on since r0 died
+            wait_converged(cluster, targets, REPLICA_BOUND_S)
+            took = time.monotonic() - killed_at
+        outcomes = load.stop()
+        samples = scrape(r1)
+        cluster.group.check_alive()
+    assert took < REPLICA_BOUND_S
+    # r0's clients got connection errors (in flight or refused), never a hang or a bad answer.
+    assert set(outcomes) <= {"200", "connection"}, dict(outcomes)
+    assert outcomes["connection"] >= 1
+    assert metric(samples, "kvroute_ingest_owned_workers") == 2
+    for w in ("w0", "w1"):
+        assert metric(samples, "kvroute_ingest_snapshots_total", worker=w, outcome="ok") >= 1
