@@ -35,6 +35,8 @@ _DTYPES: Final[dict[str, torch.dtype]] = {
     "bfloat16": torch.bfloat16,
 }
 _METADATA_KEY: Final = "kvroute.model_config"
+QUERY_CHUNK: Final = 1024
+"""Queries attended at once in a long prefill (bounds the score matrix)."""
 
 
 class ModelError(PoolError, ValueError):
@@ -351,6 +353,10 @@ def _rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.T
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> torch.Tensor:
     """Causal attention of queries at positions ``start_pos + i`` over keys ``0..``.
 
+    Long prompts are attended ``QUERY_CHUNK`` queries at a time, each chunk over the keys
+    it can see, so the score matrix never exceeds ``QUERY_CHUNK x num_keys`` (CPU SDPA
+    materialises it: a 8,192-token prompt would otherwise need ~1 GB per layer).
+
     Args:
         q: ``[num_queries, heads, head_dim]``.
         k: ``[num_keys, heads, head_dim]`` with ``num_keys = start_pos + num_queries``.
@@ -360,13 +366,25 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int) -
     Returns:
         ``[num_queries, heads, head_dim]``.
     """
-    num_q, num_k = q.shape[0], k.shape[0]
+    num_q = q.shape[0]
+    chunks = [
+        _attend_chunk(q[i : i + QUERY_CHUNK], k, v, start_pos + i)
+        for i in range(0, num_q, QUERY_CHUNK)
+    ]
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def _attend_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int
+) -> torch.Tensor:
+    num_q = q.shape[0]
+    num_k = start_pos + num_q  # later keys are masked for every query of the chunk
     mask = None
     if num_q > 1:
-        query_pos = torch.arange(start_pos, start_pos + num_q, device=q.device)
+        query_pos = torch.arange(start_pos, num_k, device=q.device)
         mask = torch.arange(num_k, device=q.device)[None, :] <= query_pos[:, None]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+        q.transpose(0, 1), k[:num_k].transpose(0, 1), v[:num_k].transpose(0, 1), attn_mask=mask
     )
     return out.transpose(0, 1)
 

@@ -157,3 +157,17 @@ def test_cache_matches_the_model(model: DecoderModel) -> None:
     cache = model.make_cache(10, 8)
     assert tuple(cache.kv.shape) == (2, 2, 10, 8, 4, 16)
     assert cache.kv.dtype == torch.float32
+
+
+def test_long_prefills_attend_in_query_chunks_with_the_same_result(
+    model: DecoderModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = _prompt(23)
+    table = _table(23)
+    whole = model.forward_dense(prompt)
+    cache = model.make_cache(64, BLOCK_SIZE)
+    model.forward_paged([ForwardItem(prompt[:8], 0, table)], cache)
+    monkeypatch.setattr("pool.model.QUERY_CHUNK", 5)
+    torch.testing.assert_close(model.forward_dense(prompt), whole, atol=ATOL, rtol=0)
+    paged = model.forward_paged([ForwardItem(prompt[8:], 8, table)], cache)[0]
+    torch.testing.assert_close(paged, whole[-1], atol=ATOL, rtol=0)
