@@ -36,7 +36,7 @@ _LOG: Final = logging.getLogger("kvroute.cluster")
 # 2-core machine and --quick about 20-30 s (see README, "kvroute cluster").
 _SIZES: Final[dict[str, tuple[int, int]]] = {
     "workers": (4, 2),
-    "requests": (200, 40),
+    "requests": (300, 40),
     "families": (64, 12),
     "sessions": (24, 6),
     "turns": (4, 3),
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"Mooncake-format JSONL trace (default: {DEFAULT_TRACE_PATH})",
     )
     p.add_argument(
-        "--requests", type=int, help="requests taken from the trace (default 200; --quick: 40)"
+        "--requests", type=int, help="requests taken from the trace (default 300; --quick: 40)"
     )
     p.add_argument(
         "--families",
