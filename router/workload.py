@@ -289,7 +289,7 @@ def chat_workload(
     Turn ``t`` of a session sends the system prompt, then for every earlier turn its user
     message and a reply, then the new user message. Replies are synthetic (the worker's
     real output is not fed back), so the workload is a fixed list. Requests come turn by
-    turn: every session's turn 0, then every session's turn 1, and so on.
+    turn: every session's turn 0, then every session's turn 1 (in another order), and so on.
 
     Args:
         num_sessions: Conversations.
@@ -314,11 +314,16 @@ def chat_workload(
     spacing_s = turn_gap_s / num_sessions
     requests: list[WorkloadRequest] = []
     for turn in range(num_turns):
-        for session, history in enumerate(histories):
+        # Conversations answer at their own pace: a new order each turn, so that a blind
+        # rotation over W workers does not keep each conversation on one worker by chance.
+        order = list(range(num_sessions))
+        rng.shuffle(order)
+        for position, session in enumerate(order):
+            history = histories[session]
             history += rng.randbytes(user_tokens)
             requests.append(
                 WorkloadRequest(
-                    arrival_s=turn * turn_gap_s + session * spacing_s,
+                    arrival_s=turn * turn_gap_s + position * spacing_s,
                     token_ids=tuple(history),
                     max_tokens=max_output_tokens,
                     session=f"chat-{session}",

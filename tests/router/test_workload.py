@@ -135,6 +135,9 @@ def test_chat_turns_extend_the_conversation_and_share_system_prompts() -> None:
     assert [r.arrival_s for r in work.requests[:5]] == [0.0, 0.5, 1.0, 1.5, 2.0]
     assert work.num_output_tokens == 24
     assert chat_workload(seed=3) == chat_workload(seed=3)
+    default = chat_workload()
+    orders = {tuple(r.session for r in default.requests[t * 24 : (t + 1) * 24]) for t in range(4)}
+    assert len(orders) == 4  # each turn comes in its own order
 
 
 def test_ideal_hit_tokens_counts_only_previously_seen_prefix_blocks() -> None:
