@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import logging
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, Final
 from events.hashing import RouterKeyer
 from events.recorder import EventLogError
 from events.tokenizer import TokenizerError, load_tokenizer
+from router import router_cli
 from router.errors import RouterError
 from router.explain import Explanation, explain_request, find_decision, read_decisions
 from router.index.base import WorkerId
@@ -65,7 +67,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy",
         choices=POLICY_NAMES,
-        help=f"policy to explain (default: the recorded decision's, else {DEFAULT_POLICY})",
+        help="policy to explain (default: the recorded decision's, else --router-args's, "
+        f"else {DEFAULT_POLICY})",
+    )
+    p.add_argument(
+        "--router-args",
+        default="",
+        metavar="'FLAGS'",
+        help="the `kvroute router` flags the router ran with, quoted (e.g. '--config "
+        "router.toml --prefill-weight 4'), so costs are scored with its weights",
     )
     p.add_argument(
         "--block-size",
@@ -212,13 +222,17 @@ async def _run(args: argparse.Namespace) -> int:
         if args.decisions is not None
         else None
     )
-    policy = args.policy or (recorded.policy if recorded is not None else DEFAULT_POLICY)
+    router = router_cli.config_from_args(
+        router_cli.build_parser().parse_args(shlex.split(args.router_args)), redis_url=""
+    )
+    policy = args.policy or (recorded.policy if recorded is not None else router.policy)
     exp = await explain_request(
         index,
         token_ids,
         workers,
         at_ts=at_ts,
         policy=policy,
+        config=router.policy_config,
         block_size=block_size,
         keyer=keyer,
         num_output_tokens=args.max_tokens,

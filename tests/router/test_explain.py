@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from router.cost import CostWeights
 from router.explain import RecordedCandidate, RecordedDecision, explain_request, find_decision
 from router.explain_cli import main as explain_main
 from router.explain_cli import read_token_file
@@ -176,3 +177,21 @@ def test_cli_text_prompt_and_errors(
     assert "request: 18 prompt tokens (4 full blocks of 4)" in capsys.readouterr().out
     assert explain_main([str(log), "--at", "50", "--prompt", "x"]) == 1
     assert "no worker has events" in caplog.text
+
+
+def test_cli_scores_with_the_routers_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = write_log(tmp_path / "events.kvlog", SCENARIO)
+    tokens = tmp_path / "prompt.txt"
+    tokens.write_text(" ".join(map(str, PROMPT)))
+    argv = [str(log), "--at", "102.0", "--tokens", str(tokens), "--json"]
+    assert explain_main(argv) == 0
+    default = json.loads(capsys.readouterr().out)
+    per_token = CostWeights().prefill
+    assert [c["score"] for c in default["candidates"]] == [2 * per_token, 14 * per_token]
+    assert explain_main([*argv, "--router-args", "--prefill-weight 1 --policy least_loaded"]) == 0
+    tuned = json.loads(capsys.readouterr().out)
+    assert tuned["policy"] == "least_loaded"
+    assert explain_main([*argv, "--router-args", "--prefill-weight 1"]) == 0
+    assert [c["score"] for c in json.loads(capsys.readouterr().out)["candidates"]] == [2.0, 14.0]
