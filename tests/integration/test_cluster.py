@@ -51,11 +51,12 @@ def test_quick_cluster_reports_cache_aware_beating_round_robin(
 ) -> None:
     report = tmp_path / "report.json"
     plot = tmp_path / "cluster.png"
+    argv = _kvroute(
+        "cluster", "--quick", "--redis", redis_url, "--json", str(report),
+        "--plot", str(plot), "--log-dir", str(tmp_path / "logs"), "--no-progress",
+    )  # fmt: skip
     proc = subprocess.run(
-        _kvroute(
-            "cluster", "--quick", "--redis", redis_url, "--json", str(report),
-            "--plot", str(plot), "--log-dir", str(tmp_path / "logs"), "--no-progress",
-        ),  # fmt: skip
+        argv,
         cwd=tmp_path,
         env=_env(),
         capture_output=True,
@@ -81,11 +82,12 @@ def test_quick_cluster_reports_cache_aware_beating_round_robin(
 
 
 def test_ctrl_c_stops_every_process_it_started(tmp_path: Path, redis_url: str) -> None:
+    argv = _kvroute(
+        "cluster", "--quick", "--redis", redis_url, "--no-plot", "--no-progress",
+        "--log-dir", str(tmp_path / "logs"),
+    )  # fmt: skip
     proc = subprocess.Popen(
-        _kvroute(
-            "cluster", "--quick", "--redis", redis_url, "--no-plot", "--no-progress",
-            "--log-dir", str(tmp_path / "logs"),
-        ),  # fmt: skip
+        argv,
         cwd=tmp_path,
         env=_env(),
         stdout=subprocess.DEVNULL,
