@@ -5,10 +5,17 @@ the prefix it already caches, CPU-tier blocks saving only a fraction of theirs) 
 work already waiting on it (queued prefill tokens, decode tokens in flight, a fixed cost
 per in-flight request), each with a weight. Lower is better. There is no threshold at
 which the cache stops counting: a cached prefix is always worth exactly the tokens it
-saves, and load always costs what it delays. That also settles the shared-system-prompt
-case: a prefix every worker caches lowers every score by the same amount and cannot
-attract traffic; a prefix only one worker caches attracts requests only until that
-worker's extra queue outweighs the tokens it saves.
+saves, and load always costs what it delays.
+
+Computed tokens weigh more than queued ones (``prefill`` > ``queued_prefill``): a prefix
+computed a second time costs the cluster that work again and the cache room of a copy, so
+a family of requests should stay where its prefix is. Except for a prefix that several
+workers already hold (``replicated_holders``): that is a shared prefix such as a system
+prompt, whose copies are meant to spread, so a worker lacking it pays only the
+``replicated_prefill`` weight to compute it. That settles the shared-system-prompt case:
+a prefix every worker caches lowers every score by the same amount and attracts nothing;
+a prefix a few workers cache costs the others little to acquire, so affinity to it never
+piles the traffic on the few.
 
 Everything here is pure: no clock, no I/O; randomness comes from the caller's generator.
 """
@@ -23,7 +30,14 @@ from dataclasses import dataclass
 from router.errors import RouterError
 from router.load import WorkerLoad
 
-__all__ = ["CostBreakdown", "CostConfigError", "CostWeights", "choose", "score_candidate"]
+__all__ = [
+    "CostBreakdown",
+    "CostConfigError",
+    "CostWeights",
+    "choose",
+    "replicated_blocks",
+    "score_candidate",
+]
 
 
 class CostConfigError(RouterError, ValueError):
@@ -45,6 +59,10 @@ class CostWeights:
             trace, with max/mean load <= 1.16 and the same TTFT within 5 %; at 3x speed
             (overload) 8 also cuts TTFT p50 from 39.5 s (weight 1) to 23.6 s.
         queued_prefill: Per prompt token already queued on the candidate.
+        replicated_prefill: Per prompt token the candidate would compute that at least
+            ``replicated_holders`` other candidates already cache (instead of ``prefill``).
+        replicated_holders: How many other holders make a prefix block "replicated"
+            (shared by design); at least 1.
         decode: Per output token still to be generated on the candidate (decode shares
             the accelerator with prefill, so it delays this request too).
         per_request: Fixed cost per request in flight on the candidate (scheduling and
@@ -59,16 +77,21 @@ class CostWeights:
 
     prefill: float = 8.0
     queued_prefill: float = 1.0
+    replicated_prefill: float = 1.0
+    replicated_holders: int = 2
     decode: float = 1.0
     per_request: float = 256.0
     cpu_hit: float = 0.5
     temperature: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("prefill", "queued_prefill", "decode", "per_request", "temperature"):
+        names = ("prefill", "queued_prefill", "replicated_prefill", "decode", "per_request")
+        for name in (*names, "temperature"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise CostConfigError(f"cost weight {name} must be finite and >= 0, got {value}")
+        if self.replicated_holders < 1:
+            raise CostConfigError(f"replicated_holders must be >= 1, got {self.replicated_holders}")
         if not 0.0 <= self.cpu_hit <= 1.0:
             raise CostConfigError(f"cost weight cpu_hit must be in [0, 1], got {self.cpu_hit}")
 
@@ -81,6 +104,8 @@ class CostBreakdown:
         cached_tokens: Prompt tokens counted as cached (CPU tier already weighted), at
             most ``prompt - 1`` since an engine always computes the last prompt token.
         prefill_tokens: Prompt tokens the candidate would compute for this request.
+        replicated_tokens: Those of them that other candidates already cache widely
+            (charged at ``replicated_prefill``).
         queued_prefill_tokens: Prefill already queued on the candidate.
         decode_tokens: Decode tokens in flight on the candidate.
         num_requests: Requests in flight on the candidate.
@@ -89,6 +114,7 @@ class CostBreakdown:
 
     cached_tokens: float
     prefill_tokens: float
+    replicated_tokens: float
     queued_prefill_tokens: int
     decode_tokens: int
     num_requests: int
@@ -96,7 +122,11 @@ class CostBreakdown:
 
 
 def score_candidate(
-    num_prompt_tokens: int, cached_tokens: float, load: WorkerLoad, weights: CostWeights
+    num_prompt_tokens: int,
+    cached_tokens: float,
+    load: WorkerLoad,
+    weights: CostWeights,
+    replicated_tokens: float = 0.0,
 ) -> CostBreakdown:
     """Score sending a request to one candidate.
 
@@ -106,14 +136,19 @@ def score_candidate(
             ``PrefixMatch.weighted_tokens(block_size, weights.cpu_hit)``).
         load: The candidate's outstanding work.
         weights: The cost weights.
+        replicated_tokens: Tokens of the prompt beyond the candidate's cached prefix that
+            at least ``weights.replicated_holders`` other candidates cache (see
+            :func:`replicated_blocks`).
 
     Returns:
         The score and its terms.
     """
     cached = min(max(cached_tokens, 0.0), float(max(num_prompt_tokens - 1, 0)))
     prefill = num_prompt_tokens - cached
+    replicated = min(max(replicated_tokens, 0.0), prefill)
     score = (
-        weights.prefill * prefill
+        weights.prefill * (prefill - replicated)
+        + weights.replicated_prefill * replicated
         + weights.queued_prefill * load.queued_prefill_tokens
         + weights.decode * load.decode_tokens
         + weights.per_request * load.num_requests
@@ -121,11 +156,30 @@ def score_candidate(
     return CostBreakdown(
         cached_tokens=cached,
         prefill_tokens=prefill,
+        replicated_tokens=replicated,
         queued_prefill_tokens=load.queued_prefill_tokens,
         decode_tokens=load.decode_tokens,
         num_requests=load.num_requests,
         score=score,
     )
+
+
+def replicated_blocks(prefix_blocks: Sequence[int], holders: int) -> list[int]:
+    """Per candidate, the blocks beyond its own prefix that ``holders`` others hold.
+
+    Block ``i`` counts for candidate ``c`` when ``c`` lacks it and at least ``holders``
+    other candidates' prefixes reach past it, i.e. ``i`` is below the ``holders``-th
+    longest prefix (a candidate among the ``holders`` longest gets 0).
+
+    Args:
+        prefix_blocks: Each candidate's cached prefix length in blocks.
+        holders: The replication threshold (``CostWeights.replicated_holders``).
+    """
+    ranked = sorted(prefix_blocks, reverse=True)
+    if len(ranked) < holders:
+        return [0] * len(prefix_blocks)
+    line = ranked[holders - 1]
+    return [max(0, line - n) for n in prefix_blocks]
 
 
 def choose(

@@ -21,7 +21,7 @@ from typing import Final, Protocol
 import xxhash
 
 from events.hashing import BlockKey
-from router.cost import CostConfigError, CostWeights, choose, score_candidate
+from router.cost import CostConfigError, CostWeights, choose, replicated_blocks, score_candidate
 from router.index.base import PrefixMatch, WorkerId
 from router.load import WorkerLoad
 
@@ -256,12 +256,19 @@ class CostPolicy:
         """Choose the candidate with the lowest cost (or sample near-best ones)."""
         weights = self._weights
         bs = request.block_size
+        if self.uses_index:
+            blocks = [max(c.match.num_blocks, c.num_predicted_blocks) for c in candidates]
+        else:
+            blocks = [c.num_predicted_blocks for c in candidates]
+        shared = replicated_blocks(blocks, weights.replicated_holders)
         breakdowns = []
-        for c in candidates:
+        for c, num_shared in zip(candidates, shared, strict=True):
             cached = float(c.num_predicted_blocks * bs)
             if self.uses_index:
                 cached = max(cached, c.match.weighted_tokens(bs, weights.cpu_hit))
-            breakdowns.append(score_candidate(request.num_prompt_tokens, cached, c.load, weights))
+            breakdowns.append(
+                score_candidate(request.num_prompt_tokens, cached, c.load, weights, num_shared * bs)
+            )
         scores = [b.score for b in breakdowns]
         index = choose(
             scores,

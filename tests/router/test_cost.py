@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.cost import CostConfigError, CostWeights, choose, score_candidate
+from router.cost import CostConfigError, CostWeights, choose, replicated_blocks, score_candidate
 from router.load import WorkerLoad
 
 PLAIN = CostWeights(prefill=1.0, queued_prefill=1.0, decode=2.0, per_request=100.0)
@@ -89,3 +89,23 @@ def test_choose_with_temperature_samples_near_best_only() -> None:
         counts[choose([0.0, 1000.0, 0.0], temperature=0.1, scale=1000.0, rng=rng)] += 1
     assert counts[1] <= 2
     assert 900 <= counts[0] <= 1100 and 900 <= counts[2] <= 1100
+
+
+def test_replicated_blocks_are_those_below_the_kth_longest_other_prefix() -> None:
+    assert replicated_blocks([5, 3, 0, 1], holders=2) == [0, 0, 3, 2]
+    assert replicated_blocks([5, 3, 0, 1], holders=1) == [0, 2, 5, 4]
+    assert replicated_blocks([5, 3], holders=3) == [0, 0]
+    assert replicated_blocks([], holders=2) == []
+
+
+def test_a_widely_held_prefix_costs_only_the_replicated_weight_to_acquire() -> None:
+    weights = CostWeights(prefill=8.0, replicated_prefill=1.0, per_request=0.0, decode=0.0)
+    plain = score_candidate(2048, 0.0, WorkerLoad(), weights)
+    shared = score_candidate(2048, 0.0, WorkerLoad(), weights, replicated_tokens=1024.0)
+    assert (plain.score, shared.score) == (8.0 * 2048, 8.0 * 1024 + 1.0 * 1024)
+    assert shared.replicated_tokens == 1024.0
+    # Never more than what the candidate computes.
+    capped = score_candidate(2048, 1536.0, WorkerLoad(), weights, replicated_tokens=1024.0)
+    assert capped.replicated_tokens == 512.0
+    with pytest.raises(CostConfigError, match="replicated_holders"):
+        CostWeights(replicated_holders=0)

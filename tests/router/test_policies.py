@@ -238,3 +238,19 @@ def test_memory_load_tracker_follows_a_request_and_never_goes_negative() -> None
         assert (await tracker.snapshot([W[0]]))[W[0]] == WorkerLoad()
 
     asyncio.run(scenario())
+
+
+def test_a_prefix_two_workers_hold_is_cheap_for_a_third_to_acquire() -> None:
+    policy = make_policy("cache_aware")
+    req = request(list(range(64)))  # 4 blocks; the first 3 are a shared prefix
+    busy = {W[0]: WorkerLoad(1, 0, 0), W[1]: WorkerLoad(1, 0, 0)}
+    held = PrefixMatch(3, 3, 0)
+    # One holder: computing the prefix elsewhere costs 8 per token, so w0 keeps it
+    # (8 x 16 + 256 for its request in flight, against 8 x 64).
+    one = policy.decide(req, build_candidates(W[:3], busy, {W[0]: held}))
+    assert one.worker_id == W[0]
+    assert [c.score for c in one.candidates] == [8 * 16 + 256, 256 + 8 * 64, 8 * 64]
+    # Two holders: it is replicated, the idle w2 pays 1 per token to acquire it.
+    two = policy.decide(req, build_candidates(W[:3], busy, {W[0]: held, W[1]: held}))
+    assert two.worker_id == W[2]
+    assert [c.score for c in two.candidates] == [8 * 16 + 256, 8 * 16 + 256, 8 * 16 + 48]

@@ -15,6 +15,7 @@ from router.cli import main as kvroute
 from router.policies import make_policy
 from router.sim.cli import pool_cache_factory, run_policies
 from router.sim.engine import RequestOutcome, SimConfig, simulate
+from router.sim.report import summarize
 from router.sim.trace import SimError, SimRequest, ideal_hits, load_trace, to_requests
 from router.workload import DEFAULT_TRACE_PATH, TraceRecord
 
@@ -120,6 +121,19 @@ def test_cache_aware_keeps_a_burst_of_siblings_together_through_predicted_entrie
     spread = run(reqs, "round_robin", num_workers=4, prefill_tokens_per_s=640.0)
     assert [o.worker for o in spread] == [0, 1, 2, 3, 0]
     assert [o.hit_tokens for o in spread] == [0, 0, 0, 0, 8 * 512]
+
+
+def test_a_one_block_system_prompt_every_request_shares_spreads_over_all_workers() -> None:
+    # 200 requests, 50 ms apart, all starting with block 0 then two blocks of their own.
+    # Each worker computes block 0 once (3 misses beyond the ideal's 1): once two workers
+    # hold it, it counts as replicated and costs the others little to acquire, so the
+    # load spreads instead of piling on the first worker that cached it.
+    reqs = to_requests([rec(i * 50, [0, 1000 + 2 * i, 1001 + 2 * i]) for i in range(200)])
+    outcomes = run(reqs, "cache_aware", num_workers=4)
+    result = summarize("cache_aware", reqs, outcomes, ideal_hits(reqs), 4, 0.0, 0.0)
+    assert result.requests_per_worker == (51, 50, 50, 49)
+    assert (result.num_hit_blocks, result.ideal.num_hit_blocks) == (196, 199)
+    assert result.load_imbalance <= 1.25
 
 
 def test_policies_on_a_slice_of_the_mooncake_trace() -> None:
