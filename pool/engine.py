@@ -297,6 +297,11 @@ class Engine:
             num_steps=self._num_steps,
             num_batches_published=self._num_batches - self._num_dropped,
             num_batches_dropped=self._num_dropped,
+            queued_prefill_tokens=scheduler.queued_prefill_tokens,
+            decode_tokens=sum(
+                seq.params.max_tokens - len(seq.request.output_token_ids)
+                for seq in (*scheduler.running, *scheduler.waiting)
+            ),
         )
 
     def snapshot(self) -> Snapshot:

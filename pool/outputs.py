@@ -57,6 +57,8 @@ class EngineStats:
         num_steps: Steps run so far.
         num_batches_published: Event batches the sink accepted.
         num_batches_dropped: Event batches the sink dropped.
+        queued_prefill_tokens: Tokens the waiting requests would compute if admitted now.
+        decode_tokens: Tokens still to generate by running and waiting requests, at most.
     """
 
     num_running: int
@@ -70,6 +72,8 @@ class EngineStats:
     num_steps: int
     num_batches_published: int
     num_batches_dropped: int
+    queued_prefill_tokens: int
+    decode_tokens: int
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,11 @@ class Scheduler(Generic[S]):
         """Whether any request is running or waiting."""
         return bool(self.running or self.waiting)
 
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Tokens the waiting requests would compute if admitted now (their cache misses)."""
+        return sum(self._uncached_tokens(entry.request) for entry in self.waiting)
+
     def add(self, entry: S) -> None:
         """Queue a new request."""
         self.waiting.append(entry)
@@ -145,6 +150,16 @@ class Scheduler(Generic[S]):
                 self.waiting.remove(entry)
                 return entry
         return None
+
+    def _uncached_tokens(self, request: Request) -> int:
+        # The longest hit of get_computed_blocks, read without touching the pool or stats.
+        size = self.kv.block_size
+        num_hit = 0
+        for block_hash in request.block_hashes[: (request.num_tokens - 1) // size]:
+            if self.kv.block_pool.get_cached_block(block_hash) is None:
+                break
+            num_hit += size
+        return request.num_tokens - num_hit
 
     def _preempt(self, entry: S) -> None:
         self.kv.free(entry.request)

@@ -11,7 +11,8 @@ Endpoints:
   per generated token (``choices[0].text`` the new text, ``token_ids`` the new ids), the
   last chunk with ``finish_reason`` and ``usage``, then ``data: [DONE]``.
 * ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "running", "waiting",
-  "free_blocks", "total_blocks", "usage"}``; 503 while draining, and 503 ``{"status":
+  "free_blocks", "total_blocks", "usage", "queued_prefill_tokens", "decode_tokens"}``
+  (the load figures the router's cost model reads); 503 while draining, and 503 ``{"status":
   "stopped"}`` once the engine loop has exited.
 * ``GET /metrics``: Prometheus text, from the worker's own ``CollectorRegistry``.
 * ``POST /v1/reset_prefix_cache``: ``{"success": true}`` (an ``AllBlocksCleared`` event
@@ -99,6 +100,16 @@ class _EngineCollector(Collector):
             _gauge("kvroute_worker_requests_waiting", "Requests waiting.", s.num_waiting),
             _gauge("kvroute_worker_free_blocks", "Free KV blocks.", s.num_free_blocks),
             _gauge("kvroute_worker_kv_cache_usage", "Fraction of KV blocks in use.", s.usage),
+            _gauge(
+                "kvroute_worker_queued_prefill_tokens",
+                "Tokens waiting requests would compute if admitted now.",
+                s.queued_prefill_tokens,
+            ),
+            _gauge(
+                "kvroute_worker_decode_tokens",
+                "Tokens still to generate by running and waiting requests, at most.",
+                s.decode_tokens,
+            ),
             _counter(
                 "kvroute_worker_prefix_query_tokens",
                 "Prompt tokens looked up in the prefix cache.",
@@ -305,6 +316,8 @@ class WorkerHTTP:
             "free_blocks": stats.num_free_blocks,
             "total_blocks": stats.num_usable_blocks,
             "usage": stats.usage,
+            "queued_prefill_tokens": stats.queued_prefill_tokens,
+            "decode_tokens": stats.decode_tokens,
         }
         return web.json_response(body, status=200 if accepting else 503)
 

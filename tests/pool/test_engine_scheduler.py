@@ -71,6 +71,18 @@ def test_the_newest_request_preempts_itself_when_it_cannot_grow() -> None:
     assert (_ids(step), b.num_scheduled_tokens) == (["b"], 1)  # block 0 is a hit
 
 
+def test_queued_prefill_counts_the_cache_misses_of_waiting_requests() -> None:
+    scheduler = _scheduler(num_blocks=5)  # 4 usable blocks
+    a = _entry(scheduler, "a", 5)
+    _finish_step(scheduler.schedule())
+    scheduler.finish(a)  # its 2 full blocks (tokens 0-3) stay cached in the free queue
+    shared = Scheduled(scheduler.kv.make_request("s", [*range(4), 50, 51, 52]))
+    other = Scheduled(scheduler.kv.make_request("o", [60, 61, 62]))
+    scheduler.add(shared)
+    scheduler.add(other)
+    assert scheduler.queued_prefill_tokens == (7 - 4) + 3
+
+
 def test_the_token_budget_caps_admission_but_a_long_prompt_runs_alone() -> None:
     scheduler = _scheduler(num_blocks=40, budget=4)
     _entry(scheduler, "a", 3)

@@ -329,6 +329,8 @@ def test_health_reports_load(worker: RunningWorker) -> None:
         "free_blocks": 19,
         "total_blocks": 19,
         "usage": 0.0,
+        "queued_prefill_tokens": 0,
+        "decode_tokens": 0,
     }
 
 
