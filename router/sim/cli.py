@@ -183,6 +183,19 @@ def _parser() -> argparse.ArgumentParser:
         help="cost per queued prefill token of a worker (default %(default)s)",
     )
     parser.add_argument(
+        "--w-replicated-prefill",
+        type=float,
+        default=w.replicated_prefill,
+        help="cost per prompt token a worker would compute that --replicated-holders "
+        "other workers already cache, e.g. a shared system prompt (default %(default)s)",
+    )
+    parser.add_argument(
+        "--replicated-holders",
+        type=int,
+        default=w.replicated_holders,
+        help="how many other holders make a prefix block replicated (default %(default)s)",
+    )
+    parser.add_argument(
         "--w-decode",
         type=float,
         default=w.decode,
@@ -238,6 +251,8 @@ def main(argv: list[str]) -> int:
         weights = CostWeights(
             prefill=args.w_prefill,
             queued_prefill=args.w_queued_prefill,
+            replicated_prefill=args.w_replicated_prefill,
+            replicated_holders=args.replicated_holders,
             decode=args.w_decode,
             per_request=args.w_request,
             temperature=args.temperature,
