@@ -1,17 +1,28 @@
 """CURVE-authenticated event streams, on by configuration, end to end across processes.
 
-Keys come from ``kvroute keys``; the publisher is configured from those key files with an
-allow-list; three ``kvroute record`` processes subscribe: one with an allowed client key
+Keys come from ``kvroute keys``; the publisher (a library publisher configured from the
+key files, and a ``kvroute worker`` given ``--curve-secret-key`` / ``--curve-allow``) has
+an allow-list; ``kvroute record`` processes subscribe: one with an allowed client key
 (it records every batch), one with a key the worker does not allow and one without CURVE
 (both record nothing, and the first logs the failed handshake).
+
+The router's ingest has no CURVE settings yet (``--worker`` specs carry no server key),
+so the path into the index is not covered here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+
+import aiohttp
+import pytest
 
 from events.cli_keys import main as keys_main
 from events.curve import CurveKeyPair, CurveServerConfig, load_public_key
@@ -19,7 +30,8 @@ from events.endpoints import Endpoint
 from events.publisher import EventPublisher, PublisherConfig
 from events.recorder import LogRecord, read_log
 from events.schema import BlockStored, KVEventBatch
-from router.cluster import ProcessGroup
+from router.cluster import ProcessGroup, wait_healthy
+from router.redis_server import free_port
 
 TIMEOUT_S = 60.0
 NUM_BATCHES = 20
@@ -44,6 +56,12 @@ def batch(n: int) -> KVEventBatch:
 
 def records(path: Path) -> list[LogRecord]:
     return list(read_log(path)) if path.exists() and path.stat().st_size > 0 else []
+
+
+def record_argv(args: list[str], log: Path) -> list[str]:
+    """``kvroute record ARGS`` writing to ``log``, flushed often."""
+    out = ["--out", str(log), "--flush-interval-s", "0.05"]
+    return [sys.executable, "-m", "router", "record", *args, *out]
 
 
 def wait_until(condition: Callable[[], bool], poke: Callable[[], object], what: str) -> None:
@@ -80,12 +98,7 @@ def test_only_the_allowed_subscriber_receives_events(tmp_path: Path) -> None:
     }
     try:
         with ProcessGroup(tmp_path / "procs") as group:
-
-            def record(name: str) -> list[str]:
-                out = ["--out", str(logs[name]), "--flush-interval-s", "0.05"]
-                return [sys.executable, "-m", "router", "record", *argv[name], *out]
-
-            procs = {name: group.start(name, record(name)) for name in argv}
+            procs = {name: group.start(name, record_argv(argv[name], logs[name])) for name in argv}
 
             def probe() -> None:
                 group.check_alive()
@@ -120,3 +133,79 @@ def test_only_the_allowed_subscriber_receives_events(tmp_path: Path) -> None:
     assert [r.decode() for r in allowed] == [batch(seq) for seq in range(first, last + 1)]
     assert records(logs["intruder"]) == []
     assert records(logs["plain"]) == []
+
+
+def test_worker_cli_curve_flags_end_to_end(tmp_path: Path) -> None:
+    """``kvroute worker --curve-secret-key --curve-allow`` to ``kvroute record`` processes."""
+    pytest.importorskip("torch")
+    keys = tmp_path / "keys"
+    for name in ("worker", "recorder", "intruder"):
+        assert keys_main(["--out", str(keys), "--name", name]) == 0
+    http, events, replay = free_port(), free_port(), free_port()
+    url = f"http://127.0.0.1:{http}"
+    spec = f"w=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replay}"
+    secured = f"{spec},server_key={keys / 'worker.key'}"
+    logs = {name: tmp_path / f"{name}.kvlog" for name in ("allowed", "intruder")}
+    argv = {
+        "allowed": ["--client-key", str(keys / "recorder.key_secret"), "--worker", secured],
+        "intruder": ["--client-key", str(keys / "intruder.key_secret"), "--worker", secured],
+    }
+    prompts = (f"{n:04d} curve probe" for n in itertools.count())  # block 0 differs
+
+    def complete() -> None:
+        body = json.dumps({"prompt": next(prompts), "max_tokens": 1}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body, method="POST")
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            assert response.status == 200
+
+    def next_seq() -> int:
+        with urllib.request.urlopen(f"{url}/v1/snapshot", timeout=TIMEOUT_S) as response:
+            return int(json.loads(response.read())["next_seq"])
+
+    with ProcessGroup(tmp_path / "procs") as group:
+        group.start(
+            "worker",
+            [sys.executable, "-m", "router", "worker", "--port", str(http),
+             "--events", f"tcp://127.0.0.1:{events}", "--replay", f"tcp://127.0.0.1:{replay}",
+             "--curve-secret-key", str(keys / "worker.key_secret"),
+             "--curve-allow", str(keys / "recorder.key"),
+             "--num-blocks", "64", "--block-size", "4",
+             "--num-layers", "1", "--hidden-size", "16", "--num-heads", "2"],
+        )  # fmt: skip
+
+        async def ready() -> None:
+            async with aiohttp.ClientSession() as session:
+                await wait_healthy(session, url, group, time.monotonic() + 120)
+
+        asyncio.run(ready())
+        procs = {name: group.start(name, record_argv(argv[name], logs[name])) for name in argv}
+
+        def probe() -> None:
+            group.check_alive()
+            complete()
+
+        wait_until(lambda: bool(records(logs["allowed"])), probe, "the allowed recorder")
+        wait_until(
+            lambda: "handshake with" in group.log_tail("intruder", 100_000),
+            probe,
+            "the intruder's failed handshake",
+        )
+        for _ in range(5):
+            complete()
+        last = next_seq() - 1
+        wait_until(
+            lambda: records(logs["allowed"])[-1].seq == last,
+            lambda: None,
+            "every batch at the allowed recorder",
+        )
+        for proc in procs.values():
+            proc.terminate()
+        assert {name: proc.wait(TIMEOUT_S) for name, proc in procs.items()} == {
+            "allowed": 0,
+            "intruder": 0,
+        }
+    allowed = records(logs["allowed"])
+    first = allowed[0].seq
+    assert first is not None
+    assert [r.seq for r in allowed] == list(range(first, last + 1))
+    assert records(logs["intruder"]) == []
