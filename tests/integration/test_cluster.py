@@ -117,3 +117,19 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_a_worker_that_cannot_start_is_reported_with_its_log(
+    tmp_path: Path, redis_url: str
+) -> None:
+    argv = _kvroute(
+        "cluster", "--quick", "--redis", redis_url, "--no-plot", "--no-progress",
+        "--log-dir", str(tmp_path / "logs"), "--worker-arg=--no-such-flag",
+    )  # fmt: skip
+    proc = subprocess.run(
+        argv, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 1
+    assert "exited with code 2; last lines of its log" in proc.stderr
+    assert "unrecognized arguments: --no-such-flag" in proc.stderr
+    assert str(tmp_path / "logs") in proc.stderr
