@@ -22,7 +22,7 @@ pytest.importorskip("atheris")
 
 HARNESS = Path(__file__).with_name("atheris_events.py")
 REPO = Path(__file__).resolve().parents[2]
-NUM_RUNS = 40_000
+NUM_RUNS = 20_000
 
 
 def seed_corpus(directory: Path) -> None:

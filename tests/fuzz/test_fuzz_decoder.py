@@ -41,7 +41,7 @@ from router.index.memory import MemoryPrefixIndex
 
 REASONS = frozenset({"msgpack", "unknown_tag", "bad_field", "bad_batch", "bad_event", "too_large"})
 FUZZ = settings(
-    max_examples=300,
+    max_examples=150,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
@@ -325,7 +325,7 @@ def fold_stream(payloads: list[bytes]) -> None:
 small_hash_payloads = st.builds(encode_batch, batches(small_hashes))
 
 
-@settings(FUZZ, max_examples=150)
+@settings(FUZZ, max_examples=100)
 @given(st.lists(st.one_of(small_hash_payloads, any_payload), max_size=12))
 def test_fuzzed_streams_never_corrupt_the_index(payloads: list[bytes]) -> None:
     fold_stream(payloads)
