@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from router.cluster import ClusterConfig, run_cluster
-from router.cluster_cli import format_report
+from router.cluster_report import format_report
 from router.workload import Workload, chat_workload, mooncake_workload
 
 

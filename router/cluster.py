@@ -35,6 +35,7 @@ from typing import Any, Final
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.cluster_report import ClusterReport, PolicyRun, RequestResult, WorkerStats
 from router.errors import RouterError
 from router.redis_server import RedisServer, free_port
 from router.workload import Workload, WorkloadRequest, ideal_hit_tokens
@@ -42,11 +43,7 @@ from router.workload import Workload, WorkloadRequest, ideal_hit_tokens
 __all__ = [
     "ClusterConfig",
     "ClusterError",
-    "ClusterReport",
-    "PolicyRun",
     "ProcessGroup",
-    "RequestResult",
-    "WorkerStats",
     "run_cluster",
     "wait_healthy",
 ]
@@ -96,188 +93,6 @@ class ClusterConfig:
                 "need at least one worker, one request in flight and one policy, got "
                 f"{self.num_workers}, {self.concurrency}, {self.policies}"
             )
-
-
-@dataclass(frozen=True, slots=True)
-class RequestResult:
-    """What one request measured.
-
-    Attributes:
-        prompt_tokens: Prompt length.
-        cached_tokens: Prompt tokens the worker served from its prefix cache.
-        output_tokens: Tokens generated.
-        ttft_s: Seconds from sending to the first generated token.
-        latency_s: Seconds from sending to the end of the response.
-        error: Why it failed; ``None`` when it succeeded.
-    """
-
-    prompt_tokens: int
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        """True when the request succeeded."""
-        return self.error is None
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The nearest-rank ``q``-th percentile (0-100) of ``values``; 0 when empty."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))  # ceil without floats drifting
-    return ordered[min(len(ordered), int(rank)) - 1]
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerStats:
-    """What one worker served during a run, from its own ``/metrics``.
-
-    Attributes:
-        worker_id: The worker.
-        num_requests: Completions it finished.
-        prompt_tokens: Prompt tokens it was sent.
-        cached_tokens: Prompt tokens it found in its prefix cache.
-    """
-
-    worker_id: str
-    num_requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-
-    @property
-    def computed_tokens(self) -> int:
-        """Prompt tokens it had to compute (its prefill load)."""
-        return self.prompt_tokens - self.cached_tokens
-
-
-def _imbalance(values: Sequence[int]) -> float:
-    mean = sum(values) / len(values) if values else 0.0
-    return max(values) / mean if mean else 0.0
-
-
-@dataclass(frozen=True)
-class PolicyRun:
-    """The workload's results under one policy.
-
-    Attributes:
-        policy: The routing policy.
-        workers: What each worker served.
-        results: One per request, in workload order.
-        wall_s: Seconds from the first request sent to the last answer.
-    """
-
-    policy: str
-    workers: tuple[WorkerStats, ...]
-    results: tuple[RequestResult, ...]
-    wall_s: float
-
-    @property
-    def num_failed(self) -> int:
-        """Requests that failed."""
-        return sum(not r.ok for r in self.results)
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Prompt tokens of the successful requests."""
-        return sum(r.prompt_tokens for r in self.results if r.ok)
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens served from a prefix cache."""
-        return sum(r.cached_tokens for r in self.results if r.ok)
-
-    @property
-    def hit_rate(self) -> float:
-        """Cached over prompt tokens."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def ttft_p50_s(self) -> float:
-        """Median time to first token."""
-        return percentile([r.ttft_s for r in self.results if r.ok], 50)
-
-    @property
-    def ttft_p99_s(self) -> float:
-        """99th percentile time to first token."""
-        return percentile([r.ttft_s for r in self.results if r.ok], 99)
-
-    @property
-    def throughput_rps(self) -> float:
-        """Successful requests per second of wall time."""
-        ok = len(self.results) - self.num_failed
-        return ok / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def requests_per_worker(self) -> dict[str, int]:
-        """Requests each worker finished."""
-        return {w.worker_id: w.num_requests for w in self.workers}
-
-    @property
-    def load_imbalance(self) -> float:
-        """Most requests on one worker over the mean (1.0 is perfectly even)."""
-        return _imbalance([w.num_requests for w in self.workers])
-
-    @property
-    def prefill_imbalance(self) -> float:
-        """Most prompt tokens computed by one worker over the mean."""
-        return _imbalance([w.computed_tokens for w in self.workers])
-
-    def summary(self) -> dict[str, Any]:
-        """The figures of the report, JSON-ready."""
-        return {
-            "policy": self.policy,
-            "requests": len(self.results),
-            "failed": self.num_failed,
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "hit_rate": self.hit_rate,
-            "ttft_p50_s": self.ttft_p50_s,
-            "ttft_p99_s": self.ttft_p99_s,
-            "throughput_rps": self.throughput_rps,
-            "wall_s": self.wall_s,
-            "requests_per_worker": self.requests_per_worker,
-            "load_imbalance": self.load_imbalance,
-            "prefill_imbalance": self.prefill_imbalance,
-            "workers": {
-                w.worker_id: {
-                    "requests": w.num_requests,
-                    "prompt_tokens": w.prompt_tokens,
-                    "cached_tokens": w.cached_tokens,
-                }
-                for w in self.workers
-            },
-        }
-
-
-@dataclass(frozen=True)
-class ClusterReport:
-    """Every policy's run of one workload.
-
-    Attributes:
-        workload: Description of the workload.
-        num_requests: Requests in the workload.
-        ideal_hit_rate: Hit rate of one infinite cache over the workload (the bound).
-        runs: One per policy, in the order run.
-    """
-
-    workload: str
-    num_requests: int
-    ideal_hit_rate: float
-    runs: tuple[PolicyRun, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        """The report as one JSON object (``policies`` maps a name to its figures)."""
-        return {
-            "workload": self.workload,
-            "num_requests": self.num_requests,
-            "ideal_hit_rate": self.ideal_hit_rate,
-            "policies": {run.policy: run.summary() for run in self.runs},
-        }
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec

@@ -1,9 +1,8 @@
 """``kvroute cluster``: the main job, a local cluster driven by a real workload, and its report.
 
 It builds the workload, runs it through :func:`router.cluster.run_cluster` once per policy
-(``cache_aware`` then ``round_robin`` by default) with a progress bar, prints a table of
-prefix hit rate, cached tokens, TTFT, throughput and per-worker load with the ratio of
-each policy to the last one (the baseline), and writes a PNG plot and, if asked, JSON.
+(``cache_aware`` then ``round_robin`` by default) with a progress bar, prints the report of
+:mod:`router.cluster_report` and writes its PNG plot and, if asked, its JSON.
 """
 
 from __future__ import annotations
@@ -13,11 +12,11 @@ import json
 import logging
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from router.cluster import ClusterConfig, ClusterError, ClusterReport, PolicyRun, run_cluster
+from router.cluster import ClusterConfig, ClusterError, run_cluster
+from router.cluster_report import format_report, write_plot
 from router.redis_server import RedisServerError
 from router.workload import (
     DEFAULT_TRACE_PATH,
@@ -28,7 +27,7 @@ from router.workload import (
     mooncake_workload,
 )
 
-__all__ = ["build_parser", "format_report", "main", "write_plot"]
+__all__ = ["build_parser", "main"]
 
 _LOG: Final = logging.getLogger("kvroute.cluster")
 
@@ -172,101 +171,6 @@ def _workload(args: argparse.Namespace) -> Workload:
         max_output_tokens=args.max_tokens,
         seed=args.seed,
     )
-
-
-def _ratio(value: float, baseline: float) -> str:
-    return f"{value / baseline:.2f}x" if baseline else "-"
-
-
-_ROWS: Final[tuple[tuple[str, Callable[[PolicyRun], float], Callable[[float], str]], ...]] = (
-    ("prefix hit rate (tokens)", lambda r: r.hit_rate, lambda v: f"{100 * v:.1f} %"),
-    ("cached tokens", lambda r: r.cached_tokens, lambda v: f"{int(v):,}"),
-    ("TTFT p50", lambda r: r.ttft_p50_s, lambda v: f"{1000 * v:.0f} ms"),
-    ("TTFT p99", lambda r: r.ttft_p99_s, lambda v: f"{1000 * v:.0f} ms"),
-    ("throughput", lambda r: r.throughput_rps, lambda v: f"{v:.2f} req/s"),
-    ("wall time", lambda r: r.wall_s, lambda v: f"{v:.1f} s"),
-    ("load max/mean (requests)", lambda r: r.load_imbalance, lambda v: f"{v:.2f}"),
-    ("load max/mean (computed tokens)", lambda r: r.prefill_imbalance, lambda v: f"{v:.2f}"),
-    ("failed requests", lambda r: r.num_failed, lambda v: f"{int(v)}"),
-)
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
-    return [fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [
-        fmt.format(*row) for row in rows
-    ]
-
-
-def format_report(report: ClusterReport) -> str:
-    """The report as text: a figure table with ratios, then per-worker requests."""
-    runs = report.runs
-    baseline = runs[-1]
-    others = runs[:-1]
-    header = ["", *(r.policy for r in runs), *(f"{r.policy}/{baseline.policy}" for r in others)]
-    rows = [
-        [label, *(fmt(get(r)) for r in runs), *(_ratio(get(r), get(baseline)) for r in others)]
-        for label, get, fmt in _ROWS
-    ]
-    lines = [
-        f"workload: {report.workload}",
-        "infinite-cache hit rate of this workload (the bound): "
-        f"{100 * report.ideal_hit_rate:.1f} %",
-        "",
-        *_table(header, rows),
-        "",
-        "requests per worker:",
-    ]
-    workers = sorted({w for r in runs for w in r.requests_per_worker})
-    load_rows = [[w, *(str(r.requests_per_worker.get(w, 0)) for r in runs)] for w in workers]
-    lines += _table(["worker", *(r.policy for r in runs)], load_rows)
-    return "\n".join(lines)
-
-
-def write_plot(report: ClusterReport, path: Path) -> None:
-    """Hit rate per policy, TTFT distribution per policy, and requests per worker as a PNG.
-
-    Raises:
-        ImportError: matplotlib is not installed.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = report.runs
-    fig, (ax_hit, ax_ttft, ax_load) = plt.subplots(1, 3, figsize=(15, 4.5))
-    names = [r.policy for r in runs]
-    ax_hit.bar(names, [100 * r.hit_rate for r in runs], color="tab:blue")
-    ax_hit.axhline(
-        100 * report.ideal_hit_rate, color="gray", linestyle="--", label="infinite cache"
-    )
-    ax_hit.set_ylabel("prefix hit rate (% of prompt tokens)")
-    ax_hit.set_title("prefix cache hits")
-    ax_hit.legend(loc="lower center")
-    for run in runs:
-        ttfts = sorted(1000 * r.ttft_s for r in run.results if r.ok)
-        ax_ttft.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=run.policy)
-    ax_ttft.set_xlabel("TTFT (ms)")
-    ax_ttft.set_ylabel("fraction of requests")
-    ax_ttft.set_title("time to first token (CDF)")
-    ax_ttft.legend()
-    workers = sorted({w for r in runs for w in r.requests_per_worker})
-    width = 0.8 / len(runs)
-    for k, run in enumerate(runs):
-        xs = [i + k * width for i in range(len(workers))]
-        ax_load.bar(
-            xs, [run.requests_per_worker.get(w, 0) for w in workers], width, label=run.policy
-        )
-    ax_load.set_xticks([i + 0.4 - width / 2 for i in range(len(workers))], workers)
-    ax_load.set_ylabel("requests served")
-    ax_load.set_title("per-worker load")
-    ax_load.legend()
-    fig.suptitle(f"kvroute cluster: {report.workload}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _config(args: argparse.Namespace, log_dir: Path) -> ClusterConfig:

@@ -8,17 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from router.cluster import (
-    ClusterConfig,
-    ClusterError,
+from router.cluster import ClusterConfig, ClusterError, ProcessGroup
+from router.cluster_report import (
     ClusterReport,
     PolicyRun,
-    ProcessGroup,
     RequestResult,
     WorkerStats,
+    format_report,
     percentile,
+    write_plot,
 )
-from router.cluster_cli import format_report, write_plot
 
 
 def _run(policy: str, cached: list[int], served: list[tuple[int, int, int]]) -> PolicyRun:
