@@ -95,9 +95,24 @@ class ClusterConfig:
             )
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _death_signal_setter() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when its parent dies (Linux).
+
+    NOTE: ``prctl`` is looked up here, in the parent: the child, forked from a process that
+    may run other threads, only makes the one call (no ``dlopen`` that could deadlock).
+    """
+    if sys.platform != "linux":
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    signum = int(signal.SIGKILL)
+
+    def set_death_signal() -> None:  # pragma: no cover - runs in the child before exec
+        prctl(_PR_SET_PDEATHSIG, signum)
+
+    return set_death_signal
 
 
 class ProcessGroup:
@@ -112,6 +127,7 @@ class ProcessGroup:
         self.log_dir = log_dir
         self._stop_timeout_s = stop_timeout_s
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._preexec = _death_signal_setter()
 
     def start(self, name: str, argv: Sequence[str]) -> subprocess.Popen[bytes]:
         """Start ``argv`` as process ``name`` (its own session, so Ctrl-C reaches us only).
@@ -133,7 +149,7 @@ class ProcessGroup:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=self._preexec,
             )
         self._procs[name] = proc
         _LOG.debug("started %s (pid %d): %s", name, proc.pid, " ".join(argv))

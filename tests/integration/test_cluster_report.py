@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,39 @@ def test_process_group_stops_everything_and_reports_deaths(tmp_path: Path) -> No
     # A stopped process is really gone (no zombie left to signal).
     with pytest.raises(ProcessLookupError):
         os.kill(b.pid, 0)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux-only")
+def test_children_die_when_the_parent_is_killed(tmp_path: Path) -> None:
+    parent_code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from router.cluster import ProcessGroup\n"
+        f"group = ProcessGroup(Path({str(tmp_path)!r}))\n"
+        "child = group.start('child', [sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+    )
+    assert parent.stdout is not None
+    child_pid = int(parent.stdout.readline())
+    parent.kill()  # SIGKILL: no cleanup code runs in the parent
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while _alive(child_pid):
+        assert time.monotonic() < deadline, f"child {child_pid} outlived its killed parent"
+        time.sleep(0.05)  # polling /proc for a process we do not own any more
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
