@@ -27,7 +27,7 @@ from router.workload import (
     mooncake_workload,
 )
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "build_workload", "main"]
 
 _LOG: Final = logging.getLogger("kvroute.cluster")
 
@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trace",
         type=Path,
-        default=DEFAULT_TRACE_PATH,
-        help=f"Mooncake-format JSONL trace (default: {DEFAULT_TRACE_PATH})",
+        help=f"Mooncake-format JSONL trace (default: {DEFAULT_TRACE_PATH}; when that file "
+        "is absent, the chat workload is used instead, with a warning)",
     )
     p.add_argument(
         "--requests", type=int, help="requests taken from the trace (default 300; --quick: 40)"
@@ -155,8 +155,21 @@ def _size(args: argparse.Namespace, name: str) -> int:
     return quick if args.quick else default
 
 
-def _workload(args: argparse.Namespace) -> Workload:
-    if args.workload == "chat":
+def build_workload(args: argparse.Namespace, default_trace: Path = DEFAULT_TRACE_PATH) -> Workload:
+    """The workload the flags describe.
+
+    Without ``--trace``, the Mooncake workload reads ``default_trace``; if that file is
+    missing (a checkout without ``../shared/data``), the chat workload runs instead, so
+    ``kvroute cluster`` still needs no arguments.
+
+    Raises:
+        WorkloadError: A given trace cannot be read, or a size is out of range.
+    """
+    use_chat = args.workload == "chat"
+    if not use_chat and args.trace is None and not default_trace.exists():
+        _LOG.warning("no trace at %s: running the built-in chat workload instead", default_trace)
+        use_chat = True
+    if use_chat:
         return chat_workload(
             num_sessions=_size(args, "sessions"),
             num_turns=_size(args, "turns"),
@@ -164,7 +177,7 @@ def _workload(args: argparse.Namespace) -> Workload:
             seed=args.seed,
         )
     return mooncake_workload(
-        args.trace,
+        args.trace or default_trace,
         num_requests=_size(args, "requests"),
         num_families=_size(args, "families"),
         block_scale=args.block_scale,
@@ -198,7 +211,7 @@ def main(argv: list[str]) -> int:
     )
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-cluster-"))
     try:
-        workload = _workload(args)
+        workload = build_workload(args)
         config = _config(args, log_dir)
     except (WorkloadError, ClusterError) as exc:
         _LOG.error("%s", exc)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from router.cluster import ClusterConfig, ClusterError, ProcessGroup
+from router.cluster_cli import build_parser, build_workload
 from router.cluster_report import (
     ClusterReport,
     PolicyRun,
@@ -20,6 +21,7 @@ from router.cluster_report import (
     percentile,
     write_plot,
 )
+from router.workload import WorkloadError
 
 
 def _run(policy: str, cached: list[int], served: list[tuple[int, int, int]]) -> PolicyRun:
@@ -146,3 +148,17 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_workload_flags_and_the_missing_trace_fallback(tmp_path: Path) -> None:
+    parser = build_parser()
+    quick = build_workload(parser.parse_args(["--quick"]))
+    assert quick.name == "mooncake"
+    assert len(quick.requests) == 40
+    chat = build_workload(parser.parse_args(["--workload", "chat", "--sessions", "5"]))
+    assert (chat.name, len(chat.requests)) == ("chat", 5 * 4)
+    missing = tmp_path / "absent.jsonl"
+    fallback = build_workload(parser.parse_args(["--quick"]), default_trace=missing)
+    assert (fallback.name, len(fallback.requests)) == ("chat", 6 * 3)
+    with pytest.raises(WorkloadError, match=r"absent\.jsonl"):
+        build_workload(parser.parse_args(["--trace", str(missing)]), default_trace=missing)
