@@ -133,12 +133,16 @@ class IngestConfig:
             registry's lease TTL.
         snapshot_timeout_s: Timeout of one ``GET /v1/snapshot``.
         snapshot_chunk_runs: Snapshot runs written per index batch.
+        group_commit: Turn on the index's group commit: a batch returns once folded, and
+            a worker's batches that arrive while its previous write is in flight go to
+            Redis together (see :mod:`router.index.group_commit`).
         subscriber: Settings of the event subscriber.
     """
 
     maintain_interval_s: float = 3.0
     snapshot_timeout_s: float = 10.0
     snapshot_chunk_runs: int = 512
+    group_commit: bool = True
     subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
 
 
@@ -181,6 +185,8 @@ class IndexIngest:
         self.index = index
         self.registry = registry
         self.config = config or IngestConfig()
+        index.group_commit = self.config.group_commit
+        index.on_write_error(self._write_failed)
         self.metrics = metrics or IngestMetrics()
         self._workers: dict[str, _Worker] = {}
         self._subscriber: EventSubscriber | None = None
@@ -210,6 +216,9 @@ class IndexIngest:
                 await self._maintainer
         if self._subscriber is not None:
             await self._subscriber.close()
+        with contextlib.suppress(RedisError, PrefixIndexError):
+            await self.index.flush()
+        await self.index.close()
         for worker in self._workers.values():
             if worker.lease is not None:
                 with contextlib.suppress(RedisError):
@@ -417,6 +426,11 @@ class IndexIngest:
             snapshot.next_seq,
         )
 
+    def _write_failed(self, worker_id: WorkerId, exc: Exception) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            self._failed(worker, exc)
+
     def _failed(self, worker: _Worker, exc: Exception) -> None:
         wid = worker.worker_id
         if isinstance(exc, StaleLeaseError):
@@ -463,8 +477,13 @@ class IndexIngest:
             self.index.forget_lease(worker.worker_id)
         if worker.lease is None:
             await self._take_over(worker)
-        elif worker.needs_rebuild and worker.record.has_snapshot:
-            async with self._exclusive(worker):
+            return
+        async with self._exclusive(worker):
+            try:  # surfaces a failed queued write of an idle worker
+                await self.index.flush(worker.worker_id)
+            except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
+                self._failed(worker, exc)
+            if worker.needs_rebuild and worker.record.has_snapshot:
                 await self._guarded_rebuild(worker)
 
     async def _take_over(self, worker: _Worker) -> None:

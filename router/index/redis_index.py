@@ -22,7 +22,7 @@ the next clear of the worker removes them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from redis.asyncio.cluster import RedisCluster
@@ -33,6 +33,7 @@ from events.schema import KVEventBatch
 from router.errors import PrefixIndexError
 from router.index.base import IndexStats, PrefixMatch, WorkerId
 from router.index.bridge import CPU_MASK, GPU_MASK, Changes, WorkerBridge, fold_batch
+from router.index.group_commit import GroupCommit
 from router.index.layout import KeyLayout, check_name, decode_key, encode_keys, tag_text
 from router.index.scripts import (
     APPLY_FAMILIES,
@@ -83,6 +84,10 @@ class RedisPrefixIndex:
         client: A connected client (see :func:`router.redis_conn.connect`).
         layout: Key names of the namespace.
         keyer: Router key function (its seed must match the one requests use).
+        group_commit: ``apply`` queues its writes and returns once the batch is folded;
+            a worker's queued changes merge while its previous write is in flight (see
+            :mod:`router.index.group_commit`). A failed write is raised by the worker's
+            next ``apply`` or ``flush``. Off: ``apply`` returns once Redis has the batch.
 
     NOTE: only the holder of a worker's lease writes that worker's entries; the lease
     token is given with :meth:`use_lease` before :meth:`apply` or :meth:`clear_worker`.
@@ -95,22 +100,44 @@ class RedisPrefixIndex:
         client: RedisClient,
         layout: KeyLayout | None = None,
         keyer: RouterKeyer | None = None,
+        *,
+        group_commit: bool = False,
     ) -> None:
         self.client = client
         self.layout = layout if layout is not None else KeyLayout()
         self.keyer = keyer if keyer is not None else RouterKeyer()
         self.is_cluster = isinstance(client, RedisCluster)
+        self.group_commit = group_commit
         self._tokens: dict[WorkerId, str] = {}
         self._bridges: dict[WorkerId, WorkerBridge] = {}
+        self._queues = GroupCommit(self._send)
 
     def use_lease(self, worker_id: WorkerId, token: str) -> None:
         """Write the worker's entries under this lease token (``"<epoch>:<owner>"``)."""
         self._tokens[WorkerId(check_name("worker id", worker_id))] = token
 
     def forget_lease(self, worker_id: WorkerId) -> None:
-        """Stop writing for the worker and drop its in-process bridge."""
+        """Stop writing for the worker and drop its in-process bridge and queued writes."""
         self._tokens.pop(worker_id, None)
         self._bridges.pop(worker_id, None)
+        self._queues.discard(worker_id)
+
+    def on_write_error(self, callback: Callable[[WorkerId, Exception], None] | None) -> None:
+        """With group commit, report a failed queued write to ``callback`` at once."""
+        self._queues.on_error = callback
+
+    async def flush(self, worker_id: WorkerId | None = None) -> None:
+        """Wait for the queued writes of a worker (or all) with group commit on.
+
+        Raises:
+            StaleLeaseError: A queued write was refused: the lease is lost.
+            redis.exceptions.RedisError: A queued write failed.
+        """
+        await self._queues.flush(worker_id)
+
+    async def close(self) -> None:
+        """Stop the group-commit senders (queued writes are dropped)."""
+        await self._queues.close()
 
     def bridge(self, worker_id: WorkerId) -> WorkerBridge:
         """The engine-hash bridge of a worker (created on first use)."""
@@ -151,6 +178,13 @@ class RedisPrefixIndex:
         await fold_batch(worker_id, self.bridge(worker_id), batch, write, clear)
 
     async def _write(self, worker_id: WorkerId, changes: Changes) -> None:
+        if self.group_commit:
+            self._token(worker_id)
+            self._queues.submit(worker_id, changes)
+        else:
+            await self._send(worker_id, changes)
+
+    async def _send(self, worker_id: WorkerId, changes: Changes) -> None:
         token = self._token(worker_id)
         families = _family_args(changes)
         delta = sum(int(args[1]) for args in families.values())
@@ -201,6 +235,8 @@ class RedisPrefixIndex:
             StaleLeaseError: This router no longer holds the worker's lease.
         """
         token = self._token(worker_id)
+        # Queued writes land first (a failure among them is moot: the worker is emptied).
+        await self._queues.flush(worker_id, raise_errors=False)
         bridge = self._bridges.get(worker_id)
         if bridge is not None:
             bridge.reset()
@@ -223,6 +259,7 @@ class RedisPrefixIndex:
 
     async def worker_entries(self, worker_id: WorkerId) -> dict[BlockKey, int]:
         """Every entry of one worker in Redis: router key -> tier mask (for checks)."""
+        await self._queues.flush(worker_id, raise_errors=False)
         lay = self.layout
         out: dict[BlockKey, int] = {}
         async for raw in self.client.sscan_iter(lay.families(worker_id), count=500):

@@ -80,6 +80,11 @@ class IndexEnv:
         assert lease is not None
         self.index.use_lease(WorkerId(worker_id), lease.token)
 
+    async def settle(self) -> None:
+        """Wait for queued writes (group commit) so reads see every applied batch."""
+        if isinstance(self.index, RedisPrefixIndex):
+            await self.index.flush()
+
 
 OpenIndex = Callable[[], AbstractAsyncContextManager[IndexEnv]]
 
@@ -90,12 +95,10 @@ async def drop_namespace(client: RedisClient, layout: KeyLayout) -> None:
         await client.delete(key)
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
-def open_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
-    """Opens the index kind under test: in memory, Redis single node, Redis Cluster."""
+def _opener(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
     kind = request.param
     url = None
-    if kind == "redis":
+    if kind in ("redis", "redis-group-commit"):
         url = request.getfixturevalue("redis_url")
     elif kind == "cluster":
         url = request.getfixturevalue("redis_cluster_url")
@@ -107,10 +110,24 @@ def open_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
             return
         client = await connect(url)
         layout = KeyLayout(namespace)
+        index = RedisPrefixIndex(client, layout, group_commit=kind == "redis-group-commit")
         try:
-            yield IndexEnv(RedisPrefixIndex(client, layout), WorkerRegistry(client, layout))
+            yield IndexEnv(index, WorkerRegistry(client, layout))
         finally:
+            await index.close()
             await drop_namespace(client, layout)
             await client.aclose()
 
     return factory
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+def open_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
+    """Opens the index kind under test: in memory, Redis single node, Redis Cluster."""
+    return _opener(request, namespace)
+
+
+@pytest.fixture(params=["memory", "redis", "cluster", "redis-group-commit"])
+def open_any_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
+    """Like ``open_index``, plus Redis with group commit (call ``IndexEnv.settle``)."""
+    return _opener(request, namespace)
