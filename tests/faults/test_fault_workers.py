@@ -124,3 +124,28 @@ def test_worker_restarted_in_place_resets_its_entries(tmp_path: Path) -> None:
         assert metric(samples, "kvroute_ingest_resets_total", worker="w0") == 1
         assert index_check(cluster, targets) == {"w0": 0, "w1": 0}
     assert took < CONVERGE_BOUND_S
+
+
+@pytest.mark.xfail(
+    reason="router/service.py maintain_once: a worker dropped as unreachable (here: still "
+    "starting) is re-subscribed by the ingest's maintenance before its registration is "
+    "removed, so reviving it raises SubscriberError 'already subscribed' on every pass, and "
+    "`del self._dead[wid]` after add_worker() (which already popped it) raises KeyError; the "
+    "worker never serves again (503 no_workers)",
+    strict=False,
+)
+def test_workers_slower_to_start_than_a_lease_are_served_once_up(tmp_path: Path) -> None:
+    with Cluster(tmp_path) as cluster:
+        specs = [w.spec() for w in cluster.workers]
+        router = cluster.start_router("router", specs, "--lease-ttl", str(LEASE_TTL_S))
+        cluster.wait_healthy([router])
+        started = time.monotonic()
+        for w in cluster.workers:  # importing torch alone takes longer than the lease
+            cluster.start_worker(w)
+        cluster.wait_healthy([w.url for w in cluster.workers])
+        while sorted(w["worker_id"] for w in _workers(router)) != ["w0", "w1"]:
+            cluster.group.check_alive()
+            assert time.monotonic() - started < 20.0, _workers(router)
+            time.sleep(0.2)  # polling another process's registry
+        for prompt in family_prompts(4, 4):
+            complete(router, prompt)
