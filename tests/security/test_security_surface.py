@@ -1,8 +1,8 @@
 """Attack surface: every listening socket is on loopback by default; no pickle anywhere.
 
-* A running ``kvroute worker`` (HTTP, event PUB, replay ROUTER) and the embedded
-  ``redis-server`` listen only on 127.0.0.1, checked from the kernel's socket table
-  (psutil), with only ports given on the command line.
+* A running ``kvroute worker`` (HTTP, event PUB, replay ROUTER), a ``kvroute router``
+  and the embedded ``redis-server`` listen only on 127.0.0.1, checked from the kernel's
+  socket table (psutil), with only ports given on the command line.
 * The defaults of every command and config that binds say 127.0.0.1.
 * No module of the project imports or calls a pickle-based loader (``pickle``,
   ``cPickle``, ``dill``, ``cloudpickle``, ``shelve``, ``marshal``, ``torch.load``,
@@ -88,6 +88,28 @@ def test_worker_listens_on_loopback_only(running_worker: tuple[int, int, int, in
     addresses = listening_addresses(pid)
     assert_loopback(addresses)
     assert {port for _, port in addresses} == {http, events, replay}
+
+
+def test_router_and_its_embedded_redis_listen_on_loopback_only(tmp_path: Path) -> None:
+    """``kvroute router`` with only ``--port`` (no ``--redis``: it starts its own)."""
+    port = free_port()
+    with ProcessGroup(tmp_path) as group:
+        proc = group.start(
+            "router", [sys.executable, "-m", "router", "router", "--port", str(port)]
+        )
+
+        async def ready() -> None:
+            async with aiohttp.ClientSession() as session:
+                url = f"http://127.0.0.1:{port}"
+                await wait_healthy(session, url, group, time.monotonic() + 120)
+
+        asyncio.run(ready())
+        router = listening_addresses(proc.pid)
+        assert_loopback(router)
+        assert port in {p for _, p in router}
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert [c.name() for c in children] == ["redis-server"]
+        assert_loopback(listening_addresses(children[0].pid))
 
 
 def test_embedded_redis_listens_on_loopback_only() -> None:
