@@ -116,7 +116,7 @@ def growth(samples: list[Sample], attr: str) -> float:
     n = len(samples)
     middle = [getattr(s, attr) for s in samples[n // 3 : 2 * n // 3]] or [1]
     last = [getattr(s, attr) for s in samples[2 * n // 3 :]] or [1]
-    return max(last) / max(max(middle), 1)
+    return float(max(last) / max(max(middle), 1))
 
 
 def plot(samples: list[Sample], capacity: int, path: Path, title: str) -> None:

@@ -34,7 +34,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from router.cluster import ProcessGroup, percentile, wait_healthy
+from router.cluster import ProcessGroup, wait_healthy
+from router.cluster_report import percentile
 from router.redis_server import RedisServer, free_port
 
 HOST = "127.0.0.1"
