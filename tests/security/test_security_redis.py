@@ -14,13 +14,16 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from events.schema import BlockStored, KVEventBatch
+from router.cluster import ProcessGroup, wait_healthy
 from router.index.base import WorkerId
 from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
@@ -199,3 +202,30 @@ def test_index_stats_cli_with_a_wrong_password_exits_2_and_redacts(tls_redis: Tl
     assert proc.returncode == 2
     assert "invalid username-password pair" in proc.stderr
     assert "wrong-one" not in proc.stdout + proc.stderr
+
+
+def test_router_over_tls_with_auth(tls_redis: TlsRedis, namespace: str, tmp_path: Path) -> None:
+    """``kvroute router --redis rediss://:PASSWORD@...?ssl_ca_certs=CA``: live index, no leak.
+
+    The router has no ``--tls-ca`` flag; redis-py passes the URL's ``ssl_ca_certs`` query
+    argument to the TLS connection.
+    """
+    port = free_port()
+    url = f"{tls_redis.url()}?ssl_ca_certs={tls_redis.ca_file}"
+    argv = [sys.executable, "-m", "router", "router", "--redis", url,
+            "--namespace", namespace, "--port", str(port)]  # fmt: skip
+    with ProcessGroup(tmp_path) as group:
+        group.start("router", argv)
+
+        async def health() -> dict[str, object]:
+            async with aiohttp.ClientSession() as session:
+                router = f"http://127.0.0.1:{port}"
+                await wait_healthy(session, router, group, time.monotonic() + 120)
+                async with session.get(f"{router}/health") as response:
+                    body: dict[str, object] = await response.json()
+                    return body
+
+        assert asyncio.run(health())["index"] == "live"
+        log = group.log_tail("router", 100_000)
+    assert f"rediss://:***@127.0.0.1:{tls_redis.tls_port}/0" in log
+    assert PASSWORD not in log
