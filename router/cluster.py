@@ -35,6 +35,7 @@ from typing import Any, Final
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from events.recorder import LOG_MAGIC, read_log
 from router.cluster_report import ClusterReport, PolicyRun, RequestResult, WorkerStats
 from router.errors import RouterError
 from router.redis_server import RedisServer, free_port
@@ -73,6 +74,9 @@ class ClusterConfig:
         startup_timeout_s: How long a process may take to answer its health check.
         request_timeout_s: How long one request may take.
         log_dir: Where each process's stdout/stderr goes (``NAME.log``).
+        record_dir: When set, each policy's run also records every worker's KV events
+            (``POLICY.kvlog``, by ``kvroute record``) and the router's decisions
+            (``POLICY.decisions.jsonl``) there, for ``kvroute replay`` and ``explain``.
     """
 
     num_workers: int = 4
@@ -86,6 +90,7 @@ class ClusterConfig:
     startup_timeout_s: float = 120.0
     request_timeout_s: float = 120.0
     log_dir: Path = field(default_factory=lambda: Path("kvroute-cluster-logs"))
+    record_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.concurrency < 1 or not self.policies:
@@ -276,6 +281,7 @@ def _router_argv(
     namespace: str,
     port: int,
     config: ClusterConfig,
+    decision_log: Path | None,
 ) -> list[str]:
     argv = _python_m(
         "router",
@@ -291,7 +297,62 @@ def _router_argv(
             f"{w.worker_id}={w.url},events={w.events_endpoint},replay={w.replay_endpoint},"
             f"block-size={config.block_size}",
         ]
+    if decision_log is not None:
+        argv += ["--decision-log", str(decision_log)]
     return [*argv, *config.router_args]
+
+
+def _record_argv(workers: Sequence[_WorkerPorts], log: Path) -> list[str]:
+    argv = _python_m("record", "--out", str(log), "--flush-interval-s", "0.1")
+    for w in workers:
+        argv += ["--worker", f"{w.worker_id}={w.events_endpoint},replay={w.replay_endpoint}"]
+    return argv
+
+
+def _last_seqs(log: Path) -> dict[str, int]:
+    """Seq of each worker's last batch in an event log (empty while it has no records)."""
+    last: dict[str, int] = {}
+    if log.exists() and log.stat().st_size > len(LOG_MAGIC):
+        for record in read_log(log):
+            if record.kind == "batch" and record.seq is not None:
+                last[record.worker_id] = record.seq
+    return last
+
+
+async def _recorder_joined(
+    session: aiohttp.ClientSession, workers: Sequence[_WorkerPorts], log: Path, deadline: float
+) -> None:
+    """Handshake: reset each (still empty) cache until the recorder has logged its event.
+
+    A subscriber that connects late misses what was published before; probes are sent
+    until one is seen rather than hoping a sleep was long enough.
+    """
+    for w in workers:
+        while w.worker_id not in _last_seqs(log):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the event recorder never received {w.worker_id}'s events")
+            async with session.post(f"{w.url}/v1/reset_prefix_cache") as resp:
+                resp.raise_for_status()
+            await asyncio.sleep(0.2)  # let the probe land before sending another
+
+
+async def _recorder_caught_up(
+    session: aiohttp.ClientSession, workers: Sequence[_WorkerPorts], log: Path, timeout_s: float
+) -> None:
+    """Wait until the log holds the last batch every worker published."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        published = [await _scrape(session, w.url) for w in workers]
+        wanted = {
+            w.worker_id: int(m.get(("kvroute_worker_event_batches_published_total", ""), 0)) - 1
+            for w, m in zip(workers, published, strict=True)
+        }
+        have = _last_seqs(log)
+        if all(have.get(w, -1) >= seq for w, seq in wanted.items()):
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"the event log has seqs {have}, the workers published {wanted}")
+        await asyncio.sleep(0.1)  # the recorder flushes every 0.1 s; poll its file
 
 
 async def wait_healthy(
@@ -363,17 +424,23 @@ def _cached_tokens(usage: dict[str, Any]) -> int:
     return int(details.get("cached_tokens", 0))
 
 
-async def _worker_stats(session: aiohttp.ClientSession, worker: _WorkerPorts) -> WorkerStats:
-    """Read what a worker served from its Prometheus ``/metrics``."""
-    async with session.get(f"{worker.url}/metrics") as resp:
+async def _scrape(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
+    """A worker's Prometheus samples: (name, ``kind`` label) -> value summed over labels."""
+    async with session.get(f"{url}/metrics") as resp:
         if resp.status != 200:
-            raise ClusterError(f"{worker.url}/metrics answered HTTP {resp.status}")
+            raise ClusterError(f"{url}/metrics answered HTTP {resp.status}")
         text = await resp.text()
     totals: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = (sample.name, sample.labels.get("kind", ""))
             totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+async def _worker_stats(session: aiohttp.ClientSession, worker: _WorkerPorts) -> WorkerStats:
+    """Read what a worker served from its Prometheus ``/metrics``."""
+    totals = await _scrape(session, worker.url)
     return WorkerStats(
         worker_id=worker.worker_id,
         num_requests=int(totals.get(("kvroute_worker_requests_total", ""), 0)),
@@ -430,7 +497,8 @@ async def _run_policy(
     workers = [
         _WorkerPorts(f"worker-{i}", *ports[3 * i : 3 * i + 3]) for i in range(config.num_workers)
     ]
-    names = [w.worker_id for w in workers] + ["router"]
+    record = config.record_dir
+    names = [w.worker_id for w in workers] + ["router", "record"]
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
     try:
         for w in workers:
@@ -438,6 +506,12 @@ async def _run_policy(
         async with aiohttp.ClientSession(timeout=timeout) as session:
             deadline = time.monotonic() + config.startup_timeout_s
             await asyncio.gather(*(wait_healthy(session, w.url, group, deadline) for w in workers))
+            if record is not None:
+                record.mkdir(parents=True, exist_ok=True)
+                for stale in (f"{policy}.kvlog", f"{policy}.decisions.jsonl"):
+                    (record / stale).unlink(missing_ok=True)  # both files are appended to
+                group.start("record", _record_argv(workers, record / f"{policy}.kvlog"))
+                await _recorder_joined(session, workers, record / f"{policy}.kvlog", deadline)
             namespace = f"cluster-{uuid.uuid4().hex[:8]}-{policy}"
             router_argv = _router_argv(
                 workers,
@@ -446,6 +520,7 @@ async def _run_policy(
                 namespace=namespace,
                 port=ports[-1],
                 config=config,
+                decision_log=None if record is None else record / f"{policy}.decisions.jsonl",
             )
             group.start("router", router_argv)
             router_url = f"http://{_HOST}:{ports[-1]}"
@@ -456,6 +531,9 @@ async def _run_policy(
             )
             group.check_alive()
             stats = await asyncio.gather(*(_worker_stats(session, w) for w in workers))
+            if record is not None:
+                log = record / f"{policy}.kvlog"
+                await _recorder_caught_up(session, workers, log, config.startup_timeout_s)
     finally:
         group.stop(names)
     return PolicyRun(policy, tuple(stats), tuple(results), wall_s)

@@ -142,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="directory for each process's log (default: a new temporary directory)",
     )
+    p.add_argument(
+        "--record",
+        type=Path,
+        metavar="DIR",
+        help="also record each run's KV events (DIR/POLICY.kvlog) and the router's decisions "
+        "(DIR/POLICY.decisions.jsonl), for `kvroute replay` and `kvroute explain`",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
@@ -198,6 +205,7 @@ def _config(args: argparse.Namespace, log_dir: Path) -> ClusterConfig:
         worker_args=tuple(args.worker_arg),
         router_args=tuple(args.router_arg),
         log_dir=log_dir,
+        record_dir=args.record,
     )
 
 
@@ -244,6 +252,13 @@ def main(argv: list[str]) -> int:
     finally:
         bar.close()
     print(format_report(report))
+    if args.record is not None:
+        first = config.policies[0]
+        print(
+            f"\nrecorded in {args.record}: POLICY.kvlog and POLICY.decisions.jsonl; e.g.\n"
+            f"  kvroute explain {args.record / (first + '.kvlog')} --at +10 --prompt TEXT "
+            f"--decisions {args.record / (first + '.decisions.jsonl')}"
+        )
     if args.json is not None:
         args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
     if not args.no_plot:

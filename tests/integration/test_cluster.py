@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from router.cli import COMMANDS
+from router.cluster_cli import build_parser, build_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -51,9 +52,11 @@ def test_quick_cluster_reports_cache_aware_beating_round_robin(
 ) -> None:
     report = tmp_path / "report.json"
     plot = tmp_path / "cluster.png"
+    record = tmp_path / "record"
     argv = _kvroute(
         "cluster", "--quick", "--redis", redis_url, "--json", str(report),
         "--plot", str(plot), "--log-dir", str(tmp_path / "logs"), "--no-progress",
+        "--record", str(record),
     )  # fmt: skip
     proc = subprocess.run(
         argv,
@@ -79,6 +82,39 @@ def test_quick_cluster_reports_cache_aware_beating_round_robin(
         assert sum(w["cached_tokens"] for w in served.values()) == run["cached_tokens"]
     assert "cache_aware/round_robin" in proc.stdout
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    _check_recording(record, tmp_path)
+
+
+def _check_recording(record: Path, tmp_path: Path) -> None:
+    """The recorded runs replay cleanly and explain finds the router's decisions."""
+    for policy in ("cache_aware", "round_robin"):
+        log, decisions = record / f"{policy}.kvlog", record / f"{policy}.decisions.jsonl"
+        replayed = subprocess.run(
+            _kvroute("replay", str(log), "--json"), env=_env(), capture_output=True, text=True
+        )
+        assert replayed.returncode == 0, replayed.stderr
+        workers = json.loads(replayed.stdout)["workers"]
+        assert sorted(workers) == ["worker-0", "worker-1"]
+        for figures in workers.values():
+            assert (figures["orphans"], figures["resyncs"], figures["resets"]) == (0, 0, 0)
+            assert figures["entries"] > 0
+        lines = decisions.read_text().splitlines()
+        assert len(lines) == 40
+        last = json.loads(lines[-1])
+        assert last["policy"] == policy
+        workload = build_workload(build_parser().parse_args(["--quick"]))
+        # The last decision's request: the prompt of its length (the log holds no prompts).
+        prompt = next(
+            r.token_ids for r in workload.requests if len(r.token_ids) == last["num_prompt_tokens"]
+        )
+        tokens = tmp_path / "last_prompt.json"
+        tokens.write_text(json.dumps(list(prompt)))
+        argv = ["explain", str(log), "--at", repr(last["ts"]), "--tokens", str(tokens),
+                "--decisions", str(decisions), "--json"]  # fmt: skip
+        explained = subprocess.run(_kvroute(*argv), env=_env(), capture_output=True, text=True)
+        assert explained.returncode == 0, explained.stderr
+        found = json.loads(explained.stdout)["router"]
+        assert (found["worker_id"], found["policy"]) == (last["worker_id"], policy)
 
 
 def test_ctrl_c_stops_every_process_it_started(tmp_path: Path, redis_url: str) -> None:
