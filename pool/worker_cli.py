@@ -209,6 +209,8 @@ async def serve(
     Raises:
         TokenizerError, ModelError, EndpointError, OSError: Bad settings or a bind failed.
     """
+    _check_device(config.device)
+    curve = _curve(config)
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     tokenizer = load_tokenizer(config.tokenizer)
@@ -229,7 +231,7 @@ async def serve(
                 endpoint=Endpoint.binding(config.events),
                 replay_endpoint=Endpoint.binding(config.replay) if config.replay else None,
                 topic=config.topic.encode(),
-                curve=_curve(config),
+                curve=curve,
             )
         )
     engine = Engine(
@@ -271,6 +273,18 @@ async def serve(
         if publisher is not None:
             publisher.close()
     logger.info("worker %s stopped", config.worker_id)
+
+
+def _check_device(name: str) -> None:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise PoolError(f"--device {name!r} is not a torch device: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PoolError(
+            f"--device {name}: no CUDA device is available (torch {torch.__version__}); "
+            "use --device cpu or install a CUDA build of torch"
+        )
 
 
 def _curve(config: WorkerConfig) -> CurveServerConfig | None:

@@ -458,3 +458,23 @@ def test_worker_serves_safetensors_weights_with_a_tokenizer_json(tmp_path: Path)
     expected = greedy_reference(trained, [5, 3, 6, 3, 7], 5)
     assert reply["choices"][0]["token_ids"] == expected
     assert reply["choices"][0]["text"] == " ".join(words[t] for t in expected if t != 1)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--device", "gpu0"], "--device 'gpu0' is not a torch device"),
+        (["--hidden-size", "63"], "hidden_size 63 must split into 4 heads"),
+        (["--curve-allow", "x.key"], "--curve-allow needs --curve-secret-key"),
+        # "cannot load tokenizer file", or "needs the 'tokenizers' library" without it
+        (["--tokenizer", "/nonexistent/tokenizer.json"], "tokenizer"),
+    ],
+)
+def test_cli_errors_exit_1_with_a_clear_message(
+    flags: list[str], message: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pool.worker_cli import main
+
+    assert main(["--port", "0", "--events", "none", *flags]) == 1
+    assert "worker failed: " in caplog.text
+    assert message in caplog.text
