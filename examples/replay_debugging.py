@@ -25,7 +25,7 @@ import aiohttp
 
 from events.recorder import read_log
 from router.cli import main as kvroute
-from router.cluster import ProcessGroup, wait_healthy
+from router.processes import ProcessGroup, wait_healthy
 from router.redis_server import free_port
 
 SYSTEM = "You are a careful assistant for the kvroute project. Answer briefly. " * 3

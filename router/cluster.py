@@ -8,28 +8,24 @@ again, so each policy starts from cold caches and an empty index (its own namesp
 Workers are subprocesses started with ``python -m router worker``: this module imports
 nothing from ``pool``.
 
-NOTE: every process this module starts is registered in a :class:`ProcessGroup` before
-anything else can fail, and the group stops them all on exit, error or Ctrl-C; on Linux
-children are also asked to die with their parent, so even a SIGKILL leaves no orphans.
+NOTE: every process this module starts is registered in a
+:class:`router.processes.ProcessGroup` before anything else can fail, and the group stops
+them all on exit, error or Ctrl-C (or SIGKILL of this process, on Linux).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
-import signal
-import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Final
 
 import aiohttp
@@ -38,12 +34,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from events.recorder import LOG_MAGIC, read_log
 from router.cluster_report import ClusterReport, PolicyRun, RequestResult, WorkerStats
 from router.errors import RouterError
+from router.processes import ProcessError, ProcessGroup, terminate_as_interrupt, wait_healthy
 from router.redis_server import RedisServer, free_port
 from router.workload import Workload, WorkloadRequest, ideal_hit_tokens
 
 __all__ = [
     "ClusterConfig",
     "ClusterError",
+    "ProcessError",
     "ProcessGroup",
     "run_cluster",
     "wait_healthy",
@@ -51,11 +49,10 @@ __all__ = [
 
 _LOG: Final = logging.getLogger(__name__)
 _HOST: Final = "127.0.0.1"
-_PR_SET_PDEATHSIG: Final = 1
 
 
 class ClusterError(RouterError, RuntimeError):
-    """A process of the cluster did not start, died, or the workload could not run."""
+    """The cluster's settings are invalid, or a worker's metrics or events could not be read."""
 
 
 @dataclass(frozen=True)
@@ -98,130 +95,6 @@ class ClusterConfig:
                 "need at least one worker, one request in flight and one policy, got "
                 f"{self.num_workers}, {self.concurrency}, {self.policies}"
             )
-
-
-def _death_signal_setter() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGKILL when its parent dies (Linux).
-
-    NOTE: ``prctl`` is looked up here, in the parent: the child, forked from a process that
-    may run other threads, only makes the one call (no ``dlopen`` that could deadlock).
-    """
-    if sys.platform != "linux":
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    signum = int(signal.SIGKILL)
-
-    def set_death_signal() -> None:  # pragma: no cover - runs in the child before exec
-        prctl(_PR_SET_PDEATHSIG, signum)
-
-    return set_death_signal
-
-
-class ProcessGroup:
-    """Subprocesses that live and die together, each logging to its own file.
-
-    Args:
-        log_dir: Directory of the ``NAME.log`` files (created if missing).
-        stop_timeout_s: How long a process gets to exit after SIGTERM before SIGKILL.
-    """
-
-    def __init__(self, log_dir: Path, stop_timeout_s: float = 10.0) -> None:
-        self.log_dir = log_dir
-        self._stop_timeout_s = stop_timeout_s
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._preexec = _death_signal_setter()
-
-    def start(self, name: str, argv: Sequence[str]) -> subprocess.Popen[bytes]:
-        """Start ``argv`` as process ``name`` (its own session, so Ctrl-C reaches us only).
-
-        Args:
-            name: The process's name in this group and in its log file's name.
-            argv: The command line.
-
-        Raises:
-            ClusterError: A process of that name is already running.
-        """
-        if name in self._procs:
-            raise ClusterError(f"process {name!r} is already running")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / f"{name}.log", "wb") as log:
-            proc = subprocess.Popen(
-                list(argv),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=self._preexec,
-            )
-        self._procs[name] = proc
-        _LOG.debug("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
-        return proc
-
-    def check_alive(self) -> None:
-        """Raise if any process has exited.
-
-        Raises:
-            ClusterError: Names the process, its exit code and the end of its log.
-        """
-        for name, proc in self._procs.items():
-            code = proc.poll()
-            if code is not None:
-                raise ClusterError(
-                    f"{name} exited with code {code}; last lines of its log:\n{self.log_tail(name)}"
-                )
-
-    def log_tail(self, name: str, num_chars: int = 2000) -> str:
-        """The end of a process's log."""
-        path = self.log_dir / f"{name}.log"
-        return path.read_text(errors="replace")[-num_chars:] if path.exists() else ""
-
-    def stop(self, names: Sequence[str] | None = None) -> None:
-        """Stop some processes (all when ``None``): SIGTERM, wait, then SIGKILL."""
-        chosen = list(self._procs) if names is None else [n for n in names if n in self._procs]
-        for name in chosen:
-            with contextlib.suppress(ProcessLookupError):
-                self._procs[name].terminate()
-        deadline = time.monotonic() + self._stop_timeout_s
-        for name in chosen:
-            proc = self._procs.pop(name)
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _LOG.warning("%s did not exit on SIGTERM; killing it", name)
-                proc.kill()
-                proc.wait()
-
-    def __enter__(self) -> ProcessGroup:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into ``KeyboardInterrupt`` so cleanup runs as it does on Ctrl-C."""
-
-    def handler(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    try:
-        previous = signal.signal(signal.SIGTERM, handler)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _python_m(*args: str) -> list[str]:
@@ -353,25 +226,6 @@ async def _recorder_caught_up(
         if time.monotonic() > deadline:
             raise ClusterError(f"the event log has seqs {have}, the workers published {wanted}")
         await asyncio.sleep(0.1)  # the recorder flushes every 0.1 s; poll its file
-
-
-async def wait_healthy(
-    session: aiohttp.ClientSession, url: str, group: ProcessGroup, deadline: float
-) -> None:
-    """Poll ``GET url/health`` until it answers 200.
-
-    Raises:
-        ClusterError: A process of ``group`` died, or ``deadline`` (monotonic) passed.
-    """
-    while True:
-        group.check_alive()
-        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-            async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(2)) as resp:
-                if resp.status == 200:
-                    return
-        if time.monotonic() > deadline:
-            raise ClusterError(f"{url}/health did not answer 200 in time")
-        await asyncio.sleep(0.1)  # polling a process we started; nothing to wait on
 
 
 async def _send(
@@ -555,12 +409,13 @@ def run_cluster(
         The report of every policy's run.
 
     Raises:
-        ClusterError: A process failed to start or died.
+        ProcessError: A process failed to start, never became healthy, or died.
+        ClusterError: A worker's metrics or events could not be read.
         RedisServerError: No Redis was given and none could be started.
     """
     config = config or ClusterConfig()
     runs: list[PolicyRun] = []
-    with _terminate_as_interrupt(), contextlib.ExitStack() as stack:
+    with terminate_as_interrupt(), contextlib.ExitStack() as stack:
         redis_url = config.redis_url or stack.enter_context(RedisServer()).url
         group = stack.enter_context(ProcessGroup(config.log_dir))
         for policy in config.policies:

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Final
 
-from router.cluster import ClusterConfig, ClusterError, run_cluster
+from router.cluster import ClusterConfig, ClusterError, ProcessError, run_cluster
 from router.cluster_report import format_report, write_plot
 from router.redis_server import RedisServerError
 from router.workload import (
@@ -243,7 +243,7 @@ def main(argv: list[str]) -> int:
 
     try:
         report = run_cluster(workload, config, progress)
-    except (ClusterError, RedisServerError) as exc:
+    except (ClusterError, ProcessError, RedisServerError) as exc:
         _LOG.error("%s (process logs in %s)", exc, log_dir)
         return 1
     except KeyboardInterrupt:

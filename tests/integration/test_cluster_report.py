@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cluster import ClusterConfig, ClusterError, ProcessGroup
+from router.cluster import ClusterConfig, ClusterError
 from router.cluster_cli import build_parser, build_workload
 from router.cluster_report import (
     ClusterReport,
@@ -21,6 +21,7 @@ from router.cluster_report import (
     percentile,
     write_plot,
 )
+from router.processes import ProcessError, ProcessGroup
 from router.workload import WorkloadError
 
 
@@ -99,11 +100,11 @@ def test_process_group_stops_everything_and_reports_deaths(tmp_path: Path) -> No
     with ProcessGroup(tmp_path, stop_timeout_s=10.0) as group:
         a = group.start("a", sleeper)
         b = group.start("b", sleeper)
-        with pytest.raises(ClusterError, match="already running"):
+        with pytest.raises(ProcessError, match="already running"):
             group.start("a", sleeper)
         dying = group.start("dying", [sys.executable, "-c", "print('bye'); raise SystemExit(3)"])
         dying.wait(timeout=60)
-        with pytest.raises(ClusterError, match=r"dying exited with code 3[\s\S]*bye"):
+        with pytest.raises(ProcessError, match=r"dying exited with code 3[\s\S]*bye"):
             group.check_alive()
         group.stop(["dying", "a"])
         assert a.poll() is not None
@@ -119,7 +120,7 @@ def test_children_die_when_the_parent_is_killed(tmp_path: Path) -> None:
     parent_code = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from router.cluster import ProcessGroup\n"
+        "from router.processes import ProcessGroup\n"
         f"group = ProcessGroup(Path({str(tmp_path)!r}))\n"
         "child = group.start('child', [sys.executable, '-c', 'import time; time.sleep(600)'])\n"
         "print(child.pid, flush=True)\n"
