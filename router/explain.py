@@ -138,9 +138,10 @@ def _reason(
     chosen = decision.chosen
     if not costs:
         return (
-            f"{decision.policy} does not weigh cached prefixes; it picked {chosen.worker_id} "
-            f"(score {chosen.score:g}). Rotation and sampling state are not in the event log, "
-            "so only the router's decision log says which worker it really picked."
+            f"{decision.policy} does not read the prefix index; on the replayed inputs it "
+            f"picks {chosen.worker_id} (score {chosen.score:g}). Its own state (rotation, "
+            "sampling, route history) is not in the event log, so only the router's decision "
+            "log says which worker it really picked."
         )
     mine = costs[chosen.worker_id]
     text = (
