@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -344,7 +344,8 @@ class SyntheticWorker:
         worker_id: Its id.
         hwm: PUB send high-water mark (small: drops sooner).
         buffer_steps: Batches kept for replay.
-        skip_live_seqs: Seqs kept for replay but never sent live (loss injection).
+        skip_live_seqs: Seqs kept for replay but never sent live (loss injection; an
+            object that contains every seq makes the test send the live stream itself).
     """
 
     def __init__(
@@ -353,7 +354,7 @@ class SyntheticWorker:
         *,
         hwm: int = 100_000,
         buffer_steps: int = 10_000,
-        skip_live_seqs: set[int] | None = None,
+        skip_live_seqs: Collection[int] | None = None,
     ) -> None:
         self.ports = WorkerPorts(worker_id)
         self.kv = KVCacheManager(KVCacheConfig(NUM_BLOCKS, BLOCK_SIZE, enable_kv_cache_events=True))
@@ -368,6 +369,7 @@ class SyntheticWorker:
             ),
             skip_live_seqs=self.skip_live_seqs,
         )
+        self.last_batch: KVEventBatch | None = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
@@ -393,7 +395,8 @@ class SyntheticWorker:
                 return -1
             self.chains.apply(events)
             seq = self.publisher.next_seq
-            assert self.publisher.publish(KVEventBatch(ts=time.time(), events=events))
+            self.last_batch = KVEventBatch(ts=time.time(), events=events)
+            assert self.publisher.publish(self.last_batch)
             return seq
 
     def steps(self, prompts: Iterator[list[int]] | Sequence[list[int]]) -> None:
