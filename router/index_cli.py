@@ -28,7 +28,7 @@ from router.index.bridge import WorkerBridge
 from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRegistry, load_records, parse_worker_spec
-from router.ingest import fetch_snapshot, snapshot_events
+from router.index.snapshot import fetch_snapshot, snapshot_events
 from router.redis_conn import RedisOptions, connect, redact_url
 
 __all__ = ["WorkerCheck", "check_workers", "expected_entries", "main"]

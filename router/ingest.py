@@ -6,8 +6,9 @@
 * it writes only while it holds the worker's lease (renewed every third of its TTL);
   on acquiring one it drops the worker's old entries and rebuilds them: from
   ``GET /v1/snapshot`` for kvroute workers, by replay from seq 0 for others;
-* each batch is one fenced Redis write; a batch already covered (by a snapshot or an
-  earlier delivery) is skipped by seq;
+* each batch is one fenced Redis script call, or shares one with the batches that arrive
+  while the previous write is in flight (group commit); a batch already covered (by a
+  snapshot or an earlier delivery) is skipped by seq;
 * a ``BlockStored`` with an unknown parent is counted and triggers a replay from seq 0
   (entries cleared first); if replay cannot help, a resync: clear, then the snapshot
   (kvroute workers) or tolerant mode (others: orphans are stored detached, counted,
@@ -30,13 +31,11 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Final
 
 import aiohttp
-import msgspec
 from redis.exceptions import RedisError
 
-from events.schema import BlockStored, KVEventBatch
+from events.schema import KVEventBatch
 from events.subscriber import (
     EventSubscriber,
     ReceivedBatch,
@@ -50,77 +49,12 @@ from router.index.bridge import BridgeCounters
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import Lease, WorkerRecord, WorkerRegistry
 from router.index.scripts import StaleLeaseError
+from router.index.snapshot import fetch_snapshot, snapshot_events
 from router.metrics import IngestMetrics, StreamCollector
 
-__all__ = [
-    "IndexIngest",
-    "IngestConfig",
-    "Snapshot",
-    "SnapshotRun",
-    "fetch_snapshot",
-    "snapshot_events",
-]
+__all__ = ["IndexIngest", "IngestConfig"]
 
 log = logging.getLogger(__name__)
-
-_SNAPSHOT_PATH: Final = "/v1/snapshot"
-
-
-class SnapshotRun(msgspec.Struct):
-    """One unbranched run of cached blocks, shaped like a ``BlockStored``."""
-
-    parent_block_hash: int | None
-    block_hashes: list[int]
-    token_ids: list[int]
-
-
-class Snapshot(msgspec.Struct):
-    """A kvroute worker's ``GET /v1/snapshot``: every cached block, parent-first runs.
-
-    NOTE: it reflects exactly the event batches with ``seq < next_seq``.
-    """
-
-    block_size: int
-    runs: list[SnapshotRun]
-    next_seq: int = 0
-    medium: str | None = "GPU"
-    worker_id: str | None = None
-
-
-def snapshot_events(snapshot: Snapshot, lora_name: str | None = None) -> list[BlockStored]:
-    """The snapshot's runs as ``BlockStored`` events, parents first."""
-    return [
-        BlockStored(
-            block_hashes=list(run.block_hashes),
-            parent_block_hash=run.parent_block_hash,
-            token_ids=run.token_ids,
-            block_size=snapshot.block_size,
-            lora_id=None,
-            medium=snapshot.medium,
-            lora_name=lora_name,
-        )
-        for run in snapshot.runs
-    ]
-
-
-async def fetch_snapshot(
-    session: aiohttp.ClientSession, http_url: str, timeout_s: float = 10.0
-) -> Snapshot:
-    """GET a kvroute worker's snapshot.
-
-    Raises:
-        PrefixIndexError: The request failed, timed out or returned an unexpected body.
-    """
-    url = http_url.rstrip("/") + _SNAPSHOT_PATH
-    try:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.get(url, timeout=timeout) as response:
-            body = await response.read()
-            if response.status != 200:
-                raise PrefixIndexError(f"GET {url}: HTTP {response.status}: {body[:200]!r}")
-        return msgspec.json.decode(body, type=Snapshot)
-    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
-        raise PrefixIndexError(f"GET {url} failed: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
