@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.cli import main as kvroute
-from router.policies import make_policy
+from router.policies import POLICY_NAMES, make_policy
 from router.sim.cli import pool_cache_factory, run_policies
 from router.sim.engine import RequestOutcome, SimConfig, simulate
 from router.sim.report import summarize
@@ -201,3 +203,40 @@ def test_the_router_side_of_the_simulator_does_not_import_pool() -> None:
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+_traces = st.lists(
+    st.tuples(
+        st.integers(0, 300),  # gap to the previous arrival, ms
+        st.lists(st.integers(0, 5), min_size=1, max_size=4),  # path in a small prefix tree
+        st.integers(1, 511),  # tokens of a partial last block
+        st.integers(0, 20),  # output tokens
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(trace=_traces, policy=st.sampled_from(POLICY_NAMES), workers=st.integers(1, 3))
+def test_no_policy_hits_more_than_what_earlier_requests_computed(
+    trace: list[tuple[int, list[int], int, int]], policy: str, workers: int
+) -> None:
+    records, now = [], 0
+    id_of: dict[tuple[int, ...], int] = {}  # like the trace's: an id names a whole prefix
+    for gap, path, tail, out in trace:
+        now += gap
+        ids = [id_of.setdefault(tuple(path[: i + 1]), len(id_of)) for i in range(len(path))]
+        records.append(rec(now, ids, length=512 * (len(ids) - 1) + tail, out=out))
+    reqs = to_requests(records)
+    out = run(reqs, policy, num_workers=workers, capacity_blocks=16, prefill_tokens_per_s=5000.0)
+    seen: set[int] = set()
+    for r, o in zip(reqs, out, strict=True):
+        depth = 0
+        while depth < len(r.hash_ids) and r.hash_ids[depth] in seen:
+            depth += 1
+        seen.update(r.hash_ids)
+        assert o.index == r.index and 0 <= o.worker < workers
+        assert o.hit_tokens % 512 == 0 and o.hit_tokens <= 512 * depth
+        assert o.hit_tokens + o.prefill_tokens == r.num_prompt_tokens
+        assert o.ttft_s >= o.prefill_tokens / 5000.0 - 1e-9
