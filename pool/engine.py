@@ -86,14 +86,16 @@ class EngineConfig:
 
     Attributes:
         max_num_seqs: Requests running at once.
-        max_num_batched_tokens: Tokens one step computes (a longer prompt still runs,
-            alone).
+        max_num_batched_tokens: Tokens one step computes.
+        enable_chunked_prefill: Split long prompts across steps (vLLM V1's default);
+            off, a prompt longer than ``max_num_batched_tokens`` runs alone.
         data_parallel_rank: ``data_parallel_rank`` of the published batches.
         seed: Seed of the engine's sampler.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
     data_parallel_rank: int | None = None
     seed: int = 0
 
@@ -148,7 +150,10 @@ class Engine:
         self._chains = CachedChains(kv_cache_manager.block_size)
         # NOTE: touched only by the engine thread (or by step() callers when not started).
         self._scheduler: Scheduler[_Sequence] = Scheduler(
-            kv_cache_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens
+            kv_cache_manager,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            chunked_prefill=self.config.enable_chunked_prefill,
         )
         self._num_steps = 0
         self._num_batches = 0
@@ -372,10 +377,16 @@ class Engine:
                 )
             )
         logits = self.model.forward_paged(items, self.cache)
-        tokens = self._sample(logits, scheduled)
-        for seq, token in zip(scheduled, tokens, strict=True):
+        rows: list[int] = []
+        for row, seq in enumerate(scheduled):
+            seq.request.num_computed_tokens += seq.num_scheduled_tokens
+            # A prefill chunk that leaves prompt tokens uncomputed samples nothing.
+            if seq.request.num_computed_tokens == seq.request.num_tokens:
+                rows.append(row)
+        sampling = [scheduled[row] for row in rows]
+        tokens = self._sample(logits[rows], sampling)
+        for seq, token in zip(sampling, tokens, strict=True):
             request = seq.request
-            request.num_computed_tokens += seq.num_scheduled_tokens
             request.append_output_token_ids(token)
             reason = None
             if token == self.eos_token_id and not seq.params.ignore_eos:

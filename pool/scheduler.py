@@ -1,12 +1,16 @@
 """Scheduler: which requests compute which tokens in the next engine step (vLLM V1 policy).
 
-Each step:
+Each step spends a budget of ``max_num_batched_tokens`` tokens:
 
-1. Every running request gets one decode token. When its next block does not fit, the
-   most recently admitted running request is preempted (its blocks freed, its tokens to be
-   recomputed later; its cached prefix usually survives in the free queue) until it fits.
-2. Waiting requests are admitted in arrival order while their uncached tokens fit the
-   token budget and the free blocks, and no request was preempted in this step.
+1. Running requests, oldest first, get their next tokens: one for a decode, the rest of
+   the prompt (up to the budget) for a chunked prefill. When a request's next block does
+   not fit, the most recently admitted running request is preempted (its blocks freed,
+   its tokens to be recomputed later; its cached prefix usually survives in the free
+   queue) until it fits.
+2. Waiting requests are admitted in arrival order while the budget and the free blocks
+   allow, and no request was preempted in this step. With chunked prefill (vLLM V1's
+   default) a prompt longer than the remaining budget starts with a chunk of it; without,
+   it waits for a step with room for all of it (or runs alone when longer than the budget).
 
 The scheduler owns the waiting and running queues and talks to the KVCacheManager; it
 computes nothing and performs no I/O.
@@ -52,8 +56,9 @@ class Scheduler(Generic[S]):
     Args:
         kv: Allocates and frees the requests' blocks.
         max_num_seqs: Requests running at once.
-        max_num_batched_tokens: Tokens one step computes; a longer prefill still runs
-            when it is the step's only work.
+        max_num_batched_tokens: Tokens one step computes.
+        chunked_prefill: Split prompts across steps to fit the budget; without, a
+            prompt longer than the budget runs alone.
 
     Attributes:
         waiting: Requests to admit, oldest (or preempted) first.
@@ -63,10 +68,18 @@ class Scheduler(Generic[S]):
         prefix_hit_tokens: Of those, tokens found in the prefix cache.
     """
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        chunked_prefill: bool = True,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
         # NOTE: an entry is in at most one queue; exactly the running ones hold blocks.
         self.waiting: collections.deque[S] = collections.deque()
         self.running: list[S] = []
@@ -81,8 +94,13 @@ class Scheduler(Generic[S]):
 
     @property
     def queued_prefill_tokens(self) -> int:
-        """Tokens the waiting requests would compute if admitted now (their cache misses)."""
-        return sum(self._uncached_tokens(entry.request) for entry in self.waiting)
+        """Prompt tokens still to compute: waiting requests' cache misses, running prefills'
+        remaining chunks (the last token of each counts as decode work)."""
+        waiting = sum(self._uncached_tokens(entry.request) for entry in self.waiting)
+        running = sum(
+            max(0, e.request.num_tokens - e.request.num_computed_tokens - 1) for e in self.running
+        )
+        return waiting + running
 
     def add(self, entry: S) -> None:
         """Queue a new request."""
@@ -99,25 +117,31 @@ class Scheduler(Generic[S]):
         scheduled: list[S] = []
         preempted = False
         index = 0
-        while index < len(self.running):
+        while index < len(self.running) and budget > 0:
             entry = self.running[index]
-            while self.kv.allocate_slots(entry.request, 1) is None:
+            request = entry.request
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is entry:
                     break
             else:
-                entry.num_scheduled_tokens = 1
+                entry.num_scheduled_tokens = num_new
                 scheduled.append(entry)
-                budget -= 1
+                budget -= num_new
                 index += 1
         while self.waiting and not preempted and len(self.running) < self.max_num_seqs:
             entry = self.waiting[0]
             request = entry.request
             hits, num_hit = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit
-            if num_new > budget and scheduled:
+            if self.chunked_prefill:
+                num_new = min(num_new, budget)
+                if num_new <= 0:
+                    break
+            elif num_new > budget and scheduled:
                 break
             if self.kv.allocate_slots(request, num_new, num_hit, hits) is None:
                 break

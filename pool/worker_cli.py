@@ -75,6 +75,7 @@ class WorkerConfig:
         tokenizer: A ``tokenizer.json``; ``None`` for the byte-level tokenizer.
         max_num_seqs: Requests running at once.
         max_num_batched_tokens: Tokens computed per step.
+        chunked_prefill: Split long prompts across steps (vLLM V1's default).
         model_name: The ``model`` field of completions.
         torch_threads: Torch intra-op CPU threads (0: torch's default).
         curve_secret_key: CURVE server secret key file; ``None`` leaves events plain.
@@ -103,6 +104,7 @@ class WorkerConfig:
     tokenizer: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
+    chunked_prefill: bool = True
     model_name: str = "kvroute-tiny"
     torch_threads: int = 0
     curve_secret_key: str | None = None
@@ -147,6 +149,8 @@ _HELP: Final[dict[str, str]] = {
     "tokenizer": "Hugging Face tokenizer.json (default: byte-level, as the router's)",
     "max_num_seqs": "requests running at once",
     "max_num_batched_tokens": "tokens one engine step computes",
+    "chunked_prefill": "split prompts longer than --max-num-batched-tokens across steps, "
+    "decodes keep running meanwhile (vLLM V1's default); --no-chunked-prefill runs them alone",
     "model_name": "the 'model' field of completion responses",
     "torch_threads": "torch CPU threads; 0 keeps torch's default (use 1 on a shared box)",
     "curve_secret_key": "CURVE server secret key file (NAME.key_secret from `kvroute keys`): "
@@ -167,8 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
         name = _FLAGS.get(f.name, f.name)
         flag = "--" + name.replace("_", "-")
         env = "KVROUTE_WORKER_" + name.upper()
-        kind: Callable[[str], Any] = int if isinstance(f.default, int) else str
         raw = os.environ.get(env)
+        help_text = f"{_HELP[f.name]} (default: {f.default}; env ${env})"
+        if isinstance(f.default, bool):
+            default = f.default if raw is None else raw.lower() in ("1", "true", "yes", "on")
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+            )
+            continue
+        kind: Callable[[str], Any] = int if isinstance(f.default, int) else str
         extra: dict[str, Any] = {"choices": HASH_ALGOS} if f.name == "hash_algo" else {}
         parser.add_argument(
             flag,
@@ -176,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=name.upper(),
             type=kind,
             default=f.default if raw is None else kind(raw),
-            help=f"{_HELP[f.name]} (default: {f.default}; env ${env})",
+            help=help_text,
             **extra,
         )
     parser.add_argument(
@@ -238,7 +253,12 @@ async def serve(
         model,
         model.make_cache(config.num_blocks, config.block_size),
         kv,
-        EngineConfig(config.max_num_seqs, config.max_num_batched_tokens, seed=config.seed),
+        EngineConfig(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            enable_chunked_prefill=config.chunked_prefill,
+            seed=config.seed,
+        ),
         event_sink=publisher,
         eos_token_id=tokenizer.eos_token_id,
     )

@@ -48,7 +48,7 @@ def model() -> DecoderModel:
 
 
 def _engine(
-    model: DecoderModel, num_blocks: int, sink: ListSink | None = None, **config: int
+    model: DecoderModel, num_blocks: int, sink: ListSink | None = None, **config: int | bool
 ) -> Engine:
     kv = KVCacheManager(KVCacheConfig(num_blocks, BLOCK_SIZE, enable_kv_cache_events=True))
     return Engine(
@@ -259,6 +259,20 @@ def test_seeded_sampling_is_reproducible(model: DecoderModel) -> None:
     _run(engine)
     assert outputs.tokens("a") == outputs.tokens("b")
     assert outputs.tokens("a") != greedy_reference(model, _prompt(6, 1), 8)
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole"])
+def test_a_small_token_budget_gives_the_reference_outputs(
+    model: DecoderModel, chunked: bool
+) -> None:
+    engine = _engine(model, 32, max_num_batched_tokens=5, enable_chunked_prefill=chunked)
+    outputs = Outputs()
+    prompts = {f"r{i}": _prompt(3 + 4 * i, i) for i in range(4)}
+    for request_id, prompt in prompts.items():
+        engine.submit(request_id, prompt, SamplingParams(max_tokens=4, ignore_eos=True), outputs)
+    _run(engine)
+    for request_id, prompt in prompts.items():
+        assert outputs.tokens(request_id) == greedy_reference(model, prompt, 4), request_id
 
 
 def test_token_budget_splits_prefills_across_steps(model: DecoderModel) -> None:

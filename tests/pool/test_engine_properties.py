@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from events.hashing import wire_hash
 from events.schema import KVEventBatch
-from pool.engine import Engine, SamplingParams
+from pool.engine import Engine, EngineConfig, SamplingParams
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.model import DecoderModel, ModelConfig, greedy_reference
 from pool.outputs import RequestOutput
@@ -34,9 +34,11 @@ def test_random_workloads_match_the_reference_and_free_every_block(data: st.Data
     capacity = (num_blocks - 1) * BLOCK_SIZE
     sink = _Sink()
     kv = KVCacheManager(KVCacheConfig(num_blocks, BLOCK_SIZE, enable_kv_cache_events=True))
-    engine = Engine(
-        MODEL, MODEL.make_cache(num_blocks, BLOCK_SIZE), kv, event_sink=sink, eos_token_id=None
+    config = EngineConfig(
+        max_num_batched_tokens=data.draw(st.integers(2, 24), label="budget"),
+        enable_chunked_prefill=data.draw(st.booleans(), label="chunked"),
     )
+    engine = Engine(MODEL, MODEL.make_cache(num_blocks, BLOCK_SIZE), kv, config, event_sink=sink)
     stems = [[(7 * s + i) % VOCAB for i in range(6)] for s in range(3)]  # shared prefixes
     outputs: dict[str, list[int]] = {}
     finished: dict[str, str] = {}

@@ -6,9 +6,9 @@ from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.scheduler import Scheduled, Scheduler
 
 
-def _scheduler(num_blocks: int, budget: int = 1000) -> Scheduler[Scheduled]:
+def _scheduler(num_blocks: int, budget: int = 1000, chunked: bool = True) -> Scheduler[Scheduled]:
     kv = KVCacheManager(KVCacheConfig(num_blocks, block_size=2))
-    return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=budget)
+    return Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=budget, chunked_prefill=chunked)
 
 
 def _entry(scheduler: Scheduler[Scheduled], request_id: str, num_tokens: int) -> Scheduled:
@@ -83,14 +83,32 @@ def test_queued_prefill_counts_the_cache_misses_of_waiting_requests() -> None:
     assert scheduler.queued_prefill_tokens == (7 - 4) + 3
 
 
-def test_the_token_budget_caps_admission_but_a_long_prompt_runs_alone() -> None:
-    scheduler = _scheduler(num_blocks=40, budget=4)
+def test_without_chunking_the_budget_caps_admission_and_a_long_prompt_runs_alone() -> None:
+    scheduler = _scheduler(num_blocks=40, budget=4, chunked=False)
     _entry(scheduler, "a", 3)
     _entry(scheduler, "b", 3)
     assert _ids(scheduler.schedule()) == ["a"]
-    scheduler = _scheduler(num_blocks=40, budget=4)
+    scheduler = _scheduler(num_blocks=40, budget=4, chunked=False)
     _entry(scheduler, "c", 9)
     assert [e.num_scheduled_tokens for e in scheduler.schedule()] == [9]
+
+
+def test_chunked_prefill_fills_the_budget_and_decodes_go_first() -> None:
+    scheduler = _scheduler(num_blocks=40, budget=4)
+    a = _entry(scheduler, "a", 3)
+    c = _entry(scheduler, "c", 9)
+    plan = [(e.request.request_id, e.num_scheduled_tokens) for e in scheduler.schedule()]
+    assert plan == [("a", 3), ("c", 1)]
+    _finish_step([a])  # a's prompt is done: it samples; c's 1-token chunk samples nothing
+    c.request.num_computed_tokens += 1
+    for expected in ([("a", 1), ("c", 3)], [("a", 1), ("c", 3)], [("a", 1), ("c", 2)]):
+        plan = [(e.request.request_id, e.num_scheduled_tokens) for e in scheduler.schedule()]
+        assert plan == expected
+        _finish_step([a])
+        c.request.num_computed_tokens += plan[1][1]
+    assert c.request.num_computed_tokens == c.request.num_tokens == 9
+    assert len(scheduler.kv.get_block_ids("c")) == 5
+    assert scheduler.queued_prefill_tokens == 0
 
 
 def test_remove_takes_a_request_out_of_either_queue() -> None:
