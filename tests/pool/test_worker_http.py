@@ -478,3 +478,25 @@ def test_cli_errors_exit_1_with_a_clear_message(
     assert main(["--port", "0", "--events", "none", *flags]) == 1
     assert "worker failed: " in caplog.text
     assert message in caplog.text
+
+
+def test_chunked_prefill_streams_a_prompt_s_blocks_over_several_batches(
+    model: DecoderModel,
+) -> None:
+    running = _start_worker(_config(20, max_num_batched_tokens=8))
+    tap = EventTap(running)
+    try:
+        tap.handshake()
+        tokens = ByteTokenizer().encode("a prompt of 26 bytes here!")
+        reply = _complete(running, "a prompt of 26 bytes here!", max_tokens=2)
+        events = tap.until(_snapshot(running)["next_seq"])
+    finally:
+        tap.close()
+        running.stop()
+    assert reply["choices"][0]["token_ids"] == greedy_reference(model, tokens, 2)
+    hashes = [wire_hash(d) for d in hash_blocks_sha256_cbor(tokens, BLOCK_SIZE)]
+    ours = [e for e in events if isinstance(e, BlockStored) and e.block_hashes[0] in hashes]
+    # 8-token chunks: blocks 0-1, 2-3, 4-5 are stored by three steps, each chained.
+    assert [e.block_hashes for e in ours] == [hashes[0:2], hashes[2:4], hashes[4:6]]
+    assert [e.parent_block_hash for e in ours] == [None, hashes[1], hashes[3]]
+    assert [e.token_ids for e in ours] == [tokens[0:8], tokens[8:16], tokens[16:24]]
