@@ -57,7 +57,8 @@ class EngineStats:
         num_steps: Steps run so far.
         num_batches_published: Event batches the sink accepted.
         num_batches_dropped: Event batches the sink dropped.
-        queued_prefill_tokens: Tokens the waiting requests would compute if admitted now.
+        queued_prefill_tokens: Prompt tokens still to compute: waiting requests' cache
+            misses and running chunked prefills' remainders.
         decode_tokens: Tokens still to generate by running and waiting requests, at most.
     """
 

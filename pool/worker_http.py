@@ -102,7 +102,7 @@ class _EngineCollector(Collector):
             _gauge("kvroute_worker_kv_cache_usage", "Fraction of KV blocks in use.", s.usage),
             _gauge(
                 "kvroute_worker_queued_prefill_tokens",
-                "Tokens waiting requests would compute if admitted now.",
+                "Prompt tokens still to compute (waiting misses, running prefill chunks).",
                 s.queued_prefill_tokens,
             ),
             _gauge(
