@@ -35,6 +35,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from importlib import metadata
@@ -49,7 +50,7 @@ from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRecord, WorkerRegistry
 from router.redis_conn import connect
-from router.redis_server import RedisServer, find_redis_server, free_port
+from router.redis_server import RedisServer, find_redis_server
 from router.service import RouterService
 from router.service_config import RouterConfig
 
@@ -160,11 +161,12 @@ def pct(samples: Sequence[float], q: float) -> float:
 async def measure(redis_url: str, num_workers: int, requests: int) -> dict[str, list[float]]:
     """Every row's samples for one cluster size."""
     runners, urls = await start_echo_workers(num_workers)
-    namespace = f"bench-router-{num_workers}-{os.getpid()}"
+    namespace = f"bench-router-{num_workers}-{os.getpid()}-{time.monotonic_ns()}"
     records = [
         WorkerRecord(
             worker_id=f"w{i}",
-            events_endpoint=f"tcp://127.0.0.1:{free_port()}",  # nobody publishes
+            # Nobody binds it: a free TCP port could be taken by another process meanwhile.
+            events_endpoint=f"ipc://{tempfile.gettempdir()}/kvroute-bench-{os.getpid()}-{i}",
             http_url=url,
             block_size=BLOCK_SIZE,
         )

@@ -380,12 +380,12 @@ class RouterService:
         """Count a ``/v1/route`` decision as load on its worker for ``route_hold_s``."""
         wid = routed_.decision.worker_id
         prefill = routed_.prefill_of(wid)
-        await self.load.add(wid, routed(prefill, routed_.num_output_tokens))
+        self.load.add_nowait(wid, routed(prefill, routed_.num_output_tokens))
         release = prefilled(prefill) + finished(routed_.num_output_tokens)
 
         def expire() -> None:
             self._holds.discard(handle)
-            self._spawn(self.load.add(wid, release), f"release-{wid}")
+            self.load.add_nowait(wid, release)
 
         # A timer, not a sleeping task per decision: /v1/route is the hot path.
         handle = asyncio.get_running_loop().call_later(self.config.route_hold_s, expire)
@@ -462,7 +462,8 @@ class LoadAccounting:
 
     Routed load is added when an attempt starts, its prefill leaves the queue at the first
     byte of the answer, and the rest when the attempt ends (a failed attempt leaves no
-    load behind). Implements :class:`router.proxy.AttemptObserver`.
+    load behind). Local figures change at once; Redis hears of it without delaying the
+    request. Implements :class:`router.proxy.AttemptObserver`.
     """
 
     def __init__(self, service: RouterService, routed_: Routed) -> None:
@@ -475,14 +476,14 @@ class LoadAccounting:
         if target.worker_id != self._routed.decision.worker_id:
             self._service.credit(target.worker_id, self._routed.keys)
         prefill = self._routed.prefill_of(target.worker_id)
-        await self._service.load.add(
+        self._service.load.add_nowait(
             target.worker_id, routed(prefill, self._routed.num_output_tokens)
         )
 
     async def first_byte(self, target: ProxyTarget) -> None:
         """The prefill is done: it leaves ``target``'s queue."""
         self._prefilled.add(target.worker_id)
-        await self._service.load.add(
+        self._service.load.add_nowait(
             target.worker_id, prefilled(self._routed.prefill_of(target.worker_id))
         )
 
@@ -492,7 +493,7 @@ class LoadAccounting:
         delta = finished(self._routed.num_output_tokens)
         if wid not in self._prefilled:
             delta = delta + prefilled(self._routed.prefill_of(wid))
-        await self._service.load.add(wid, delta)
+        self._service.load.add_nowait(wid, delta)
         self._service.metrics.proxy_attempts.labels(wid, "ok" if ok else "failed").inc()
         if not ok:
             self._service.mark_suspect(wid)

@@ -35,7 +35,7 @@ from redis.exceptions import RedisError
 
 from router.errors import RouterError
 from router.index.base import WorkerId
-from router.load import MemoryLoadTracker, WorkerLoad
+from router.load import WorkerLoad
 from router.redis_conn import RedisClient
 
 __all__ = [
@@ -87,7 +87,8 @@ class RedisLoadTracker:
             ``socket_timeout`` so an unreachable Redis fails fast.
         config: Namespace, replica id, TTL and refresh interval.
 
-    NOTE: ``_local`` is this replica's exact load and always wins over what Redis holds
+    NOTE: ``_local`` is this replica's exact load (clamped at 0, as
+    :class:`router.load.MemoryLoadTracker` does) and always wins over what Redis holds
     for it; ``_remote`` is the sum over the other live replicas as of the last refresh;
     ``_reported`` holds the workers' own figures. A snapshot is
     ``max(_local + _remote, _reported)`` per field.
@@ -101,8 +102,8 @@ class RedisLoadTracker:
         self._replicas_key = f"{base}:replicas"
         self._own_key = f"{base}:r:{self.replica_id}"
         self._base = base
-        self._local = MemoryLoadTracker()
-        self._local_view: dict[WorkerId, WorkerLoad] = {}
+        self._local: dict[WorkerId, WorkerLoad] = {}
+        self._pending: set[asyncio.Task[bool]] = set()
         self._remote: dict[WorkerId, WorkerLoad] = {}
         self._reported: dict[WorkerId, WorkerLoad] = {}
         self._is_shared = False
@@ -124,6 +125,8 @@ class RedisLoadTracker:
     async def close(self) -> None:
         """Stop the loop and withdraw this replica's load from Redis (best effort)."""
         await self._loop.stop()
+        if self._pending:
+            await asyncio.wait(list(self._pending))
         with contextlib.suppress(RedisError, OSError):
             pipe = self._client.pipeline(transaction=True)
             pipe.delete(self._own_key)
@@ -132,20 +135,36 @@ class RedisLoadTracker:
 
     async def add(self, worker_id: WorkerId, delta: WorkerLoad) -> None:
         """Add ``delta`` to this replica's load on a worker, locally and in Redis."""
-        await self._local.add(worker_id, delta)
-        self._local_view[worker_id] = (await self._local.snapshot((worker_id,)))[worker_id]
-        if not self._is_shared:
-            return  # the next heartbeat rewrites the whole hash once Redis is back
+        self._add_local(worker_id, delta)
+        if self._is_shared:  # else the next heartbeat rewrites the hash once Redis is back
+            await self._publish(worker_id, delta)
+
+    def add_nowait(self, worker_id: WorkerId, delta: WorkerLoad) -> None:
+        """:meth:`add` without waiting for Redis: the local figures change at once.
+
+        For the request path: the increment reaches the other replicas a round trip later
+        without delaying the request (``close`` waits for the ones in flight).
+        """
+        self._add_local(worker_id, delta)
+        if self._is_shared:
+            task = asyncio.create_task(self._publish(worker_id, delta))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+
+    def _add_local(self, worker_id: WorkerId, delta: WorkerLoad) -> None:
+        self._local[worker_id] = (self._local.get(worker_id, _IDLE) + delta).clamped()
+
+    async def _publish(self, worker_id: WorkerId, delta: WorkerLoad) -> bool:
         pipe = self._client.pipeline(transaction=False)
         for name, value in zip(_FIELDS, _values(delta), strict=True):
             if value:
                 pipe.hincrby(self._own_key, f"{name}:{worker_id}", value)
         pipe.pexpire(self._own_key, int(self.config.ttl_s * 1000))
-        await self._guard(pipe.execute(), "add")
+        return await self._guard(pipe.execute(), "add")
 
     async def snapshot(self, workers: Iterable[WorkerId]) -> Mapping[WorkerId, WorkerLoad]:
         """Each worker's load over all replicas, merged with what it reports itself."""
-        local, remote, reported = self._local_view, self._remote, self._reported
+        local, remote, reported = self._local, self._remote, self._reported
         out: dict[WorkerId, WorkerLoad] = {}
         for w in workers:
             routed = local.get(w, _IDLE)
@@ -158,8 +177,7 @@ class RedisLoadTracker:
 
     async def forget(self, worker_id: WorkerId) -> None:
         """Drop a worker's load on this replica (it left or restarted)."""
-        await self._local.forget(worker_id)
-        self._local_view.pop(worker_id, None)
+        self._local.pop(worker_id, None)
         self._remote.pop(worker_id, None)
         self._reported.pop(worker_id, None)
         if self._is_shared:
@@ -184,7 +202,7 @@ class RedisLoadTracker:
         """Rewrite this replica's hash from the local figures and renew its lease."""
         ttl_ms = int(self.config.ttl_s * 1000)
         mapping: dict[str, int] = {}
-        for w, load in self._local_view.items():
+        for w, load in self._local.items():
             for name, value in zip(_FIELDS, _values(load), strict=True):
                 if value:
                     mapping[f"{name}:{w}"] = value

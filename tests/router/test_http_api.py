@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tempfile
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -16,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from router.index.registry import WorkerRecord
-from router.redis_server import RedisServer, free_port
+from router.redis_server import RedisServer
 from router.service import RouterService
 from router.service_config import RequestLimits, RouterConfig
 
@@ -50,7 +52,8 @@ class EchoWorker:
     def record(self) -> WorkerRecord:
         return WorkerRecord(
             worker_id=self.worker_id,
-            events_endpoint=f"tcp://127.0.0.1:{free_port()}",  # nobody publishes there
+            # Nobody binds it (a free TCP port could be taken by another process meanwhile).
+            events_endpoint=f"ipc://{tempfile.gettempdir()}/kvroute-{uuid.uuid4().hex}",
             http_url=self.url,
         )
 

@@ -70,6 +70,31 @@ def test_replicas_see_each_others_load(redis_url: str, namespace: str) -> None:
     asyncio.run(scenario())
 
 
+def test_add_nowait_changes_local_load_at_once_and_reaches_redis(
+    redis_url: str, namespace: str
+) -> None:
+    async def scenario() -> None:
+        a = RedisLoadTracker(_client(redis_url), SharedLoadConfig(namespace, "a"))
+        b = RedisLoadTracker(_client(redis_url), SharedLoadConfig(namespace, "b"))
+        await a.start()
+        await b.start()
+        a.add_nowait(W1, routed(40, 4))
+        assert (await a.snapshot([W1]))[W1] == WorkerLoad(1, 40, 4)  # before any await
+
+        async def b_sees_it() -> bool:
+            await b.refresh()
+            return (await b.snapshot([W1]))[W1] == WorkerLoad(1, 40, 4)
+
+        await _until(b_sees_it)
+        a.add_nowait(W1, finished(4))
+        await a.close()  # waits for the increment in flight, then withdraws
+        await b.refresh()
+        assert (await b.snapshot([W1]))[W1] == WorkerLoad()
+        await b.close()
+
+    asyncio.run(scenario())
+
+
 def test_crashed_replica_load_expires(redis_url: str, namespace: str) -> None:
     async def scenario() -> None:
         crashed = RedisLoadTracker(_client(redis_url), SharedLoadConfig(namespace, "x", ttl_s=0.6))
