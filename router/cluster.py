@@ -30,11 +30,13 @@ from typing import Any, Final
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from redis.exceptions import RedisError
 
 from events.recorder import LOG_MAGIC, read_log
 from router.cluster_report import ClusterReport, PolicyRun, RequestResult, WorkerStats
 from router.errors import RouterError
 from router.processes import ProcessError, ProcessGroup, terminate_as_interrupt, wait_healthy
+from router.redis_conn import connect
 from router.redis_server import RedisServer, free_port
 from router.workload import Workload, WorkloadRequest, ideal_hit_tokens
 
@@ -352,6 +354,7 @@ async def _run_policy(
         _WorkerPorts(f"worker-{i}", *ports[3 * i : 3 * i + 3]) for i in range(config.num_workers)
     ]
     record = config.record_dir
+    namespace = f"cluster-{uuid.uuid4().hex[:8]}-{policy}"
     names = [w.worker_id for w in workers] + ["router", "record"]
     timeout = aiohttp.ClientTimeout(total=config.request_timeout_s)
     try:
@@ -366,7 +369,6 @@ async def _run_policy(
                     (record / stale).unlink(missing_ok=True)  # both files are appended to
                 group.start("record", _record_argv(workers, record / f"{policy}.kvlog"))
                 await _recorder_joined(session, workers, record / f"{policy}.kvlog", deadline)
-            namespace = f"cluster-{uuid.uuid4().hex[:8]}-{policy}"
             router_argv = _router_argv(
                 workers,
                 policy=policy,
@@ -390,7 +392,29 @@ async def _run_policy(
                 await _recorder_caught_up(session, workers, log, config.startup_timeout_s)
     finally:
         group.stop(names)
+        if config.redis_url is not None:
+            await _drop_namespace(redis_url, namespace)
     return PolicyRun(policy, tuple(stats), tuple(results), wall_s)
+
+
+async def _drop_namespace(redis_url: str, namespace: str) -> None:
+    """Delete a finished run's keys from a Redis the user gave (ours is simply killed).
+
+    NOTE: a SCAN is fine here: once per run, over one namespace nobody else uses.
+    """
+    try:
+        client = await connect(redis_url)
+    except RouterError as exc:
+        _LOG.warning("could not remove namespace %r from Redis: %s", namespace, exc)
+        return
+    try:
+        keys = [key async for key in client.scan_iter(match=f"kvroute:{namespace}:*")]
+        for start in range(0, len(keys), 1000):
+            await client.delete(*keys[start : start + 1000])
+    except RedisError as exc:
+        _LOG.warning("could not remove namespace %r from Redis: %s", namespace, exc)
+    finally:
+        await client.aclose()
 
 
 def run_cluster(
