@@ -93,12 +93,17 @@ class BridgeCounters:
 
 
 # Per engine hash: [router key or None (detached), GPU copies, CPU copies]; per router
-# key: [family tag, GPU copies, CPU copies]. Plain lists: the hot path creates one of
-# each per new block, and a list is several times cheaper to create than an object.
-_KEY, _TAG, _GPU, _CPU = 0, 0, 1, 2
+# key: [family tag, GPU copies, CPU copies, parent key or None (block 0), indexed].
+# Plain lists: the hot path creates one of each per new block, and a list is several
+# times cheaper to create than an object.
+_KEY, _TAG, _GPU, _CPU, _PARENT, _INDEXED = 0, 0, 1, 2, 3, 4
 # NOTE: an engine hash's entry is deleted when its GPU + CPU copies reach 0; a router
 # key's counts equal the sums over the engine hashes that map to it. A detached hash
 # (key None) chains from an unknown ancestor: no router key, no index entry.
+# NOTE (prefix closure): a held key is indexed iff it is block 0 or its parent key is
+# indexed. Evicting a block whose descendants stay cached unindexes them (a request
+# could not use them: its prefix stops at the gap); re-caching it indexes them again.
+# So along any chain the index holds a prefix, and a lookup may binary-search it.
 
 
 def _mask(counts: list[Any]) -> int:
@@ -127,6 +132,8 @@ class WorkerBridge:
     counters: BridgeCounters = field(default_factory=BridgeCounters)
     _copies: dict[WireHash, list[Any]] = field(default_factory=dict)
     _keys: dict[BlockKey, list[Any]] = field(default_factory=dict)
+    # NOTE: parent key -> its held child keys (whether or not the parent is held).
+    _children: dict[BlockKey, set[BlockKey]] = field(default_factory=dict)
 
     @property
     def num_hashes(self) -> int:
@@ -134,20 +141,25 @@ class WorkerBridge:
         return len(self._copies)
 
     def entries(self) -> dict[BlockKey, tuple[BlockKey, int]]:
-        """Every held router key with its family tag and tier mask."""
-        return {key: (state[_TAG], _mask(state)) for key, state in self._keys.items()}
+        """Every indexed router key with its family tag and tier mask."""
+        return {
+            key: (state[_TAG], _mask(state)) for key, state in self._keys.items() if state[_INDEXED]
+        }
 
     def has_hash(self, block_hash: WireHash) -> bool:
         """True when the engine hash is held on some tier."""
         return block_hash in self._copies
 
     def reset(self) -> Changes:
-        """Forget everything; returns the removal of every held entry."""
+        """Forget everything; returns the removal of every indexed entry."""
         changes = {
-            key: EntryChange(key, state[_TAG], _mask(state), 0) for key, state in self._keys.items()
+            key: EntryChange(key, state[_TAG], _mask(state), 0)
+            for key, state in self._keys.items()
+            if state[_INDEXED]
         }
         self._copies.clear()
         self._keys.clear()
+        self._children.clear()
         return changes
 
     def store(self, event: BlockStored, changes: Changes) -> None:
@@ -167,20 +179,22 @@ class WorkerBridge:
             # window, hybrid models) would claim prefixes the worker cannot serve.
             self.counters.ignored_groups += 1
             return
+        parent: BlockKey | None = None
         if event.parent_block_hash is None:
             parent_key: int = self.keyer.root(event.lora_name, cache_salt_of(event))
             tag: BlockKey | None = None
         else:
-            parent = self._copies.get(event.parent_block_hash)
-            if parent is None and not self.tolerate_orphans:
+            parent_copies = self._copies.get(event.parent_block_hash)
+            if parent_copies is None and not self.tolerate_orphans:
                 self.counters.orphans += 1
                 raise _Orphan(event.parent_block_hash)
-            if parent is None or parent[_KEY] is None:
+            if parent_copies is None or parent_copies[_KEY] is None:
                 self.counters.detached += 1
                 self._store_detached(event, changes)
                 return
-            parent_key = parent[_KEY]
-            tag = self._keys[BlockKey(parent_key)][_TAG]
+            parent = parent_copies[_KEY]
+            parent_key = parent
+            tag = self._keys[parent][_TAG]
         try:
             keys = router_block_keys(event.token_ids, event.block_size, parent_key)
         except OverflowError:  # a token id outside uint32
@@ -200,10 +214,11 @@ class WorkerBridge:
                 copies = all_copies[block_hash] = [key, 0, 0]
                 for t in (_GPU, _CPU):
                     for _ in range(earlier[t]):
-                        self._add(copies, t, +1, tag, changes)
+                        self._add(copies, t, +1, tag, parent, changes)
             # NOTE: a hash re-stored with other tokens keeps its first key: the index
             # already holds that one and children chain from it.
-            self._add(copies, tier, +1, tag, changes)
+            self._add(copies, tier, +1, tag, parent, changes)
+            parent = key
 
     def remove(self, event: BlockRemoved, changes: Changes) -> None:
         """Fold one ``BlockRemoved`` into ``changes``; unknown copies are counted."""
@@ -219,7 +234,8 @@ class WorkerBridge:
             if copies[_KEY] is None:
                 copies[tier] -= 1
             else:
-                self._add(copies, tier, -1, self._keys[copies[_KEY]][_TAG], changes)
+                state = self._keys[copies[_KEY]]
+                self._add(copies, tier, -1, state[_TAG], state[_PARENT], changes)
             if not copies[_GPU] and not copies[_CPU]:
                 del self._copies[block_hash]
 
@@ -232,26 +248,65 @@ class WorkerBridge:
             if copies[_KEY] is None:
                 copies[tier] += 1
             else:  # another copy of a hash already held with a key: count it there
-                self._add(copies, tier, +1, self._keys[copies[_KEY]][_TAG], changes)
+                state = self._keys[copies[_KEY]]
+                self._add(copies, tier, +1, state[_TAG], state[_PARENT], changes)
 
     def _add(
-        self, copies: list[Any], tier: int, delta: int, tag: BlockKey, changes: Changes
+        self,
+        copies: list[Any],
+        tier: int,
+        delta: int,
+        tag: BlockKey,
+        parent: BlockKey | None,
+        changes: Changes,
     ) -> None:
         key = copies[_KEY]
-        state = self._keys.get(key)
+        keys = self._keys
+        state = keys.get(key)
         if state is None:
-            state = self._keys[key] = [tag, 0, 0]
+            above = None if parent is None else keys.get(parent)
+            indexed = parent is None or (above is not None and above[_INDEXED])
+            state = keys[key] = [tag, 0, 0, parent, indexed]
+            if parent is not None:
+                self._children.setdefault(parent, set()).add(key)
         before = _mask(state)
         copies[tier] += delta
         state[tier] += delta
         after = _mask(state)
         if after == before:
             return
-        previous = changes.get(key)
-        old = before if previous is None else previous.old_mask
-        changes[key] = EntryChange(key, state[_TAG], old, after)
+        if state[_INDEXED]:
+            _note(changes, key, state[_TAG], before, after)
         if after == 0:
-            del self._keys[key]
+            del keys[key]
+            up = state[_PARENT]
+            if up is not None:
+                siblings = self._children[up]
+                siblings.discard(key)
+                if not siblings:
+                    del self._children[up]
+            if state[_INDEXED]:
+                self._cascade(key, False, changes)
+        elif before == 0 and state[_INDEXED]:
+            self._cascade(key, True, changes)
+
+    def _cascade(self, root: BlockKey, indexed: bool, changes: Changes) -> None:
+        """(Un)index the held descendants of ``root`` (iteratively: chains are long)."""
+        stack = [root]
+        while stack:
+            for child in self._children.get(stack.pop(), ()):
+                state = self._keys[child]
+                if state[_INDEXED] == indexed:
+                    continue
+                state[_INDEXED] = indexed
+                mask = _mask(state)
+                _note(changes, child, state[_TAG], 0 if indexed else mask, mask if indexed else 0)
+                stack.append(child)
+
+
+def _note(changes: Changes, key: BlockKey, tag: BlockKey, old: int, new: int) -> None:
+    previous = changes.get(key)
+    changes[key] = EntryChange(key, tag, old if previous is None else previous.old_mask, new)
 
 
 def _tier(medium: str | None) -> int:

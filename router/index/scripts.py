@@ -175,7 +175,8 @@ return 0
 
 LOOKUP: Final = """
 -- The longest consecutive prefix of one request's keys per candidate worker, in one
--- family (one slot). KEYS: the family's holders hash.
+-- family (one slot): O(log n) membership checks per candidate holding the family.
+-- KEYS: the family's holders hash.
 -- ARGV: ns prefix, family tag, space-separated keys, then the candidate worker ids
 -- (none: every holder of the family).
 -- Returns: flat list worker, gpu_blocks, cpu_blocks for each worker holding block 0.
@@ -208,27 +209,40 @@ for _, w in ipairs(candidates) do
   local gset = ns .. 'g:{' .. tag .. '}:' .. w
   local cset = ns .. 'c:{' .. tag .. '}:' .. w
   local has_cpu = redis.call('EXISTS', cset) == 1
-  local gpu, cpu = 0, 0
-  -- Growing windows: a worker holding a short prefix costs a short check.
-  local first, size, held = 1, 32, true
-  while held and first <= n do
-    local last = math.min(n, first + size - 1)
-    local g = redis.call('SMISMEMBER', gset, unpack(keys, first, last))
-    local c = nil
-    if has_cpu then
-      c = redis.call('SMISMEMBER', cset, unpack(keys, first, last))
+  local function held(i)
+    return redis.call('SISMEMBER', gset, keys[i]) == 1
+      or (has_cpu and redis.call('SISMEMBER', cset, keys[i]) == 1)
+  end
+  -- The index is prefix-closed per chain (see router.index.bridge): held(i) implies
+  -- held(i - 1), so the matched depth is found by binary search.
+  local depth = 0
+  if held(1) then
+    local lo, hi = 1, n + 1
+    if held(n) then
+      lo = n
+    else
+      hi = n
     end
-    for i = 1, last - first + 1 do
-      if g[i] == 1 then
-        gpu = gpu + 1
-      elseif c and c[i] == 1 then
-        cpu = cpu + 1
+    while hi - lo > 1 do
+      local mid = math.floor((lo + hi) / 2)
+      if held(mid) then
+        lo = mid
       else
-        held = false
-        break
+        hi = mid
       end
     end
-    first, size = last + 1, size * 4
+    depth = lo
+  end
+  local gpu, cpu = depth, 0
+  if has_cpu and depth > 0 then
+    gpu = 0
+    for first = 1, depth, 1000 do
+      local g = redis.call('SMISMEMBER', gset, unpack(keys, first, math.min(depth, first + 999)))
+      for i = 1, #g do
+        gpu = gpu + g[i]
+      end
+    end
+    cpu = depth - gpu
   end
   if gpu + cpu > 0 then
     out[#out + 1] = w

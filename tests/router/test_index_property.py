@@ -93,7 +93,12 @@ class Model:
         return True
 
     def entries(self, worker: WorkerId) -> dict[BlockKey, int]:
-        return {KEY[n]: self.holds(worker, n) for n in PARENT if self.holds(worker, n)}
+        """Indexed entries: held blocks whose whole prefix is held (prefix closure)."""
+        return {
+            KEY[n]: self.holds(worker, n)
+            for n in PARENT
+            if all(self.holds(worker, p) for p in path(n))
+        }
 
     def match(self, node: int) -> dict[WorkerId, PrefixMatch]:
         out = {}
