@@ -80,7 +80,7 @@ class RouterConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     lease_ttl_s: float = 10.0
-    lookup_timeout_s: float = 0.25
+    lookup_timeout_s: float = 0.5
     probe_interval_s: float = 1.0
     route_hold_s: float = 2.0
     suspect_s: float = 5.0
