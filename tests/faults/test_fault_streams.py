@@ -1,4 +1,4 @@
-"""Event stream faults into a real router: PUB high-water-mark drops; a silent replay endpoint.
+"""Event stream faults into a real router: PUB high-water-mark drops; silent and slow replay.
 
 The worker is a :class:`SyntheticWorker` (a real pool and publisher in the test process,
 with the worker's ``/health`` and ``/v1/snapshot``), so the test controls the publisher's
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,3 +145,91 @@ def test_silent_replay_endpoint_times_out_and_resyncs_from_the_snapshot(tmp_path
         metric(samples, "kvroute_ingest_resyncs_total", worker="s1", reason="replay_timeout") == 1
     )
     assert metric(samples, "kvroute_ingest_snapshots_total", worker="s1", outcome="ok") == 2
+
+
+SLOW_DELAY_S = 2.0
+"""How long the slow endpoint holds each replay before answering (under the timeout)."""
+
+
+def slow_relay(
+    context: zmq.Context[zmq.Socket[bytes]], upstream: str, stop: threading.Event
+) -> tuple[int, threading.Thread]:
+    """A replay endpoint that forwards to ``upstream`` and answers ``SLOW_DELAY_S`` late.
+
+    Returns:
+        The port it listens on and the thread serving it until ``stop`` is set (join it
+        before destroying ``context``).
+    """
+    front = context.socket(zmq.ROUTER)
+    front.linger = 0
+    port = front.bind_to_random_port(f"tcp://{HOST}")
+
+    def serve() -> None:
+        back = context.socket(zmq.DEALER)
+        back.linger = 0
+        back.connect(upstream)
+        try:
+            while not stop.is_set():
+                if not front.poll(50):
+                    continue
+                identity, *request = front.recv_multipart()
+                back.send_multipart(request)
+                replies = []
+                while True:  # collect the whole replay, end marker included
+                    assert back.poll(30_000), "the real replay endpoint did not answer"
+                    reply = back.recv_multipart()
+                    replies.append(reply)
+                    if reply[1] == b"" and reply[3] == b"":
+                        break
+                stop.wait(SLOW_DELAY_S)
+                for reply in replies:
+                    front.send_multipart([identity, *reply])
+        finally:
+            back.close()
+            front.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return port, thread
+
+
+def test_slow_replay_endpoint_still_closes_the_gap(tmp_path: Path) -> None:
+    prompts = unique_prompts(3)
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    stop = threading.Event()
+    skip: set[int] = set()
+    try:
+        with (
+            Cluster(tmp_path, num_workers=0) as cluster,
+            SyntheticWorker("s2", skip_live_seqs=skip) as worker,
+        ):
+            upstream = f"tcp://{HOST}:{worker.ports.replay}"
+            relay, relay_thread = slow_relay(context, upstream, stop)
+            router = cluster.start_router(
+                "router", [worker.ports.spec(replay=f"tcp://{HOST}:{relay}")]
+            )
+            cluster.wait_healthy([router])
+            handshake(cluster, router, worker, prompts)
+            targets = [("s2", worker.url)]
+            wait_converged(
+                cluster, targets, SILENT_BOUND_S, poke=lambda: worker.step(next(prompts))
+            )
+            lost = worker.publisher.next_seq
+            skip.add(lost)
+            assert worker.step(next(prompts)) == lost
+            worker.step(next(prompts))  # the gap shows; the replay answers 2 s late
+            took = wait_converged(cluster, targets, SILENT_BOUND_S)
+            samples = scrape(router)
+            stop.set()
+            relay_thread.join(30)
+    finally:
+        stop.set()
+        context.destroy(linger=0)
+    assert took < SILENT_BOUND_S
+    assert metric(samples, "kvroute_stream_gaps_total", worker="s2") == 1
+    assert metric(samples, "kvroute_stream_missed_batches_total", worker="s2") == 1
+    assert metric(samples, "kvroute_stream_replays_total", worker="s2") == 1
+    # The replay brings the lost batch and the one that revealed the gap (held back live).
+    assert metric(samples, "kvroute_stream_replayed_batches_total", worker="s2") == 2
+    assert metric(samples, "kvroute_stream_resyncs_total", worker="s2") == 0
+    assert metric(samples, "kvroute_ingest_replays_total", worker="s2", outcome="failed") == 0
