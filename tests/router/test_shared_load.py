@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from router.index.base import WorkerId
 from router.load import WorkerLoad, finished, routed
+from router.redis_conn import connect
 from router.redis_server import RedisServer
 from router.shared_load import (
     RedisLoadTracker,
@@ -260,5 +261,30 @@ def test_poller_reads_health_and_vllm_metrics() -> None:
             assert (await tracker.snapshot([W1]))[W1] == WorkerLoad()
         for runner in runners:
             await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_replicas_share_load_on_a_redis_cluster(redis_cluster_url: str) -> None:
+    async def scenario() -> None:
+        clients = [await connect(redis_cluster_url) for _ in range(2)]
+        a = RedisLoadTracker(clients[0], SharedLoadConfig("cluster-ns", "a"))
+        b = RedisLoadTracker(clients[1], SharedLoadConfig("cluster-ns", "b"))
+        await a.start()
+        await b.start()
+        await a.add(W1, routed(30, 3))
+        await b.add(W2, routed(5, 1))
+        await a.refresh()
+        await b.refresh()
+        expected = {W1: WorkerLoad(1, 30, 3), W2: WorkerLoad(1, 5, 1)}
+        assert await a.snapshot([W1, W2]) == expected
+        assert await b.snapshot([W1, W2]) == expected
+        assert a.is_shared and b.is_shared
+        await a.close()
+        await b.refresh()
+        assert await b.snapshot([W1, W2]) == {W1: WorkerLoad(), W2: WorkerLoad(1, 5, 1)}
+        await b.close()
+        for client in clients:
+            await client.aclose()
 
     asyncio.run(scenario())
