@@ -360,3 +360,20 @@ def test_redis_outage_degrades_to_load_routing_and_recovers(private_redis: Redis
         assert sorted(set(served)) == ["w0", "w1"]  # load-based routing spread the work
 
     run(private_redis.url, "degraded", scenario, probe_interval_s=0.2)
+
+
+def test_router_runs_on_a_redis_cluster(redis_cluster_url: str, namespace: str) -> None:
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        status, body = await post(client, "/v1/completions", {"prompt": "cluster" * 10})
+        assert status == 200
+        assert body["choices"][0]["text"] in ("w0:1", "w1:1")  # proxied to one echo worker
+        status, route = await post(client, "/v1/route", {"prompt": "cluster" * 10, "dry_run": True})
+        assert status == 200
+        assert sorted(c["worker_id"] for c in route["candidates"]) == ["w0", "w1"]
+        async with client.get("/health") as resp:
+            health = await resp.json()
+        assert (health["index"], health["shared_load"]) == ("live", "live")
+
+    run(redis_cluster_url, namespace, scenario)
