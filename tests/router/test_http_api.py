@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from router.explain import read_decisions
 from router.index.registry import WorkerRecord
 from router.redis_server import RedisServer
 from router.service import RouterService
@@ -216,9 +217,11 @@ def test_completions_are_proxied_and_siblings_follow_their_prefix(
                 assert body["choices"][0]["text"].startswith(served[-1] + ":")
         assert len(set(served)) == 1  # predicted entries keep siblings together
         assert sum(len(w.prompts) for w in ws) == 4
-        records = [json.loads(line) for line in log.read_text().splitlines()]
-        assert [r["worker_id"] for r in records] == served
-        assert all(r["policy"] == "cache_aware" and r["num_prompt_tokens"] == 49 for r in records)
+        records = read_decisions(log)  # the format `kvroute explain --decisions` reads
+        assert [r.worker_id for r in records] == served
+        assert all(r.policy == "cache_aware" and r.num_prompt_tokens == 49 for r in records)
+        assert [sorted(c.worker_id for c in r.candidates) for r in records] == [["w0", "w1"]] * 4
+        assert records[1].candidates[0].load.num_requests == 0  # sequential: idle at decision
         # Load is released when each request finishes.
         snap = await svc.load.snapshot([w.record().worker_id for w in ws])  # type: ignore[arg-type]
         assert all(load.num_requests == 0 for load in snap.values())
