@@ -26,7 +26,15 @@ from events.hashing import BlockKey
 from router.errors import PrefixIndexError
 from router.index.base import WorkerId
 
-__all__ = ["KeyLayout", "check_name", "decode_key", "encode_keys", "tag_text"]
+__all__ = [
+    "KEY_WIDTH",
+    "KeyLayout",
+    "check_name",
+    "decode_key",
+    "encode_keys",
+    "encode_keys_fixed",
+    "tag_text",
+]
 
 _NAME: Final = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 _SIGN: Final = 1 << 63
@@ -51,6 +59,16 @@ def check_name(kind: str, value: str) -> str:
 def encode_keys(keys: Iterable[int]) -> bytes:
     """Router keys as space-separated signed decimals (how the sets store them)."""
     return " ".join([str(k - _WRAP if k >= _SIGN else k) for k in keys]).encode()
+
+
+KEY_WIDTH: Final = 20
+"""Characters per key in :func:`encode_keys_fixed` (the longest signed 64-bit decimal)."""
+
+
+def encode_keys_fixed(keys: Iterable[int]) -> bytes:
+    """Router keys as signed decimals right-aligned in 20 characters each (no separator):
+    a script can cut out key ``i`` without splitting the whole list."""
+    return b"".join([b"%20d" % (k - _WRAP if k >= _SIGN else k) for k in keys])
 
 
 def decode_key(member: bytes) -> BlockKey:

@@ -118,10 +118,10 @@ class MemoryPrefixIndex:
         return {key: mask for key, (_, mask) in bridge.entries().items()}
 
     async def stats(self) -> IndexStats:
-        """Entries (key, worker, tier), distinct keys and workers holding any entry."""
+        """Entries (key, worker, tier), distinct keys and workers with any entry."""
         num_entries = 0
         for holders in self._holders.values():
             for mask in holders.values():
                 num_entries += (mask & GPU_MASK) + ((mask & CPU_MASK) >> 1)
-        workers = {w for w, b in self._bridges.items() if b.num_hashes}
+        workers = {w for holders in self._holders.values() for w in holders}
         return IndexStats(num_entries, len(self._holders), len(workers))

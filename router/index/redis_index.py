@@ -34,7 +34,14 @@ from router.errors import PrefixIndexError
 from router.index.base import IndexStats, PrefixMatch, WorkerId
 from router.index.bridge import CPU_MASK, GPU_MASK, Changes, WorkerBridge, fold_batch
 from router.index.group_commit import GroupCommit
-from router.index.layout import KeyLayout, check_name, decode_key, encode_keys, tag_text
+from router.index.layout import (
+    KeyLayout,
+    check_name,
+    decode_key,
+    encode_keys,
+    encode_keys_fixed,
+    tag_text,
+)
 from router.index.scripts import (
     APPLY_FAMILIES,
     APPLY_SINGLE,
@@ -217,7 +224,7 @@ class RedisPrefixIndex:
         reply: list[Any] = await _lookup(
             self.client,
             [self.layout.holders(tag)],
-            [self.layout.prefix, tag_text(tag), encode_keys(keys), *fields],
+            [self.layout.prefix, tag_text(tag), encode_keys_fixed(keys), *fields],
         )
         out: dict[WorkerId, PrefixMatch] = {}
         for i in range(0, len(reply), 3):

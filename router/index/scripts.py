@@ -177,8 +177,8 @@ LOOKUP: Final = """
 -- The longest consecutive prefix of one request's keys per candidate worker, in one
 -- family (one slot): O(log n) membership checks per candidate holding the family.
 -- KEYS: the family's holders hash.
--- ARGV: ns prefix, family tag, space-separated keys, then the candidate worker ids
--- (none: every holder of the family).
+-- ARGV: ns prefix, family tag, the keys (20 characters each, right-aligned), then the
+-- candidate worker ids (none: every holder of the family).
 -- Returns: flat list worker, gpu_blocks, cpu_blocks for each worker holding block 0.
 local ns, tag = ARGV[1], ARGV[2]
 local candidates = {}
@@ -199,19 +199,20 @@ end
 if #candidates == 0 then
   return {}
 end
-local keys = {}
-for member in string.gmatch(ARGV[3], '%S+') do
-  keys[#keys + 1] = member
+local packed = ARGV[3]
+local n = #packed / 20
+local function key(i)
+  return string.match(string.sub(packed, 20 * i - 19, 20 * i), '%S+')
 end
 local out = {}
-local n = #keys
 for _, w in ipairs(candidates) do
   local gset = ns .. 'g:{' .. tag .. '}:' .. w
   local cset = ns .. 'c:{' .. tag .. '}:' .. w
   local has_cpu = redis.call('EXISTS', cset) == 1
   local function held(i)
-    return redis.call('SISMEMBER', gset, keys[i]) == 1
-      or (has_cpu and redis.call('SISMEMBER', cset, keys[i]) == 1)
+    local k = key(i)
+    return redis.call('SISMEMBER', gset, k) == 1
+      or (has_cpu and redis.call('SISMEMBER', cset, k) == 1)
   end
   -- The index is prefix-closed per chain (see router.index.bridge): held(i) implies
   -- held(i - 1), so the matched depth is found by binary search.
@@ -237,7 +238,11 @@ for _, w in ipairs(candidates) do
   if has_cpu and depth > 0 then
     gpu = 0
     for first = 1, depth, 1000 do
-      local g = redis.call('SMISMEMBER', gset, unpack(keys, first, math.min(depth, first + 999)))
+      local chunk = {}
+      for i = first, math.min(depth, first + 999) do
+        chunk[#chunk + 1] = key(i)
+      end
+      local g = redis.call('SMISMEMBER', gset, unpack(chunk))
       for i = 1, #g do
         gpu = gpu + g[i]
       end
