@@ -346,6 +346,7 @@ class SyntheticWorker:
         buffer_steps: Batches kept for replay.
         skip_live_seqs: Seqs kept for replay but never sent live (loss injection; an
             object that contains every seq makes the test send the live stream itself).
+        ports: Reuse these ports (a worker restarted in place); fresh ones by default.
     """
 
     def __init__(
@@ -355,8 +356,9 @@ class SyntheticWorker:
         hwm: int = 100_000,
         buffer_steps: int = 10_000,
         skip_live_seqs: Collection[int] | None = None,
+        ports: WorkerPorts | None = None,
     ) -> None:
-        self.ports = WorkerPorts(worker_id)
+        self.ports = ports if ports is not None else WorkerPorts(worker_id)
         self.kv = KVCacheManager(KVCacheConfig(NUM_BLOCKS, BLOCK_SIZE, enable_kv_cache_events=True))
         self.chains = CachedChains(BLOCK_SIZE)
         self.skip_live_seqs = skip_live_seqs if skip_live_seqs is not None else set()
