@@ -8,10 +8,11 @@ worker's lease token (see :mod:`router.index.registry`): a router that lost the 
 cannot write.
 
 Costs: a lookup is one ``EVALSHA`` on the family's shard: one ``HKEYS``/``HMGET`` for
-the candidates, then one ``SMISMEMBER`` over the request's keys per candidate that holds
-the family. A batch is one ``EVALSHA`` on a single node; on a cluster one call to the
-worker's shard (fencing + bookkeeping) followed by one call per family shard, sent
-concurrently.
+the candidates, then, per candidate holding the family, a binary search of its matched
+depth with ``SISMEMBER`` (the bridge keeps each chain's entries prefix-closed), plus one
+``SMISMEMBER`` for the tier split when the worker has CPU-tier entries there. A batch is
+one ``EVALSHA`` on a single node; on a cluster one call to the worker's shard (fencing +
+bookkeeping) followed by one call per family shard, sent concurrently.
 
 NOTE: on a cluster the fencing check and the family writes are separate scripts, so a
 writer whose lease lapses between the two may write that one batch after a newer owner
