@@ -276,7 +276,12 @@ class WorkerProxy:
                 if not started:
                     await response.prepare(request)
                     started = True
-                await response.write(line)
+                try:
+                    await response.write(line)
+                except ConnectionResetError:
+                    # The client left: stop reading, which closes the worker's stream too.
+                    logger.info("client of worker %s left mid-stream", target.worker_id)
+                    return response, usage
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             if not started:
                 raise _Failed(f"stream broke before its first event: {exc}") from exc

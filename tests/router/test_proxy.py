@@ -266,3 +266,46 @@ def test_chat_rewriter_reshapes_buffered_and_streamed_answers() -> None:
         assert parsed[-1]["choices"][0]["finish_reason"] == "stop"
 
     asyncio.run(scenario())
+
+
+def test_a_client_leaving_mid_stream_ends_the_attempt_and_the_worker_stream() -> None:
+    stopped = asyncio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        try:
+            for i in range(10_000):
+                await resp.write(f'data: {{"choices": [{{"text": "{i}"}}]}}\n\n'.encode())
+                await asyncio.sleep(0.01)  # a slow token stream
+        except ConnectionResetError:
+            stopped.set()  # the router closed its side
+        return resp
+
+    async def scenario() -> None:
+        recorder = Recorder()
+        async with aiohttp.ClientSession() as upstream, serve(endless) as worker_url:
+            proxy = WorkerProxy(upstream)
+            done = asyncio.Event()
+
+            async def front(request: web.Request) -> web.StreamResponse:
+                target = ProxyTarget(WorkerId("s"), worker_url)
+                try:
+                    response, _ = await proxy.forward(
+                        request, "/v1/completions", await request.read(), [target], recorder
+                    )
+                finally:
+                    done.set()
+                return response
+
+            async with serve(front) as url, aiohttp.ClientSession() as client:
+                resp = await client.post(f"{url}/v1/completions", json={"stream": True})
+                first = await resp.content.readline()
+                assert first.startswith(b"data: ")
+                resp.close()  # the client leaves
+                await asyncio.wait_for(done.wait(), 30)
+                await asyncio.wait_for(stopped.wait(), 30)
+        assert recorder.calls == [("start", "s"), ("first_byte", "s"), ("end", "s", True)]
+
+    asyncio.run(scenario())
