@@ -78,10 +78,12 @@ class WorkerPorts:
 class Cluster:
     """Private Redis, workers and routers as processes; use as a context manager.
 
+    Redis listens on a port fixed for the cluster's life, so a restarted Redis is found
+    at the same URL.
+
     Args:
         log_dir: Where each process logs.
         num_workers: kvroute workers ``w0 .. w{n-1}``.
-        redis_port: Fixed Redis port (so a restarted Redis is found at the same URL).
     """
 
     def __init__(self, log_dir: Path, num_workers: int = 2) -> None:

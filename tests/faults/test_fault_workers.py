@@ -8,6 +8,7 @@ is lost (each gets an answer or a JSON error) and the fault shows in ``/metrics`
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from fault_helpers import (
     Load,
     complete,
     family_prompts,
+    get_json,
     index_check,
     metric,
     scrape,
@@ -37,8 +39,6 @@ with room for a loaded 2-core machine."""
 
 
 def worker_entries(cluster: Cluster, worker_id: str) -> dict[int, int]:
-    import asyncio
-
     async def read() -> dict[int, int]:
         client = await connect(cluster.redis_url)
         try:
@@ -86,8 +86,6 @@ def test_worker_sigkilled_mid_stream(tmp_path: Path) -> None:
 
 
 def _workers(router: str) -> list[dict[str, object]]:
-    from fault_helpers import get_json
-
     status, body = get_json(f"{router}/v1/workers")
     assert status == 200
     return list(body["workers"] if isinstance(body, dict) else body)

@@ -15,7 +15,6 @@ import json
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -225,7 +224,7 @@ def test_wrong_methods_and_paths_are_4xx(worker_port: int) -> None:
         conn.close()
 
 
-def test_worker_survives_the_fuzzing(worker_port: int, tmp_path: Path) -> None:
+def test_worker_survives_the_fuzzing(worker_port: int) -> None:
     status, reply = post(worker_port, "/v1/completions", b'{"prompt": "hello", "max_tokens": 2}')
     assert status == 200
     assert reply["usage"]["completion_tokens"] in (1, 2)
