@@ -254,7 +254,12 @@ async def _serve(args: argparse.Namespace) -> int:
         redis_url = embedded.url
         logger.info("no --redis given: started an embedded Redis at %s", redis_url)
     try:
-        service = RouterService(config_from_args(args, redis_url))
+        config = config_from_args(args, redis_url)
+        if config.host not in ("127.0.0.1", "::1", "localhost"):
+            logger.warning(
+                "listening on %s: the router is reachable from other machines", config.host
+            )
+        service = RouterService(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
