@@ -29,10 +29,12 @@ import zmq
 from aiohttp import web
 
 from events.framing import make_message
+from router.cost import CostWeights
 from router.index.base import WorkerId
 from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRecord
+from router.policies import PolicyConfig
 from router.redis_conn import connect
 from router.service import RouterService
 from router.service_config import RouterConfig
@@ -166,10 +168,19 @@ def test_prefix_affinity_then_spreading_under_load(
     redis_url: str, namespace: str, workers: list[WorkerProc]
 ) -> None:
     prefix = "You are a careful assistant. " * 9  # 261 bytes: 16 full blocks shared
+    # Explicit weights, so the test does not depend on the defaults: the caching worker
+    # (56 tokens of work per sibling) takes siblings until its queue costs more than a cold
+    # worker's 2,104 (each in-flight sibling adds 256 + 48 + 7 = 311): 7 of the burst of 9.
+    weights = CostWeights(prefill=8.0, queued_prefill=1.0, decode=1.0, per_request=256.0)
 
     async def scenario() -> None:
         async with (
-            router(redis_url, namespace, [w.record() for w in workers]) as svc,
+            router(
+                redis_url,
+                namespace,
+                [w.record() for w in workers],
+                policy_config=PolicyConfig(weights=weights),
+            ) as svc,
             aiohttp.ClientSession() as s,
         ):
             first, usage0 = await complete(s, svc.url, prefix + "Q0")
