@@ -29,6 +29,7 @@ import zmq
 from aiohttp import web
 
 from events.framing import make_message
+from router.chat import ChatMessage
 from router.cost import CostWeights
 from router.index.base import WorkerId
 from router.index.layout import KeyLayout
@@ -252,6 +253,43 @@ def test_two_replicas_share_index_and_load(
                     "the other replica's view",
                 )
             assert sorted(chosen) == ["a", "b", "c"]
+
+    asyncio.run(scenario())
+
+
+def test_streamed_chat_through_real_workers_reuses_the_system_prompt(
+    redis_url: str, namespace: str, workers: list[WorkerProc]
+) -> None:
+    system = {"role": "system", "content": "Answer in one short sentence, politely. " * 6}
+
+    async def chat(s: aiohttp.ClientSession, url: str, question: str) -> tuple[str, list[Any]]:
+        body = {"messages": [system, {"role": "user", "content": question}], "max_tokens": 4,
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+        async with s.post(f"{url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            assert resp.content_type == "text/event-stream"
+            lines = [line async for line in resp.content if line.startswith(b"data: ")]
+            served = resp.headers["X-Kvroute-Worker"]
+        assert lines[-1] == b"data: [DONE]\n"
+        return served, [json.loads(line[6:]) for line in lines[:-1]]
+
+    async def scenario() -> None:
+        async with (
+            router(redis_url, namespace, [w.record() for w in workers]) as svc,
+            aiohttp.ClientSession() as s,
+        ):
+            first, chunks = await chat(s, svc.url, "Why is the sky blue?")
+            assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            prompt = svc.chat_template.render(
+                [ChatMessage(**system), ChatMessage(role="user", content="Why is grass green?")]
+            )
+            shared = len(prompt.encode()) // BLOCK * BLOCK
+            await until(lambda: _holds(s, svc.url, prompt, first, 256), "the system prompt indexed")
+            again, chunks = await chat(s, svc.url, "Why is grass green?")
+            usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
+            assert again == first
+            assert 256 <= usage["cached_tokens"] < shared  # the common system prompt was reused
 
     asyncio.run(scenario())
 
