@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from router.index.base import WorkerId
 from tests.router.test_ingest_helpers import (
     FakeWorker,
@@ -20,13 +22,20 @@ from tests.router.test_ingest_helpers import (
 )
 
 
-def test_snapshot_then_live_events(redis_url: str, namespace: str) -> None:
+@pytest.fixture(params=["redis", "cluster"])
+def any_redis(request: pytest.FixtureRequest) -> str:
+    """A single Redis node or the three-master cluster."""
+    fixture = "redis_url" if request.param == "redis" else "redis_cluster_url"
+    return str(request.getfixturevalue(fixture))
+
+
+def test_snapshot_then_live_events(any_redis: str, namespace: str) -> None:
     async def main() -> None:
         async with fake_workers(FakeWorker("k1"), FakeWorker("k2")) as (k1, k2):
             k1.publish(stored(1, 0, 4))
             k1.publish(stored(2, 0, 3))
             k2.publish(stored(1, 0, 2))
-            async with stack(redis_url, namespace, [k1.record(), k2.record()]) as s:
+            async with stack(any_redis, namespace, [k1.record(), k2.record()]) as s:
                 # start() loaded both snapshots before returning.
                 assert dict(await s.index.lookup(keys(1))) == {
                     WorkerId("k1"): match(4),
