@@ -285,9 +285,9 @@ class WorkerBridge:
                 siblings.discard(key)
                 if not siblings:
                     del self._children[up]
-            if state[_INDEXED]:
+            if state[_INDEXED] and key in self._children:
                 self._cascade(key, False, changes)
-        elif before == 0 and state[_INDEXED]:
+        elif before == 0 and state[_INDEXED] and key in self._children:
             self._cascade(key, True, changes)
 
     def _cascade(self, root: BlockKey, indexed: bool, changes: Changes) -> None:
