@@ -104,6 +104,9 @@ class RedisLoadTracker:
         self._base = base
         self._local: dict[WorkerId, WorkerLoad] = {}
         self._pending: set[asyncio.Task[bool]] = set()
+        # NOTE: _unsent holds increments already in _local whose write task has been
+        # scheduled but has not started; it is empty whenever no such task is pending.
+        self._unsent: dict[WorkerId, WorkerLoad] = {}
         self._remote: dict[WorkerId, WorkerLoad] = {}
         self._reported: dict[WorkerId, WorkerLoad] = {}
         self._is_shared = False
@@ -137,28 +140,38 @@ class RedisLoadTracker:
         """Add ``delta`` to this replica's load on a worker, locally and in Redis."""
         self._add_local(worker_id, delta)
         if self._is_shared:  # else the next heartbeat rewrites the hash once Redis is back
-            await self._publish(worker_id, delta)
+            await self._publish({worker_id: delta})
 
     def add_nowait(self, worker_id: WorkerId, delta: WorkerLoad) -> None:
         """:meth:`add` without waiting for Redis: the local figures change at once.
 
         For the request path: the increment reaches the other replicas a round trip later
-        without delaying the request (``close`` waits for the ones in flight).
+        without delaying the request. Increments made before the write task runs are
+        coalesced into one pipeline (``close`` waits for the writes in flight).
         """
         self._add_local(worker_id, delta)
-        if self._is_shared:
-            task = asyncio.create_task(self._publish(worker_id, delta))
+        if not self._is_shared:
+            return
+        queued = self._unsent.get(worker_id)
+        self._unsent[worker_id] = delta if queued is None else queued + delta
+        if len(self._unsent) == 1 and queued is None:  # first of a batch: schedule its write
+            task = asyncio.create_task(self._publish_unsent())
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
 
     def _add_local(self, worker_id: WorkerId, delta: WorkerLoad) -> None:
         self._local[worker_id] = (self._local.get(worker_id, _IDLE) + delta).clamped()
 
-    async def _publish(self, worker_id: WorkerId, delta: WorkerLoad) -> bool:
+    async def _publish_unsent(self) -> bool:
+        deltas, self._unsent = self._unsent, {}
+        return await self._publish(deltas)
+
+    async def _publish(self, deltas: Mapping[WorkerId, WorkerLoad]) -> bool:
         pipe = self._client.pipeline(transaction=False)
-        for name, value in zip(_FIELDS, _values(delta), strict=True):
-            if value:
-                pipe.hincrby(self._own_key, f"{name}:{worker_id}", value)
+        for worker_id, delta in deltas.items():
+            for name, value in zip(_FIELDS, _values(delta), strict=True):
+                if value:
+                    pipe.hincrby(self._own_key, f"{name}:{worker_id}", value)
         pipe.pexpire(self._own_key, int(self.config.ttl_s * 1000))
         return await self._guard(pipe.execute(), "add")
 
@@ -201,6 +214,7 @@ class RedisLoadTracker:
     async def _sync(self) -> None:
         """Rewrite this replica's hash from the local figures and renew its lease."""
         ttl_ms = int(self.config.ttl_s * 1000)
+        self._unsent.clear()  # the rewrite below includes them (they are in _local)
         mapping: dict[str, int] = {}
         for w, load in self._local.items():
             for name, value in zip(_FIELDS, _values(load), strict=True):

@@ -81,16 +81,18 @@ def test_add_nowait_changes_local_load_at_once_and_reaches_redis(
         await b.start()
         a.add_nowait(W1, routed(40, 4))
         assert (await a.snapshot([W1]))[W1] == WorkerLoad(1, 40, 4)  # before any await
+        a.add_nowait(W2, routed(7, 1))  # coalesced with the first into one write
+        a.add_nowait(W2, finished(1))
 
         async def b_sees_it() -> bool:
             await b.refresh()
-            return (await b.snapshot([W1]))[W1] == WorkerLoad(1, 40, 4)
+            return await b.snapshot([W1, W2]) == {W1: WorkerLoad(1, 40, 4), W2: WorkerLoad(0, 7, 0)}
 
         await _until(b_sees_it)
         a.add_nowait(W1, finished(4))
         await a.close()  # waits for the increment in flight, then withdraws
         await b.refresh()
-        assert (await b.snapshot([W1]))[W1] == WorkerLoad()
+        assert await b.snapshot([W1, W2]) == {W1: WorkerLoad(), W2: WorkerLoad()}
         await b.close()
 
     asyncio.run(scenario())
