@@ -38,7 +38,7 @@ STALL_BOUND_S = 60.0
 REPLAY_TIMEOUT_S = 5.0
 """The subscriber's replay timeout (``SubscriberConfig.replay_timeout_s``)."""
 SILENT_BOUND_S = REPLAY_TIMEOUT_S + 40.0
-RESTART_BOUND_S = 15.0
+RESTART_BOUND_S = 10.0
 """A reset, a snapshot load and ``index check`` runs."""
 
 

@@ -133,7 +133,7 @@ def test_worker_restarted_in_place_resets_its_entries(tmp_path: Path) -> None:
     strict=False,
 )
 def test_workers_slower_to_start_than_a_lease_are_served_once_up(tmp_path: Path) -> None:
-    with Cluster(tmp_path) as cluster:
+    with Cluster(tmp_path, num_workers=1) as cluster:
         specs = [w.spec() for w in cluster.workers]
         router = cluster.start_router("router", specs, "--lease-ttl", str(LEASE_TTL_S))
         cluster.wait_healthy([router])
@@ -141,9 +141,9 @@ def test_workers_slower_to_start_than_a_lease_are_served_once_up(tmp_path: Path)
         for w in cluster.workers:  # importing torch alone takes longer than the lease
             cluster.start_worker(w)
         cluster.wait_healthy([w.url for w in cluster.workers])
-        while sorted(w["worker_id"] for w in _workers(router)) != ["w0", "w1"]:
+        while [w["worker_id"] for w in _workers(router)] != ["w0"]:
             cluster.group.check_alive()
-            assert time.monotonic() - started < 20.0, _workers(router)
+            assert time.monotonic() - started < 15.0, _workers(router)
             time.sleep(0.2)  # polling another process's registry
         for prompt in family_prompts(4, 4):
             complete(router, prompt)
