@@ -15,6 +15,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -57,7 +58,12 @@ def error_message(body: Any) -> str:
 
 
 @pytest.fixture(scope="module")
-def router_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+def decision_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("decisions") / "decisions.jsonl"
+
+
+@pytest.fixture(scope="module")
+def router_port(tmp_path_factory: pytest.TempPathFactory, decision_log: Path) -> Iterator[int]:
     worker, events, router = free_port(), free_port(), free_port()
     worker_url = f"http://127.0.0.1:{worker}"
     with RedisServer() as redis, ProcessGroup(tmp_path_factory.mktemp("router-fuzz")) as group:
@@ -73,7 +79,8 @@ def router_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
              "--port", str(router), "--log-level", "WARNING",
              "--worker", f"w0={worker_url},events=tcp://127.0.0.1:{events},block-size=8",
              "--max-body-bytes", str(MAX_BODY_BYTES),
-             "--max-prompt-tokens", str(MAX_PROMPT_TOKENS)],
+             "--max-prompt-tokens", str(MAX_PROMPT_TOKENS),
+             "--decision-log", str(decision_log)],
         )  # fmt: skip
 
         async def ready() -> None:
@@ -215,3 +222,18 @@ def test_router_still_routes_after_the_fuzzing(router_port: int) -> None:
     status, reply = post(router_port, "/v1/completions", b'{"prompt": "hello", "max_tokens": 1}')
     assert status == 200, reply
     assert reply["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_decision_log_is_json_lines_after_the_fuzzing(router_port: int, decision_log: Path) -> None:
+    """What the router logged about the fuzzed requests is JSON, one object a line (no pickle)."""
+    status, _ = post(router_port, "/v1/route", b'{"prompt": "last one"}')
+    assert status == 200
+    deadline = time.monotonic() + REPLY_TIMEOUT_S
+    while not decision_log.exists() or decision_log.stat().st_size == 0:
+        assert time.monotonic() < deadline, "no decision logged"
+        time.sleep(0.05)  # the router appends from its own process
+    lines = decision_log.read_bytes().splitlines()
+    assert lines
+    for line in lines:
+        assert not line.startswith(b"\x80")  # a pickle's PROTO opcode
+        assert isinstance(json.loads(line), dict)
