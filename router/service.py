@@ -211,11 +211,21 @@ class RouterService:
     async def add_worker(self, record: WorkerRecord) -> None:
         """Register a worker (persisted in Redis) and start ingesting and routing to it.
 
+        The same registration again changes nothing; a changed one (a worker restarted on
+        new endpoints) replaces it: the old entries are dropped and the new stream ingested.
+
         Raises:
             redis.exceptions.RedisError: Redis is unreachable.
         """
+        wid = WorkerId(record.worker_id)
+        current = self._records.get(wid)
+        if current == record:
+            return
+        if current is not None:
+            await self.ingest.remove_worker(wid)
+            self._drop_worker(wid)
         await self.ingest.add_worker(record)
-        self._dead.pop(WorkerId(record.worker_id), None)
+        self._dead.pop(wid, None)
         self._set_worker(record)
 
     async def remove_worker(self, worker_id: WorkerId) -> bool:

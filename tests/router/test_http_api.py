@@ -299,6 +299,15 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
         assert added["worker"] == {**new, "kind": "kvroute"}
         async with client.get("/v1/workers") as resp:
             assert [w["worker_id"] for w in (await resp.json())["workers"]] == ["w0", "w9"]
+        assert await post(client, "/v1/workers", new) == (201, added)  # idempotent
+        moved = {**new, "events": "tcp://127.0.0.1:2", "topic": "kv2"}  # restarted elsewhere
+        assert await post(client, "/v1/workers", moved) == (
+            201,
+            {"worker": {**moved, "kind": "kvroute"}},
+        )
+        async with client.get("/v1/workers") as resp:
+            listed = (await resp.json())["workers"]
+        assert [(w["worker_id"], w["topic"]) for w in listed] == [("w0", ""), ("w9", "kv2")]
         for bad, message in [
             ({**new, "colour": "red"}, "Object contains unknown field `colour`"),
             ({"worker_id": "x", "url": ws[0].url}, "Object missing required field `events`"),
