@@ -350,6 +350,7 @@ class IndexIngest:
                 await self.index.apply(wid, batch)
         finally:
             bridge.tolerate_orphans = False
+        await self.index.flush(wid)  # the snapshot is in Redis before the stream resumes
         worker.applied_through = snapshot.next_seq - 1
         self.metrics.snapshots.labels(wid, "ok").inc()
         self._sync_counters(worker)
