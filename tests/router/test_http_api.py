@@ -19,6 +19,7 @@ from aiohttp import web
 
 from router.explain import read_decisions
 from router.index.registry import WorkerRecord
+from router.policies import POLICY_NAMES
 from router.redis_server import RedisServer
 from router.service import RouterService
 from router.service_config import RequestLimits, RouterConfig
@@ -389,3 +390,25 @@ def test_router_runs_on_a_redis_cluster(redis_cluster_url: str, namespace: str) 
         assert (health["index"], health["shared_load"]) == ("live", "live")
 
     run(redis_cluster_url, namespace, scenario)
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_routes_and_proxies(redis_url: str, namespace: str, policy: str) -> None:
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        chosen = []
+        for i in range(4):
+            status, route = await post(client, "/v1/route", {"prompt": f"{i}" * 40})
+            assert status == 200 and route["worker_id"] in ("w0", "w1", "w2")
+            chosen.append(route["worker_id"])
+            status, body = await post(client, "/v1/completions", {"prompt": f"{i}" * 40})
+            assert status == 200 and body["choices"][0]["text"][:2] in ("w0", "w1", "w2")
+        metrics = await (await client.get("/metrics")).text()
+        assert (
+            f'kvroute_router_decisions_total{{policy="{policy}",worker="{chosen[0]}"}}' in metrics
+        )
+        if policy == "round_robin":
+            assert len(set(chosen)) == 3
+
+    run(redis_url, namespace, scenario, n=3, policy=policy)
