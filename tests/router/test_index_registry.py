@@ -134,7 +134,7 @@ def test_writing_without_a_lease_is_refused(redis_target: str, namespace: str) -
 
 def test_lapsed_worker_is_reaped_by_another_replica(redis_target: str, namespace: str) -> None:
     async def body(client: RedisClient, layout: KeyLayout) -> None:
-        silent = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=300)
+        silent = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=1500)
         live = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=60_000)
         reaper = WorkerRegistry(client, layout, owner="router-b", lease_ttl_ms=60_000)
         index = RedisPrefixIndex(client, layout)
