@@ -163,6 +163,8 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
         ("--max-prompt-tokens", int, "longest prompt accepted, in tokens (default: 131072)"),
         ("--lease-ttl", float, "seconds of a worker's index lease; a dead worker or router is "
          "dropped after it (default: 10)"),
+        ("--route-hold", float, "seconds a POST /v1/route decision counts as load on its worker "
+         "(the gateway sends the request itself; default: 2)"),
     ]  # fmt: skip
 
 
@@ -241,6 +243,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         limits=limits,
         proxy=ProxyConfig(),
         lease_ttl_s=float(pick("lease_ttl", 10.0)),
+        route_hold_s=float(pick("route_hold", 2.0)),
     )
 
 

@@ -78,12 +78,14 @@ def test_config_file_toml_and_json_with_flags_winning(tmp_path: Path) -> None:
     settings = {
         "temperature": 0.5,
         "max_prompt_tokens": 100,
+        "route_hold": 0.5,
         "workers": ["d=http://h:7,events=tcp://h:8"],
     }
     as_json.write_text(json.dumps(settings))
     config = config_from_args(build_parser().parse_args(["--config", str(as_json)]), "redis://x")
     assert config.policy_config.weights.temperature == 0.5
     assert config.limits.max_prompt_tokens == 100
+    assert config.route_hold_s == 0.5
     assert [w.worker_id for w in config.workers] == ["d"]
 
     bad = tmp_path / "bad.json"
