@@ -37,6 +37,7 @@ from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRecord
 from router.policies import PolicyConfig
 from router.redis_conn import connect
+from router.redis_server import RedisServer
 from router.service import RouterService
 from router.service_config import RouterConfig
 
@@ -290,6 +291,36 @@ def test_streamed_chat_through_real_workers_reuses_the_system_prompt(
             usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
             assert again == first
             assert 256 <= usage["cached_tokens"] < shared  # the common system prompt was reused
+
+    asyncio.run(scenario())
+
+
+def test_redis_restart_degrades_then_rebuilds_the_index(
+    private_redis: RedisServer, workers: list[WorkerProc]
+) -> None:
+    prefix = "Outage-proof prefix, cached before Redis goes away. " * 6  # 312 bytes
+    ns = "outage"
+
+    async def scenario() -> None:
+        async with (
+            router(
+                private_redis.url, ns, [w.record() for w in workers], probe_interval_s=0.2
+            ) as svc,
+            aiohttp.ClientSession() as s,
+        ):
+            first, _ = await complete(s, svc.url, prefix + "a")
+            await until(lambda: _holds(s, svc.url, prefix + "b", first, 304), "the prefix indexed")
+            private_redis.stop()
+            for i in range(3):  # served on load alone, never a 5xx
+                await complete(s, svc.url, f"{i} unrelated prompt while Redis is down")
+            async with s.get(f"{svc.url}/health") as resp:
+                assert (await resp.json())["index"] == "degraded"
+            private_redis.start()  # empty: the ingest re-registers and reloads snapshots
+            await until(
+                lambda: _holds(s, svc.url, prefix + "c", first, 304), "the index rebuilt", 90
+            )
+            served, usage = await complete(s, svc.url, prefix + "c")
+            assert (served, usage["cached_tokens"]) == (first, 304)
 
     asyncio.run(scenario())
 
