@@ -203,9 +203,25 @@ class WorkerBridge:
         if tag is None:
             tag = keys[0]
         tier = _tier(event.medium)
-        all_copies = self._copies
+        mask = GPU_MASK if tier == _GPU else CPU_MASK
+        all_copies, all_keys, children = self._copies, self._keys, self._children
         for block_hash, key in zip(event.block_hashes, keys, strict=True):
             copies = all_copies.get(block_hash)
+            if copies is None and key not in all_keys and key not in children:
+                # Fast path (the common case): a new block nobody below or at it holds;
+                # what _add would do, without its general bookkeeping.
+                copies = all_copies[block_hash] = [key, 0, 0]
+                copies[tier] = 1
+                above = None if parent is None else all_keys.get(parent)
+                indexed = parent is None or (above is not None and above[_INDEXED])
+                state = all_keys[key] = [tag, 0, 0, parent, indexed]
+                state[tier] = 1
+                if parent is not None:
+                    children.setdefault(parent, set()).add(key)
+                if indexed:
+                    _note(changes, key, tag, 0, mask)
+                parent = key
+                continue
             if copies is None:
                 copies = all_copies[block_hash] = [key, 0, 0]
             elif copies[_KEY] is None:
