@@ -135,20 +135,11 @@ class WorkerBridge:
     # NOTE: parent key -> its held child keys (whether or not the parent is held).
     _children: dict[BlockKey, set[BlockKey]] = field(default_factory=dict)
 
-    @property
-    def num_hashes(self) -> int:
-        """Distinct engine hashes currently held."""
-        return len(self._copies)
-
     def entries(self) -> dict[BlockKey, tuple[BlockKey, int]]:
         """Every indexed router key with its family tag and tier mask."""
         return {
             key: (state[_TAG], _mask(state)) for key, state in self._keys.items() if state[_INDEXED]
         }
-
-    def has_hash(self, block_hash: WireHash) -> bool:
-        """True when the engine hash is held on some tier."""
-        return block_hash in self._copies
 
     def reset(self) -> Changes:
         """Forget everything; returns the removal of every indexed entry."""

@@ -27,7 +27,6 @@ from router.errors import PrefixIndexError
 from router.index.base import WorkerId
 
 __all__ = [
-    "KEY_WIDTH",
     "KeyLayout",
     "check_name",
     "decode_key",
@@ -59,10 +58,6 @@ def check_name(kind: str, value: str) -> str:
 def encode_keys(keys: Iterable[int]) -> bytes:
     """Router keys as space-separated signed decimals (how the sets store them)."""
     return " ".join([str(k - _WRAP if k >= _SIGN else k) for k in keys]).encode()
-
-
-KEY_WIDTH: Final = 20
-"""Characters per key in :func:`encode_keys_fixed` (the longest signed 64-bit decimal)."""
 
 
 def encode_keys_fixed(keys: Iterable[int]) -> bytes:
