@@ -191,13 +191,17 @@ async def _run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(asdict(stats)))
             else:
-                per_entry = (stats.memory_bytes or 0) / max(stats.num_entries, 1)
+                per_entry = (
+                    f"{stats.memory_bytes / stats.num_entries:.1f} bytes (upper bound)"
+                    if stats.memory_bytes and stats.num_entries
+                    else "-"
+                )
                 print(f"namespace      {args.namespace} on {redact_url(args.redis)}")
                 print(f"entries        {stats.num_entries}")
                 print(f"keys           {stats.num_keys}")
                 print(f"workers        {stats.num_workers}")
                 print(f"redis memory   {stats.memory_bytes} bytes (whole server)")
-                print(f"memory/entry   {per_entry:.1f} bytes (upper bound)")
+                print(f"memory/entry   {per_entry}")
             return 0
         if args.action in ("register", "unregister", "workers"):
             return await _registry_action(args, WorkerRegistry(client, layout))
