@@ -201,14 +201,23 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
     before = await used_memory(client)
     await server_us(client, reset=True)
     seconds, blocks = await apply_all(index, plan)
+    server_per_block = await server_us(client, reset=True) / blocks
     rows.append(
         Row(
             f"ingest, {NUM_WORKERS} workers concurrently",
             blocks / seconds,
             "block events/s",
             set_per_s,
-            f"{blocks:,} blocks in 32-block BlockStored; "
-            f"server {await server_us(client, reset=True) / blocks:.2f} µs/block",
+            f"{blocks:,} blocks in 32-block BlockStored; server {server_per_block:.2f} µs/block",
+        )
+    )
+    rows.append(
+        Row(
+            "index write capacity of Redis (1 / server time per block)",
+            1e6 / server_per_block,
+            "block events/s",
+            set_per_s,
+            "what one Redis core absorbs; the Python client is the limit above",
         )
     )
     stats = await index.stats()
@@ -349,10 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(row.format())
     ingest = rows[1].value / rows[0].value
+    capacity = rows[2].value / rows[0].value
     p50 = next(r.value for r in rows if r.name == "lookup 512 blocks, all workers p50")
     p99 = next(r.value for r in rows if r.name == "lookup 512 blocks, all workers p99")
     print(
-        f"targets: ingest/SET {ingest:.2f} (>= {TARGET_RATIO}), lookup p50 {p50:.2f} ms "
+        f"targets: ingest/SET {ingest:.2f} (Redis-side capacity {capacity:.2f}; "
+        f">= {TARGET_RATIO}), lookup p50 {p50:.2f} ms "
         f"(<= {TARGET_P50_MS}), p99 {p99:.2f} ms (<= {TARGET_P99_MS})"
     )
     return 0
