@@ -74,24 +74,31 @@ _ops = st.lists(
 )
 
 
+
+def chain(path: list[int]) -> list[BlockKey]:
+    """Chained keys of a token path, as router keys are: key i names the whole prefix."""
+    return [BlockKey(hash(tuple(path[: i + 1])) % 2**64) for i in range(len(path))]
+
+
 @settings(max_examples=80, deadline=None)
 @given(ops=_ops, probe=st.lists(st.integers(0, 5), max_size=6))
 def test_matches_a_naive_model_when_unbounded(
     ops: list[tuple[WorkerId, list[int], float]], probe: list[int]
 ) -> None:
     p = PredictedEntries(ttl_s=3.0)
-    model: dict[tuple[int, WorkerId], float] = {}
+    model: dict[tuple[BlockKey, WorkerId], float] = {}
     now = 0.0
-    for worker, ks, step in ops:
+    for worker, path, step in ops:
         now += step
-        p.credit(worker, keys(*ks), now_s=now)
-        for k in ks:
+        p.credit(worker, chain(path), now_s=now)
+        for k in chain(path):
             model[(k, worker)] = now + 3.0
         expected = {}
+        probe_keys = chain(probe)
         for w in (A, B, C):
             depth = 0
-            while depth < len(probe) and model.get((probe[depth], w), 0.0) > now:
+            while depth < len(probe_keys) and model.get((probe_keys[depth], w), 0.0) > now:
                 depth += 1
             if depth:
                 expected[w] = depth
-        assert p.lookup(keys(*probe), [A, B, C], now_s=now) == expected
+        assert p.lookup(probe_keys, [A, B, C], now_s=now) == expected
