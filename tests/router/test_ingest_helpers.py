@@ -96,16 +96,17 @@ class FakeWorker:
         self.chains = CachedChains(BS)
         self.skip_live_seqs = skip_live_seqs if skip_live_seqs is not None else set()
         self.hide_snapshot = False  # serve an empty snapshot (a buggy worker)
-        self._replay = replay
-        self.publisher = self._new_publisher("tcp://127.0.0.1:*")
+        self.publisher = self._new_publisher(
+            "tcp://127.0.0.1:*", "tcp://127.0.0.1:*" if replay else None
+        )
         self._runner: web.AppRunner | None = None
         self.http_url: str | None = None
 
-    def _new_publisher(self, address: str) -> EventPublisher:
+    def _new_publisher(self, address: str, replay_address: str | None) -> EventPublisher:
         return EventPublisher(
             PublisherConfig(
                 endpoint=Endpoint.binding(address),
-                replay_endpoint=Endpoint.binding("tcp://127.0.0.1:*") if self._replay else None,
+                replay_endpoint=Endpoint.binding(replay_address) if replay_address else None,
             ),
             skip_live_seqs=self.skip_live_seqs,
         )
@@ -141,11 +142,11 @@ class FakeWorker:
         return seq
 
     def restart_publisher(self) -> None:
-        """A new publisher lifetime on the same PUB address (seq restarts at 0, cache empty)."""
-        address = self.publisher.address
+        """A new publisher lifetime on the same addresses (seq restarts at 0, cache empty)."""
+        address, replay_address = self.publisher.address, self.publisher.replay_address
         self.publisher.close()
         self.chains = CachedChains(BS)
-        self.publisher = self._new_publisher(address)
+        self.publisher = self._new_publisher(address, replay_address)
 
     def record(self) -> WorkerRecord:
         return WorkerRecord(
