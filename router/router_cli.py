@@ -29,7 +29,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from events.errors import EventsError
-from router.cost import CostWeights
+from router.cost_flags import add_cost_arguments, cost_weights_from
 from router.errors import RouterError
 from router.index.registry import WorkerRecord
 from router.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig
@@ -44,16 +44,6 @@ __all__ = ["build_parser", "config_from_args", "main", "parse_worker_flag"]
 logger = logging.getLogger(__name__)
 
 _WORKER_USAGE = "ID=HTTP_URL,events=ENDPOINT[,replay=ENDPOINT][,topic=T][,block-size=N][,kind=vllm]"
-# Flags whose value goes into CostWeights (flag dest -> field).
-_WEIGHTS = {
-    "prefill_weight": "prefill",
-    "queued_prefill_weight": "queued_prefill",
-    "decode_weight": "decode",
-    "per_request_weight": "per_request",
-    "cpu_hit_weight": "cpu_hit",
-    "temperature": "temperature",
-}
-
 
 class RouterCliError(RouterError, ValueError):
     """A flag or the config file is invalid."""
@@ -130,7 +120,6 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
     """``(flag, type, help)`` of every single-valued flag; help states the default."""
-    w = CostWeights()
     return [
         ("--redis", str, "Redis URL (redis://, rediss:// for TLS, password in the URL); default: "
          "$KVROUTE_REDIS_URL, else an embedded redis-server on loopback"),
@@ -140,16 +129,6 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
         ("--port", int, "port to listen on; 0 picks a free one (default: 8000)"),
         ("--config", str, "TOML or JSON file with any of these settings (keys with underscores; "
          "'workers' a list of --worker specs or POST /v1/workers tables); flags override it"),
-        ("--prefill-weight", float, f"cost per prompt token to compute (default: {w.prefill})"),
-        ("--queued-prefill-weight", float, "cost per prompt token queued on the worker "
-         f"(default: {w.queued_prefill})"),
-        ("--decode-weight", float, f"cost per output token in flight (default: {w.decode})"),
-        ("--per-request-weight", float, "cost per request in flight on the worker "
-         f"(default: {w.per_request})"),
-        ("--cpu-hit-weight", float, "fraction of a CPU-tier hit's prefill that is saved "
-         f"(default: {w.cpu_hit})"),
-        ("--temperature", float, "softmax temperature over costs; 0 picks the cheapest "
-         f"(default: {w.temperature})"),
         ("--predicted-ttl", float, "seconds a routed prefix is credited to its worker before "
          f"its events confirm it (default: {PolicyConfig().predicted_ttl_s})"),
         ("--seed", int, "seed of the sampling policies (default: 0)"),
@@ -178,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flag, kind, help_text in _flags():
         p.add_argument(flag, type=kind, help=help_text)
+    add_cost_arguments(p)
     p.add_argument(
         "--worker",
         action="append",
@@ -212,11 +192,8 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
             return os.environ[env]
         return file.get(name, default)
 
-    defaults = CostWeights()
     try:
-        weights = CostWeights(
-            **{f: pick(dest, getattr(defaults, f)) for dest, f in _WEIGHTS.items()}
-        )
+        weights = cost_weights_from(pick)
         policy_config = PolicyConfig(
             weights=weights,
             seed=pick("seed", 0),

@@ -20,7 +20,7 @@ import cbor2
 import xxhash
 from tqdm import tqdm
 
-from router.cost import CostWeights
+from router.cost_flags import add_cost_arguments, cost_weights_from
 from router.errors import RouterError
 from router.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig, make_policy
 from router.sim.engine import SimConfig, WorkerCacheFactory, simulate
@@ -114,7 +114,6 @@ def run_policies(
 
 def _parser() -> argparse.ArgumentParser:
     d = SimConfig()
-    w = CostWeights()
     p = PolicyConfig()
     parser = argparse.ArgumentParser(
         prog="kvroute sim",
@@ -170,50 +169,7 @@ def _parser() -> argparse.ArgumentParser:
         default=d.decode_s_per_token,
         help="seconds per output token of one request; decoding is batched (default %(default)s)",
     )
-    parser.add_argument(
-        "--w-prefill",
-        type=float,
-        default=w.prefill,
-        help="cost per prompt token a worker would compute for the request (default %(default)s)",
-    )
-    parser.add_argument(
-        "--w-queued-prefill",
-        type=float,
-        default=w.queued_prefill,
-        help="cost per queued prefill token of a worker (default %(default)s)",
-    )
-    parser.add_argument(
-        "--w-replicated-prefill",
-        type=float,
-        default=w.replicated_prefill,
-        help="cost per prompt token a worker would compute that --replicated-holders "
-        "other workers already cache, e.g. a shared system prompt (default %(default)s)",
-    )
-    parser.add_argument(
-        "--replicated-holders",
-        type=int,
-        default=w.replicated_holders,
-        help="how many other holders make a prefix block replicated (default %(default)s)",
-    )
-    parser.add_argument(
-        "--w-decode",
-        type=float,
-        default=w.decode,
-        help="cost per in-flight decode token of a worker, in prefill tokens (default %(default)s)",
-    )
-    parser.add_argument(
-        "--w-request",
-        type=float,
-        default=w.per_request,
-        help="cost per in-flight request of a worker, in prefill tokens (default %(default)s)",
-    )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=w.temperature,
-        help="softmax temperature relative to the prompt length; 0 picks the cheapest "
-        "(default %(default)s)",
-    )
+    add_cost_arguments(parser)
     parser.add_argument(
         "--predicted-ttl-s",
         type=float,
@@ -248,14 +204,8 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         policies = _policies(args.policy)
-        weights = CostWeights(
-            prefill=args.w_prefill,
-            queued_prefill=args.w_queued_prefill,
-            replicated_prefill=args.w_replicated_prefill,
-            replicated_holders=args.replicated_holders,
-            decode=args.w_decode,
-            per_request=args.w_request,
-            temperature=args.temperature,
+        weights = cost_weights_from(
+            lambda dest, default: default if getattr(args, dest) is None else getattr(args, dest)
         )
         config = SimConfig(
             num_workers=args.workers,
