@@ -39,7 +39,7 @@ from pool.engine import Engine, EngineConfig
 from pool.errors import PoolError
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.model import DecoderModel, ModelConfig
-from pool.worker_http import WorkerHTTP, WorkerInfo
+from pool.worker_http import DEFAULT_MAX_BODY_BYTES, WorkerHTTP, WorkerInfo
 
 __all__ = ["WorkerConfig", "build_parser", "config_from_args", "main", "serve"]
 
@@ -81,6 +81,7 @@ class WorkerConfig:
         curve_secret_key: CURVE server secret key file; ``None`` leaves events plain.
         curve_allow: Comma-separated public key files of the clients allowed to
             subscribe; ``None`` admits any client that knows the server's public key.
+        max_body_bytes: Largest HTTP request body accepted (larger: a JSON 413).
     """
 
     worker_id: str = "worker-0"
@@ -109,6 +110,7 @@ class WorkerConfig:
     torch_threads: int = 0
     curve_secret_key: str | None = None
     curve_allow: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def model_config(self, tokenizer: Tokenizer) -> ModelConfig:
         """The model's config, its vocabulary sized by the tokenizer unless given."""
@@ -157,6 +159,8 @@ _HELP: Final[dict[str, str]] = {
     "encrypts the event and replay sockets and authenticates this worker to subscribers",
     "curve_allow": "comma-separated public key files (NAME.key) of the only subscribers "
     "allowed to connect (needs --curve-secret-key)",
+    "max_body_bytes": "largest HTTP request body accepted, in bytes; a larger one gets a JSON "
+    "413 error (a JSON prompt of N token ids takes about 7 x N bytes)",
 }
 
 
@@ -263,7 +267,7 @@ async def serve(
         eos_token_id=tokenizer.eos_token_id,
     )
     info = WorkerInfo(config.worker_id, config.model_name, config.hash_algo, MEDIUM_GPU)
-    http = WorkerHTTP(engine, tokenizer, info)
+    http = WorkerHTTP(engine, tokenizer, info, config.max_body_bytes)
     engine.start()
     engine_exited = asyncio.ensure_future(asyncio.to_thread(engine.join))
     try:

@@ -29,7 +29,9 @@ Endpoints:
   range). The snapshot reflects exactly the event batches with seq < ``next_seq``: a
   router applies it, then the live stream from ``next_seq`` on.
 
-Errors are JSON ``{"error": {"message", "type"}}`` with a 4xx status for bad requests.
+Errors are JSON ``{"error": {"message", "type"}}`` with a 4xx status for bad requests;
+a body above the size limit gets 413 ``{"error": {"message", "type":
+"request_too_large"}}``, the message naming the limit and the flag that raises it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -58,13 +61,14 @@ from pool.completions import (
 from pool.engine import Engine, EngineClosedError, InvalidRequestError
 from pool.outputs import EngineStats, RequestOutput
 
-__all__ = ["WorkerHTTP", "WorkerInfo"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "WorkerHTTP", "WorkerInfo"]
 
 logger = logging.getLogger(__name__)
 
 _ENGINE_TIMEOUT_S: Final = 30.0
 _LIVENESS_CHECK_S: Final = 5.0
 _JSON: Final = "application/json"
+DEFAULT_MAX_BODY_BYTES: Final = 8 * 1024 * 1024
 T = TypeVar("T")
 
 
@@ -149,6 +153,7 @@ class WorkerHTTP:
         engine: The started engine.
         tokenizer: Turns text prompts into ids and ids into text.
         info: Identity of the worker.
+        max_body_bytes: Largest request body accepted; larger ones get a JSON 413.
     """
 
     def __init__(
@@ -156,6 +161,7 @@ class WorkerHTTP:
         engine: Engine,
         tokenizer: Tokenizer,
         info: WorkerInfo,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -179,7 +185,9 @@ class WorkerHTTP:
         self._tokens = Counter(
             "kvroute_worker_tokens", "Tokens served, by kind.", ["kind"], registry=self.registry
         )
-        self.app = web.Application()
+        self.app = web.Application(
+            middlewares=[_body_limit(max_body_bytes)], client_max_size=max_body_bytes
+        )
         self.app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
@@ -351,6 +359,25 @@ class WorkerHTTP:
             "runs": snap.runs,
         }
         return web.json_response(body)
+
+
+def _body_limit(max_body_bytes: int) -> Middleware:
+    """A middleware answering aiohttp's plain-text 413 as a JSON error that names the limit."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(
+                413,
+                f"request body exceeds the worker's limit of {max_body_bytes} bytes; "
+                "raise it with kvroute worker --max-body-bytes N "
+                "(or $KVROUTE_WORKER_MAX_BODY_BYTES)",
+                "request_too_large",
+            )
+
+    return middleware
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:

@@ -37,7 +37,7 @@ from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBa
 from events.tokenizer import ByteTokenizer
 from pool.model import DecoderModel, ModelConfig, greedy_reference
 from pool.snapshot import CachedChains
-from pool.worker_cli import WorkerConfig, serve
+from pool.worker_cli import WorkerConfig, build_parser, config_from_args, serve
 
 BLOCK_SIZE = 4
 TIMEOUT_S = 60.0
@@ -500,3 +500,28 @@ def test_chunked_prefill_streams_a_prompt_s_blocks_over_several_batches(
     assert [e.block_hashes for e in ours] == [hashes[0:2], hashes[2:4], hashes[4:6]]
     assert [e.parent_block_hash for e in ours] == [None, hashes[1], hashes[3]]
     assert [e.token_ids for e in ours] == [tokens[0:8], tokens[8:16], tokens[16:24]]
+
+
+def test_a_body_over_max_body_bytes_gets_a_json_413_naming_the_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVROUTE_WORKER_MAX_BODY_BYTES", "4096")
+    args = build_parser().parse_args([])
+    assert args.max_body_bytes == 4096
+    assert build_parser().parse_args(["--max-body-bytes", "9"]).max_body_bytes == 9
+    running = _start_worker(_config(200, max_body_bytes=config_from_args(args).max_body_bytes))
+    try:
+        over = json.dumps({"prompt": [7] * 2000, "max_tokens": 1}).encode()
+        assert len(over) > 4096
+        code, reply = _post(f"{running.http}/v1/completions", None, raw=over)
+        assert code == 413
+        assert reply["error"]["type"] == "request_too_large"
+        assert "limit of 4096 bytes" in reply["error"]["message"]
+        assert "--max-body-bytes" in reply["error"]["message"]
+        under = {"prompt": [7] * 500, "max_tokens": 1, "ignore_eos": True}
+        assert len(json.dumps(under)) < 4096
+        code, reply = _post(f"{running.http}/v1/completions", under)
+        assert code == 200, reply
+        assert reply["usage"]["prompt_tokens"] == 500
+    finally:
+        running.stop()
