@@ -123,6 +123,10 @@ class IndexIngest:
         index.on_write_error(self._write_failed)
         self.metrics = metrics or IngestMetrics()
         self._workers: dict[str, _Worker] = {}
+        # NOTE: held while the set of workers changes (add, remove, the maintenance's
+        # registry sync), so a removal is never undone by a sync that read the registry
+        # before the registration was deleted.
+        self._membership = asyncio.Lock()
         self._subscriber: EventSubscriber | None = None
         self._session: aiohttp.ClientSession | None = None
         self._maintainer: asyncio.Task[None] | None = None
@@ -161,21 +165,44 @@ class IndexIngest:
             await self._session.close()
 
     async def add_worker(self, record: WorkerRecord) -> None:
-        """Register a worker (persisted) and start ingesting it."""
-        await self.registry.register(record)
-        await self._subscribe(record)
-        await self._take_over(self._workers[record.worker_id])
+        """Register a worker (persisted) and start ingesting it.
+
+        Idempotent: a worker already ingested with the same record is only registered
+        again (and its lease taken if this router holds none); one with a different
+        record is unsubscribed first.
+        """
+        async with self._membership:
+            await self.registry.register(record)
+            worker = self._workers.get(record.worker_id)
+            if worker is not None and worker.record != record:
+                await self._unsubscribe(worker)
+                worker = None
+            if worker is None:
+                await self._subscribe(record)
+                worker = self._workers[record.worker_id]
+        if worker.lease is None:
+            await self._take_over(worker)
 
     async def remove_worker(self, worker_id: WorkerId) -> None:
         """Stop ingesting a worker, drop its entries and its registration."""
-        worker = self._workers.pop(worker_id, None)
-        if worker is not None and self._subscriber is not None:
-            await self._subscriber.remove_worker(worker_id)
-        if worker is not None and worker.lease is not None:
-            await self.index.clear_worker(worker_id)
-            self.index.forget_lease(worker_id)
-            await self.registry.release(worker.lease)
-        await self.registry.unregister(worker_id)
+        async with self._membership:
+            worker = self._workers.get(worker_id)
+            if worker is not None:
+                await self._unsubscribe(worker)
+            await self.registry.unregister(worker_id)
+
+    async def _unsubscribe(self, worker: _Worker) -> None:
+        """Stop reading ``worker``'s stream, drop its entries and release its lease."""
+        wid = worker.worker_id
+        del self._workers[wid]
+        if self._subscriber is not None:
+            await self._subscriber.remove_worker(wid)
+        async with self._exclusive(worker):  # waits for a maintenance step in flight
+            if worker.lease is not None:
+                await self.index.clear_worker(wid)
+                self.index.forget_lease(wid)
+                await self.registry.release(worker.lease)
+                worker.lease = None
 
     # -- EventSink -----------------------------------------------------------------------
 
@@ -387,15 +414,8 @@ class IndexIngest:
         Redis errors are logged and counted; the next pass retries.
         """
         try:
-            persisted = {r.worker_id: r for r in await self.registry.records()}
-            for worker in list(self._workers.values()):
-                if worker.record.worker_id not in persisted:
-                    # Redis lost its data (or another replica unregistered the worker
-                    # without us knowing): persist it again.
-                    await self.registry.register(worker.record)
-            for record in persisted.values():
-                if record.worker_id not in self._workers:
-                    await self._subscribe(record)
+            async with self._membership:
+                await self._sync_registry()
             for worker in list(self._workers.values()):
                 await self._maintain_worker(worker)
             reaped = await self.registry.reap(self.index)
@@ -404,7 +424,25 @@ class IndexIngest:
             log.warning("ingest maintenance: Redis error (%s); retrying next pass", exc)
         self.metrics.owned.set(len(self.owned_workers))
 
+    async def _sync_registry(self) -> None:
+        """Persist this router's workers again and subscribe to new registrations."""
+        persisted = {r.worker_id: r for r in await self.registry.records()}
+        for worker in list(self._workers.values()):
+            if worker.record.worker_id not in persisted:
+                # Redis lost its data (or another replica unregistered the worker
+                # without us knowing): persist it again.
+                await self.registry.register(worker.record)
+        for record in persisted.values():
+            if record.worker_id not in self._workers:
+                await self._subscribe(record)
+
     async def _maintain_worker(self, worker: _Worker) -> None:
+        if self._workers.get(worker.record.worker_id) is not worker:
+            return  # removed since this pass listed it
+        # NOTE: the lease says which router ingests the worker, not that the worker is
+        # alive: it is renewed while the worker is registered here, quiet or not (a SUB
+        # socket cannot tell a quiet publisher from a dead one). The service drops a
+        # worker it cannot reach (remove_worker), which releases the lease.
         if worker.lease is not None and not await self.registry.renew(worker.lease):
             self.metrics.lease_lost.labels(worker.worker_id).inc()
             log.warning("worker %s: lease lapsed or taken; retaking it", worker.worker_id)
@@ -425,8 +463,11 @@ class IndexIngest:
         lease = await self.registry.acquire(worker.worker_id)
         if lease is None:
             return  # another router replica ingests this worker
-        log.info("worker %s: lease acquired (epoch %d)", worker.worker_id, lease.epoch)
         async with self._exclusive(worker):
+            if self._workers.get(worker.record.worker_id) is not worker:
+                await self.registry.release(lease)  # removed while the lease was acquired
+                return
+            log.info("worker %s: lease acquired (epoch %d)", worker.worker_id, lease.epoch)
             worker.lease = lease
             self.index.use_lease(worker.worker_id, lease.token)
             worker.needs_rebuild = True

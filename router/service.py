@@ -454,8 +454,7 @@ class RouterService:
             if record.http_url and await self.poller.probe(record.http_url):
                 logger.info("worker %s answers again: registering it", wid)
                 with contextlib.suppress(*_INDEX_ERRORS):
-                    await self.add_worker(record)
-                    del self._dead[wid]
+                    await self.add_worker(record)  # takes it out of _dead
 
     def credit(self, worker_id: WorkerId, keys: Sequence[BlockKey]) -> None:
         """Credit a worker with a prefix it is about to compute (predicted entries)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import pytest
+
 from router.index.base import WorkerId
 from router.redis_server import RedisServer
 from tests.router.test_ingest_helpers import (
@@ -115,6 +117,43 @@ def test_stale_router_cannot_write_after_its_lease_lapsed(redis_url: str, namesp
 
                 await eventually(a_refused, what="a's write is fenced")
                 assert await divergent(b.index, k1) == 0
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("head_start", [0, 1, 2, 4, 8])
+def test_removal_racing_maintenance_stays_removed_and_can_be_revived(
+    redis_url: str, namespace: str, head_start: int
+) -> None:
+    async def main() -> None:
+        wid = WorkerId("k1")
+        async with (
+            fake_workers(FakeWorker("k1")) as (k1,),
+            stack(redis_url, namespace, [k1.record()], maintain_interval_s=3600) as s,
+        ):
+            await s.handshake(k1)
+            k1.publish(stored(1, 0, 3))
+            await eventually(lookup_is(s.index, 1, {"k1": match(3)}), what="indexed")
+
+            async def maintain() -> None:
+                for _ in range(head_start):  # the removal gets this many steps ahead
+                    await asyncio.sleep(0)
+                await s.ingest.maintain_once()
+
+            await asyncio.gather(s.ingest.remove_worker(wid), maintain())
+            await s.ingest.maintain_once()
+            assert await s.registry.records() == []
+            assert s.ingest.owned_workers == []
+            assert dict(await s.index.lookup(keys(1))) == {}
+            # Revived (twice: the second call changes nothing), then ingested again.
+            await s.ingest.add_worker(k1.record())
+            await s.ingest.add_worker(k1.record())
+            assert await s.registry.records() == [k1.record()]
+            assert s.ingest.owned_workers == [wid]
+            await eventually(lookup_is(s.index, 1, {"k1": match(3)}), what="snapshot reloaded")
+            await s.handshake(k1)
+            k1.publish(stored(2, 0, 2))
+            await eventually(lookup_is(s.index, 2, {"k1": match(2)}), what="live again")
 
     asyncio.run(main())
 
