@@ -124,30 +124,26 @@ def test_worker_restarted_in_place_resets_its_entries(tmp_path: Path) -> None:
     assert took < CONVERGE_BOUND_S
 
 
-@pytest.mark.xfail(
-    reason="router/service.py maintain_once: a worker dropped as unreachable (here: not yet "
-    "started) is re-subscribed by the ingest's maintenance before its registration is "
-    "removed, so reviving it raises SubscriberError 'already subscribed' on every pass, and "
-    "`del self._dead[wid]` after add_worker() (which already popped it) raises KeyError; the "
-    "worker never serves again (503 no_workers)",
-    strict=False,
-)
 def test_a_worker_that_comes_up_after_being_dropped_is_served(tmp_path: Path) -> None:
     with Cluster(tmp_path, num_workers=1) as cluster:
         specs = [w.spec() for w in cluster.workers]
         router = cluster.start_router("router", specs, "--lease-ttl", str(LEASE_TTL_S))
         cluster.wait_healthy([router])
-        deadline = time.monotonic() + CONVERGE_BOUND_S
-        while "w0 unreachable" not in cluster.group.log_tail("router", 100_000):
-            assert time.monotonic() < deadline, "the router never gave up on the absent worker"
-            time.sleep(0.1)  # polling another process's log
-        started = time.monotonic()
+        _wait_workers(cluster, router, [])  # the absent worker is dropped, fully
+        assert "w0 unreachable" in cluster.group.log_tail("router", 100_000)
         for w in cluster.workers:  # the worker comes up after the router dropped it
             cluster.start_worker(w)
         cluster.wait_healthy([w.url for w in cluster.workers])
-        while [w["worker_id"] for w in _workers(router)] != ["w0"]:
-            cluster.group.check_alive()
-            assert time.monotonic() - started < 15.0, _workers(router)
-            time.sleep(0.2)  # polling another process's registry
+        _wait_workers(cluster, router, ["w0"])  # revived by the router's maintenance
         for prompt in family_prompts(4, 4):
             complete(router, prompt)
+        assert "router maintenance failed" not in cluster.group.log_tail("router", 100_000)
+
+
+def _wait_workers(cluster: Cluster, router: str, expected: list[str]) -> None:
+    """Poll the router's worker list until it is ``expected`` (within CONVERGE_BOUND_S)."""
+    deadline = time.monotonic() + CONVERGE_BOUND_S
+    while (listed := [w["worker_id"] for w in _workers(router)]) != expected:
+        cluster.group.check_alive()
+        assert time.monotonic() < deadline, f"router lists {listed}, expected {expected}"
+        time.sleep(0.1)  # polling another process's registry, with a deadline
