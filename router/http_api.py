@@ -11,7 +11,8 @@ Endpoints:
   "url", "matched_tokens", "candidates": [{"worker_id", "matched_tokens",
   "predicted_tokens", "load", "score"}, ...]}``.
 * ``GET /v1/workers``, ``POST /v1/workers`` (``{"worker_id", "url", "events",
-  "replay", "topic", "block_size"}``, optional ``"kind": "vllm"``),
+  "replay", "topic", "block_size"}``, optional ``"kind": "vllm"`` and ``"server_key"``,
+  the worker's z85 CURVE public key for CURVE-secured event streams),
   ``DELETE /v1/workers/{id}``.
 * ``GET /health`` (200, with ``"index": "live" | "degraded"``), ``GET /metrics``.
 
@@ -92,6 +93,7 @@ class WorkerBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     topic: str = ""
     block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
     kind: Literal["kvroute", "vllm"] = "kvroute"
+    server_key: str | None = None
 
 
 class _ApiError(Exception):
@@ -126,6 +128,7 @@ def _worker_view(record: WorkerRecord) -> dict[str, Any]:
             topic=record.topic,
             block_size=record.block_size,
             kind=record.kind,
+            server_key=record.server_key,
         )
     )
     return view
@@ -250,6 +253,7 @@ class _Handlers:
                 kind=body.kind,
                 block_size=body.block_size,
                 topic=body.topic,
+                server_key=body.server_key,
             )
             await self.svc.add_worker(record)
         except (ValueError, PrefixIndexError) as exc:

@@ -1,7 +1,7 @@
 """Worker registry in Redis: persistent registrations, single-writer leases with epoch fencing.
 
-* Registration (worker id -> endpoints, kind, block size) persists in one hash, so a
-  restarted router resumes ingesting the same workers.
+* Registration (worker id -> endpoints, kind, block size, CURVE server key) persists in
+  one hash, so a restarted router resumes ingesting the same workers.
 * A lease (``SET`` with ``PX``, value ``"<epoch>:<owner>"``) makes one router the only
   writer of a worker's index entries; every index write checks the token server-side,
   so a router holding an old epoch cannot write (fencing).
@@ -19,6 +19,7 @@ from typing import Literal
 
 import msgspec
 
+from events.curve import Z85_KEY_LEN
 from router.errors import PrefixIndexError
 from router.index.base import WorkerId
 from router.index.layout import KeyLayout, check_name
@@ -46,6 +47,8 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         kind: ``"kvroute"`` (serves snapshots) or ``"vllm"`` (events only).
         block_size: Tokens per block.
         topic: ZeroMQ topic prefix to subscribe to.
+        server_key: The worker's z85 CURVE server public key (40 characters) when its
+            event and replay sockets are CURVE servers; ``None``: plain ZeroMQ.
     """
 
     worker_id: str
@@ -55,11 +58,19 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kind: Literal["kvroute", "vllm"] = "kvroute"
     block_size: int = 16
     topic: str = ""
+    server_key: str | None = None
 
     def __post_init__(self) -> None:
         check_name("worker id", self.worker_id)
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.server_key is not None and (
+            len(self.server_key) != Z85_KEY_LEN or not self.server_key.isascii()
+        ):
+            raise ValueError(
+                f"server_key must be a z85 CURVE public key of {Z85_KEY_LEN} characters "
+                "(the text of the worker's NAME.key file)"
+            )
 
     @property
     def has_snapshot(self) -> bool:
