@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 from redis.exceptions import RedisError
 
+from events.curve import CurveClientConfig, CurveKeyPair
 from events.schema import KVEventBatch
 from events.subscriber import (
     EventSubscriber,
@@ -71,6 +72,8 @@ class IngestConfig:
             a worker's batches that arrive while its previous write is in flight go to
             Redis together (see :mod:`router.index.group_commit`).
         subscriber: Settings of the event subscriber.
+        client_keys: The router's CURVE key pair, presented to workers registered with a
+            ``server_key`` (a fresh one by default: admitted by workers without an allow-list).
     """
 
     maintain_interval_s: float = 3.0
@@ -78,6 +81,7 @@ class IngestConfig:
     snapshot_chunk_runs: int = 512
     group_commit: bool = True
     subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
+    client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)
 
 
 @dataclass(eq=False)
@@ -504,6 +508,9 @@ class IndexIngest:
                 endpoint=record.events_endpoint,
                 replay_endpoint=record.replay_endpoint,
                 topic=record.topic.encode(),
+                curve=None
+                if record.server_key is None
+                else CurveClientConfig(record.server_key.encode(), self.config.client_keys),
             )
         )
 

@@ -145,7 +145,7 @@ class RouterService:
         self.ingest = IndexIngest(
             RedisPrefixIndex(self._client, layout, self.keyer),
             self.registry,
-            IngestConfig(maintain_interval_s=cfg.lease_ttl_s / 3),
+            IngestConfig(maintain_interval_s=cfg.lease_ttl_s / 3, client_keys=cfg.client_keys),
             self.ingest_metrics,
         )
         self.load = RedisLoadTracker(

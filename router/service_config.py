@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from events.curve import CurveKeyPair
 from router.index.registry import WorkerRecord
 from router.policies import DEFAULT_POLICY, PolicyConfig
 from router.proxy import ProxyConfig
@@ -64,6 +65,8 @@ class RouterConfig:
         load_refresh_s: How often other replicas' load is re-read.
         health_poll_s: How often workers' own load reports are polled.
         replica_id: This replica's id (random by default).
+        client_keys: The router's CURVE key pair for workers registered with a
+            ``server_key`` (a fresh one by default).
     """
 
     redis_url: str
@@ -88,3 +91,4 @@ class RouterConfig:
     load_refresh_s: float = 0.05
     health_poll_s: float = 1.0
     replica_id: str | None = None
+    client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)
