@@ -28,8 +28,10 @@ class PredictedEntries:
 
     Args:
         ttl_s: How long a credit lasts after the decision that made it.
-        max_entries: Bound on stored credits; past it the oldest are dropped early
-            (forgetting a prediction is safe, it only costs a possible cache miss).
+        max_entries: Bound on stored credits (up to ~350 bytes each); past it the oldest
+            are dropped early (forgetting a prediction is safe, it only costs a possible
+            cache miss). The default suits the simulator, whose route history must hold
+            a whole trace; the router passes ``RouterConfig.predicted_max_entries``.
 
     NOTE: ``_expiry[key][worker]`` is the expiry of the newest credit of that pair; every
     credit also appends ``(expiry, key, worker)`` to ``_order``, which is sorted by expiry

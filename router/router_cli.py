@@ -131,6 +131,9 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          "'workers' a list of --worker specs or POST /v1/workers tables); flags override it"),
         ("--predicted-ttl", float, "seconds a routed prefix is credited to its worker before "
          f"its events confirm it (default: {PolicyConfig().predicted_ttl_s})"),
+        ("--predicted-max-entries", int, "most (prefix block, worker) credits the predicted "
+         "entries keep, up to ~350 bytes each; past it the oldest are forgotten early "
+         f"(default: {RouterConfig.predicted_max_entries})"),
         ("--seed", int, "seed of the sampling policies (default: 0)"),
         ("--decision-log", str, "append one JSON line per routing decision to this file "
          "(read by kvroute explain)"),
@@ -220,6 +223,9 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         limits=limits,
         proxy=ProxyConfig(),
         lease_ttl_s=float(pick("lease_ttl", 10.0)),
+        predicted_max_entries=int(
+            pick("predicted_max_entries", RouterConfig.predicted_max_entries)
+        ),
         route_hold_s=float(pick("route_hold", 2.0)),
     )
 

@@ -105,7 +105,9 @@ class RouterService:
         self.ingest_metrics = IngestMetrics(self.metrics.registry)
         self.keyer = RouterKeyer(config.key_seed)
         self._predicted = (
-            PredictedEntries(self.policy.credit_ttl_s) if self.policy.credit_ttl_s > 0 else None
+            PredictedEntries(self.policy.credit_ttl_s, config.predicted_max_entries)
+            if self.policy.credit_ttl_s > 0
+            else None
         )
         self._records: dict[WorkerId, WorkerRecord] = {}
         self._dead: dict[WorkerId, WorkerRecord] = {}

@@ -62,6 +62,9 @@ class RouterConfig:
         suspect_s: How long a worker that failed a forwarded request is skipped.
         dead_after_s: A worker unreachable for this long loses its index entries and
             registration until it answers again (``None``: the lease TTL).
+        predicted_max_entries: Bound on the predicted entries' (key, worker) credits
+            (up to ~350 bytes each, 35 MB at the default); past it the oldest are
+            forgotten early, which only costs possible cache misses.
         load_refresh_s: How often other replicas' load is re-read.
         health_poll_s: How often workers' own load reports are polled.
         replica_id: This replica's id (random by default).
@@ -88,6 +91,7 @@ class RouterConfig:
     route_hold_s: float = 2.0
     suspect_s: float = 5.0
     dead_after_s: float | None = None
+    predicted_max_entries: int = 100_000
     load_refresh_s: float = 0.05
     health_poll_s: float = 1.0
     replica_id: str | None = None

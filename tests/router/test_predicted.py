@@ -10,6 +10,8 @@ from events.hashing import BlockKey
 from router.cost import CostConfigError
 from router.index.base import WorkerId
 from router.predicted import PredictedEntries
+from router.router_cli import build_parser, config_from_args
+from router.service import RouterService
 
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
 
@@ -55,6 +57,19 @@ def test_forget_drops_one_worker() -> None:
     p.forget(A)
     assert p.lookup(keys(1, 2), [A, B], now_s=1.0) == {B: 1}
     assert len(p) == 1
+
+
+def test_router_bounds_its_predicted_entries_by_its_flag() -> None:
+    default = config_from_args(build_parser().parse_args([]), "redis://127.0.0.1:1/0")
+    assert default.predicted_max_entries == 100_000
+    args = build_parser().parse_args(["--predicted-max-entries", "4"])
+    service = RouterService(config_from_args(args, "redis://127.0.0.1:1/0"))  # no I/O yet
+    service.credit(A, keys(1, 2, 3))
+    service.credit(B, keys(1, 2, 3))
+    store = service._predicted  # the service's own store: no public handle on it
+    assert store is not None and store.max_entries == 4
+    assert len(store) == 4
+    assert store.lookup(keys(1, 2, 3), [A, B], now_s=0.0) == {B: 3}
 
 
 def test_settings_are_validated() -> None:
