@@ -28,6 +28,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
 from router.cost_flags import add_cost_arguments, cost_weights_from
 from router.errors import RouterError
@@ -43,7 +44,10 @@ __all__ = ["build_parser", "config_from_args", "main", "parse_worker_flag"]
 
 logger = logging.getLogger(__name__)
 
-_WORKER_USAGE = "ID=HTTP_URL,events=ENDPOINT[,replay=ENDPOINT][,topic=T][,block-size=N][,kind=vllm]"
+_WORKER_USAGE = (
+    "ID=HTTP_URL,events=ENDPOINT[,replay=ENDPOINT][,topic=T][,block-size=N][,kind=vllm]"
+    "[,server_key=FILE]"
+)
 
 class RouterCliError(RouterError, ValueError):
     """A flag or the config file is invalid."""
@@ -61,7 +65,8 @@ def parse_worker_flag(spec: str) -> WorkerRecord:
         raise RouterCliError(f"--worker {spec!r}: expected {_WORKER_USAGE}")
     fields: dict[str, Any] = {"worker_id": worker_id, "http_url": url}
     names = {"events": "events_endpoint", "replay": "replay_endpoint", "topic": "topic",
-             "block-size": "block_size", "block_size": "block_size", "kind": "kind"}  # fmt: skip
+             "block-size": "block_size", "block_size": "block_size", "kind": "kind",
+             "server_key": "server_key"}  # fmt: skip
     for option in options:
         name, sep, value = option.partition("=")
         if not sep or name not in names:
@@ -73,6 +78,11 @@ def parse_worker_flag(spec: str) -> WorkerRecord:
         raise RouterCliError(
             f"--worker {spec!r}: events=ENDPOINT is required; expected {_WORKER_USAGE}"
         )
+    if "server_key" in fields:
+        try:
+            fields["server_key"] = load_public_key(fields["server_key"]).decode()
+        except CurveKeyError as exc:
+            raise RouterCliError(f"--worker {spec!r}: server_key: {exc}") from exc
     return _record(fields, f"--worker {spec!r}")
 
 
@@ -147,6 +157,10 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          "dropped after it (default: 10)"),
         ("--route-hold", float, "seconds a POST /v1/route decision counts as load on its worker "
          "(the gateway sends the request itself; default: 2)"),
+        ("--client-key", str, "the router's CURVE secret key file (NAME.key_secret from `kvroute "
+         "keys`), presented to workers registered with server_key= (default: "
+         "$KVROUTE_CLIENT_KEY, else a fresh key pair, admitted only by workers without "
+         "--curve-allow)"),
     ]  # fmt: skip
 
 
@@ -227,7 +241,13 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
             pick("predicted_max_entries", RouterConfig.predicted_max_entries)
         ),
         route_hold_s=float(pick("route_hold", 2.0)),
+        client_keys=_client_keys(pick("client_key", None, "KVROUTE_CLIENT_KEY")),
     )
+
+
+def _client_keys(path: str | None) -> CurveKeyPair:
+    """The router's CURVE key pair: loaded from ``--client-key``, else a fresh one."""
+    return CurveKeyPair.load(path) if path else CurveKeyPair.generate()
 
 
 async def _serve(args: argparse.Namespace) -> int:
