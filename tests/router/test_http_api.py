@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from events.curve import CurveKeyPair
 from router.explain import read_decisions
 from router.index.registry import WorkerRecord
 from router.policies import POLICY_NAMES
@@ -289,6 +290,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
             "events",
             "kind",
             "replay",
+            "server_key",
             "topic",
             "url",
             "worker_id",
@@ -297,24 +299,39 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
                "topic": "kv", "block_size": 32}  # fmt: skip
         status, added = await post(client, "/v1/workers", new)
         assert status == 201
-        assert added["worker"] == {**new, "kind": "kvroute"}
+        assert added["worker"] == {**new, "kind": "kvroute", "server_key": None}
         async with client.get("/v1/workers") as resp:
             assert [w["worker_id"] for w in (await resp.json())["workers"]] == ["w0", "w9"]
         assert await post(client, "/v1/workers", new) == (201, added)  # idempotent
         moved = {**new, "events": "tcp://127.0.0.1:2", "topic": "kv2"}  # restarted elsewhere
         assert await post(client, "/v1/workers", moved) == (
             201,
-            {"worker": {**moved, "kind": "kvroute"}},
+            {"worker": {**moved, "kind": "kvroute", "server_key": None}},
         )
         async with client.get("/v1/workers") as resp:
             listed = (await resp.json())["workers"]
         assert [(w["worker_id"], w["topic"]) for w in listed] == [("w0", ""), ("w9", "kv2")]
+        # A CURVE-secured worker: its z85 public key is persisted with the registration.
+        server_key = CurveKeyPair.generate().public_key.decode()
+        secured = {**new, "worker_id": "w8", "server_key": server_key}
+        assert await post(client, "/v1/workers", secured) == (
+            201,
+            {"worker": {**secured, "kind": "kvroute"}},
+        )
+        assert {r.worker_id: r.server_key for r in await svc.registry.records()} == {
+            "w0": None,
+            "w8": server_key,
+            "w9": None,
+        }
+        async with client.delete("/v1/workers/w8") as resp:
+            assert resp.status == 200
         for bad, message in [
             ({**new, "colour": "red"}, "Object contains unknown field `colour`"),
             ({"worker_id": "x", "url": ws[0].url}, "Object missing required field `events`"),
             ({**new, "worker_id": "a b"}, "worker id 'a b' is not valid"),
             ({**new, "url": "ftp://x"}, "must start with http:// or https://"),
             ({**new, "block_size": 0}, "Expected `int` >= 1 - at `$.block_size`"),
+            ({**new, "server_key": "short"}, "server_key must be a z85 CURVE public key of 40"),
         ]:
             status, err = await post(client, "/v1/workers", bad)
             assert status == 400 and message in err["error"]["message"], (bad, err)
