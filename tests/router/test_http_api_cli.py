@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from events.curve import CurveKeyError, CurveKeyPair, load_public_key, write_keypair
 from router.cli import COMMANDS
 from router.cost import CostWeights
 from router.index.registry import WorkerRecord
@@ -56,6 +57,29 @@ def test_bad_worker_flags_say_what_is_expected(spec: str, message: str) -> None:
     with pytest.raises(RouterCliError) as info:
         parse_worker_flag(spec)
     assert message in str(info.value)
+
+
+def test_server_key_and_client_key_load_the_curve_key_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker_public, _ = write_keypair(tmp_path, "worker")
+    _, router_secret = write_keypair(tmp_path, "router")
+    spec = f"w=http://h:1,events=tcp://h:2,server_key={worker_public}"
+    args = build_parser().parse_args(["--worker", spec, "--client-key", str(router_secret)])
+    config = config_from_args(args, "redis://x")
+    assert [w.server_key for w in config.workers] == [load_public_key(worker_public).decode()]
+    assert config.client_keys == CurveKeyPair.load(router_secret)
+    monkeypatch.setenv("KVROUTE_CLIENT_KEY", str(router_secret))
+    from_env = config_from_args(build_parser().parse_args([]), "redis://x")
+    assert from_env.client_keys == CurveKeyPair.load(router_secret)
+    monkeypatch.delenv("KVROUTE_CLIENT_KEY")
+    fresh = config_from_args(build_parser().parse_args([]), "redis://x").client_keys
+    assert fresh != CurveKeyPair.load(router_secret)
+    with pytest.raises(RouterCliError, match="server_key: cannot read CURVE key file"):
+        parse_worker_flag(f"w=http://h:1,events=tcp://h:2,server_key={tmp_path / 'none.key'}")
+    missing = ["--client-key", str(tmp_path / "none.key_secret")]
+    with pytest.raises(CurveKeyError, match="cannot read CURVE key file"):
+        config_from_args(build_parser().parse_args(missing), "redis://x")
 
 
 def test_config_file_toml_and_json_with_flags_winning(tmp_path: Path) -> None:
