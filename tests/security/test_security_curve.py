@@ -6,8 +6,8 @@ an allow-list; ``kvroute record`` processes subscribe: one with an allowed clien
 (it records every batch), one with a key the worker does not allow and one without CURVE
 (both record nothing, and the first logs the failed handshake).
 
-The router's ingest has no CURVE settings yet (``--worker`` specs carry no server key),
-so the path into the index is not covered here.
+The router's side (``kvroute router --client-key``, ``--worker ...,server_key=FILE``) is
+covered by :mod:`test_security_curve_router`.
 """
 
 from __future__ import annotations
