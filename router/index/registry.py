@@ -19,7 +19,7 @@ from typing import Literal
 
 import msgspec
 
-from events.curve import Z85_KEY_LEN
+from events.curve import Z85_KEY_LEN, load_public_key
 from router.errors import PrefixIndexError
 from router.index.base import WorkerId
 from router.index.layout import KeyLayout, check_name
@@ -81,22 +81,30 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 def parse_worker_spec(spec: str) -> WorkerRecord:
     """Parse ``ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=K][,block_size=N][,topic=T]``.
 
+    A ``server_key=FILE`` option reads the worker's CURVE public key file.
+
     Raises:
         PrefixIndexError: The spec is malformed (the message shows the expected shape).
     """
-    usage = "expected ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=vllm][,block_size=N]"
+    usage = (
+        "expected ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=vllm][,block_size=N]"
+        "[,server_key=FILE]"
+    )
     head, _, rest = spec.partition(",")
     worker_id, sep, endpoint = head.partition("=")
     if not sep or not worker_id or not endpoint:
         raise PrefixIndexError(f"worker spec {spec!r}: {usage}")
     fields: dict[str, object] = {"worker_id": worker_id, "events_endpoint": endpoint}
-    names = {"replay": "replay_endpoint", "http": "http_url", "kind": "kind", "topic": "topic"}
+    names = {"replay": "replay_endpoint", "http": "http_url", "kind": "kind", "topic": "topic",
+             "server_key": "server_key"}  # fmt: skip
     for item in filter(None, rest.split(",")):
         name, sep, value = item.partition("=")
         if not sep or name not in (*names, "block_size"):
             raise PrefixIndexError(f"worker spec {spec!r}: bad option {item!r}; {usage}")
         fields[names.get(name, name)] = int(value) if name == "block_size" else value
     try:
+        if "server_key" in fields:
+            fields["server_key"] = load_public_key(str(fields["server_key"])).decode()
         return msgspec.convert(fields, WorkerRecord)
     except (msgspec.ValidationError, ValueError, PrefixIndexError) as exc:
         raise PrefixIndexError(f"worker spec {spec!r}: {exc}") from exc

@@ -10,6 +10,7 @@ router (its own namespace) presents a key the workers do not allow: its index st
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -21,7 +22,10 @@ import aiohttp
 import pytest
 
 from events.cli_keys import main as keys_main
+from events.curve import load_public_key, write_keypair
 from router.cluster import ProcessGroup, wait_healthy
+from router.errors import PrefixIndexError
+from router.index.registry import parse_worker_spec
 from router.redis_server import free_port
 
 TIMEOUT_S = 120.0
@@ -50,6 +54,14 @@ async def post(session: aiohttp.ClientSession, url: str, body: object) -> Any:
     async with session.post(url, json=body, timeout=timeout) as response:
         assert response.status == 200, await response.text()
         return await response.json()
+
+
+def test_index_register_specs_read_the_server_key_file(tmp_path: Path) -> None:
+    public, _ = write_keypair(tmp_path, "w0")
+    record = parse_worker_spec(f"w0=tcp://127.0.0.1:5557,server_key={public}")
+    assert record.server_key == load_public_key(public).decode()
+    with pytest.raises(PrefixIndexError, match="cannot read CURVE key file"):
+        parse_worker_spec(f"w0=tcp://127.0.0.1:5557,server_key={tmp_path / 'none.key'}")
 
 
 def test_router_with_client_key_indexes_curve_workers_and_an_intruder_routes_by_load(
@@ -83,19 +95,28 @@ def test_router_with_client_key_indexes_curve_workers_and_an_intruder_routes_by_
                         "--num-layers", "1", "--hidden-size", "16", "--num-heads", "2",
                         "--torch-threads", "1"),
             )  # fmt: skip
-        for name, (port, key) in routers.items():
-            worker_flags = [arg for spec in specs for arg in ("--worker", spec)]
-            group.start(
-                name,
-                kvroute("router", "--redis", redis_url, "--namespace", namespaces[name],
-                        "--port", str(port), "--client-key", str(keys / f"{key}.key_secret"),
-                        *worker_flags),
-            )  # fmt: skip
+        worker_flags = [arg for spec in specs for arg in ("--worker", spec)]
+        pokes = itertools.count()
+
+        async def poke(session: aiohttp.ClientSession) -> None:
+            """A new batch from each worker: a router that missed one replays the gap."""
+            for url in urls.values():
+                body = {"prompt": f"{next(pokes):04d} poke", "max_tokens": 1}
+                await post(session, f"{url}/v1/completions", body)
 
         async def scenario() -> None:
             async with aiohttp.ClientSession() as session:
                 deadline = time.monotonic() + TIMEOUT_S
-                for url in (*urls.values(), *router_urls.values()):
+                for url in urls.values():
+                    await wait_healthy(session, url, group, deadline)
+                for name, (port, key) in routers.items():
+                    group.start(
+                        name,
+                        kvroute("router", "--redis", redis_url, "--namespace", namespaces[name],
+                                "--port", str(port),
+                                "--client-key", str(keys / f"{key}.key_secret"), *worker_flags),
+                    )  # fmt: skip
+                for url in router_urls.values():
                     await wait_healthy(session, url, group, deadline)
                 router = router_urls["router"]
                 first = await post(
@@ -108,6 +129,7 @@ def test_router_with_client_key_indexes_curve_workers_and_an_intruder_routes_by_
                 while route.get("matched_tokens") != len(PROMPT):
                     assert time.monotonic() < deadline, f"index never matched: {route}"
                     group.check_alive()
+                    await poke(session)
                     route = await post(
                         session,
                         f"{router}/v1/route",
