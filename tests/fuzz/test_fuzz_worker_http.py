@@ -33,7 +33,7 @@ MAX_REQUEST_TOKENS = (NUM_BLOCKS - 1) * BLOCK_SIZE
 """What the worker's KV cache can ever hold for one request (the null block excluded)."""
 REPLY_TIMEOUT_S = 60.0
 BODY_LIMIT_BYTES = 1024**2
-"""aiohttp's default ``client_max_size``: the worker has no flag for it (see the report)."""
+"""The worker's ``--max-body-bytes`` in these tests."""
 
 
 def post(port: int, path: str, body: bytes, content_type: str = "application/json") -> Any:
@@ -74,6 +74,7 @@ def worker_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         "--num-layers", "1",
         "--hidden-size", "16",
         "--num-heads", "2",
+        "--max-body-bytes", str(BODY_LIMIT_BYTES),
     ]  # fmt: skip
     with ProcessGroup(tmp_path_factory.mktemp("worker-fuzz")) as group:
         group.start("worker", argv)
@@ -203,7 +204,7 @@ def test_oversized_bodies_get_413_and_the_limit(worker_port: int, size: int) -> 
     assert len(body) >= size - 2
     status, reply = post(worker_port, "/v1/completions", body[:size])
     assert status == 413
-    assert f"Maximum request body size {BODY_LIMIT_BYTES} exceeded" in error_message(reply)
+    assert f"exceeds the worker's limit of {BODY_LIMIT_BYTES} bytes" in error_message(reply)
     assert_alive(worker_port)
 
 
