@@ -33,11 +33,13 @@ class PredictedEntries:
             cache miss). The default suits the simulator, whose route history must hold
             a whole trace; the router passes ``RouterConfig.predicted_max_entries``.
 
-    NOTE: ``_expiry[key][worker]`` is the expiry of the newest credit of that pair; every
-    credit also appends ``(expiry, key, worker)`` to ``_order``, which is sorted by expiry
+    NOTE: ``_expiry[worker][key]`` is the expiry of the newest credit of that pair; every
+    credit also appends ``(expiry, worker, keys)`` to ``_order``, which is sorted by expiry
     because the TTL is fixed and ``now_s`` never decreases. A popped ``_order`` item
-    deletes its pair only if the pair's expiry is still that item's (no newer credit).
-    ``len(_order) <= max_entries`` after every call, which bounds both structures.
+    deletes a pair only if the pair's expiry is still that item's (no newer credit).
+    ``_num_ordered`` (the keys of all ``_order`` items) stays ``<= max_entries`` after every
+    call, which bounds both structures. Per-worker tables let a credit be one C-level
+    ``dict.update`` and a ``forget`` one ``pop``.
     """
 
     def __init__(self, ttl_s: float, max_entries: int = 1_000_000) -> None:
@@ -47,25 +49,25 @@ class PredictedEntries:
             raise CostConfigError(f"predicted max_entries must be >= 1, got {max_entries}")
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._expiry: dict[BlockKey, dict[WorkerId, float]] = {}
-        self._order: deque[tuple[float, BlockKey, WorkerId]] = deque()
+        self._expiry: dict[WorkerId, dict[BlockKey, float]] = {}
+        self._order: deque[tuple[float, WorkerId, tuple[BlockKey, ...]]] = deque()
+        self._num_ordered = 0
 
     def __len__(self) -> int:
         """Stored (key, worker) credits, expired ones not yet purged included."""
-        return sum(len(workers) for workers in self._expiry.values())
+        return sum(len(keys) for keys in self._expiry.values())
 
     def credit(self, worker_id: WorkerId, keys: Sequence[BlockKey], now_s: float) -> None:
         """Credit ``worker_id`` with ``keys`` (a request's prefix) until ``now_s + ttl_s``."""
+        if not keys:
+            return
         expiry = now_s + self.ttl_s
-        table = self._expiry
-        order = self._order
-        for key in keys:
-            workers = table.get(key)
-            if workers is None:
-                table[key] = {worker_id: expiry}
-            else:
-                workers[worker_id] = expiry
-            order.append((expiry, key, worker_id))
+        table = self._expiry.get(worker_id)
+        if table is None:
+            table = self._expiry[worker_id] = {}
+        table.update(dict.fromkeys(keys, expiry))
+        self._order.append((expiry, worker_id, tuple(keys)))
+        self._num_ordered += len(keys)
         self._purge(now_s)
 
     def lookup(
@@ -83,12 +85,12 @@ class PredictedEntries:
         """
         self._purge(now_s)
         result: dict[WorkerId, int] = {}
-        first = self._expiry.get(keys[0]) if keys else None
-        if not first:
+        if not keys:
             return result
-        table = self._expiry
+        first = keys[0]
         for worker in workers:
-            if first.get(worker, 0.0) <= now_s:
+            table = self._expiry.get(worker)
+            if table is None or table.get(first, 0.0) <= now_s:
                 continue
             # Every credit covers a prefix from block 0, so along one chain a worker's
             # expiries never increase with depth (purges drop the oldest first, which
@@ -97,8 +99,7 @@ class PredictedEntries:
             lo, hi = 1, len(keys)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                credited = table.get(keys[mid - 1])
-                if credited is not None and credited.get(worker, 0.0) > now_s:
+                if table.get(keys[mid - 1], 0.0) > now_s:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -107,20 +108,20 @@ class PredictedEntries:
 
     def forget(self, worker_id: WorkerId) -> None:
         """Drop every credit of a worker (it left, restarted or was resynced)."""
-        for key in [k for k, ws in self._expiry.items() if worker_id in ws]:
-            workers = self._expiry[key]
-            del workers[worker_id]
-            if not workers:
-                del self._expiry[key]
+        self._expiry.pop(worker_id, None)
         # _order keeps the worker's items; they are skipped when popped (pair absent).
 
     def _purge(self, now_s: float) -> None:
         order = self._order
-        table = self._expiry
-        while order and (order[0][0] <= now_s or len(order) > self.max_entries):
-            expiry, key, worker_id = order.popleft()
-            workers = table.get(key)
-            if workers is not None and workers.get(worker_id) == expiry:
-                del workers[worker_id]
-                if not workers:
+        tables = self._expiry
+        while order and (order[0][0] <= now_s or self._num_ordered > self.max_entries):
+            expiry, worker_id, keys = order.popleft()
+            self._num_ordered -= len(keys)
+            table = tables.get(worker_id)
+            if table is None:
+                continue
+            for key in keys:
+                if table.get(key) == expiry:
                     del table[key]
+            if not table:
+                del tables[worker_id]

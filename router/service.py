@@ -304,7 +304,9 @@ class RouterService:
         if self.policy.uses_index:
             matches = await self._lookup(token_ids, records, keys, cache_salt)
         now = time.monotonic()
-        predicted = self._predicted.lookup(keys, workers, now) if self._predicted else None
+        predicted = (
+            self._predicted.lookup(keys, workers, now) if self._predicted is not None else None
+        )
         loads = await self.load.snapshot(workers)
         candidates = build_candidates(workers, loads, matches, predicted)
         request = RouteRequest(keys, len(token_ids), block_size, num_output_tokens)
