@@ -120,6 +120,12 @@ class Cluster:
             ),
         )  # fmt: skip
 
+    def start_workers(self) -> None:
+        """Start every worker and wait until all answer ``/health``."""
+        for w in self.workers:
+            self.start_worker(w)
+        self.wait_healthy([w.url for w in self.workers])
+
     def start_router(self, name: str, specs: Sequence[str], *extra: str) -> str:
         """Start a router replica; returns its URL."""
         port = free_port()

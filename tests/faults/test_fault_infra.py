@@ -45,9 +45,7 @@ def wait_health(router: str, index: str, timeout_s: float = 60.0) -> None:
 
 def test_redis_stopped_and_restarted_empty(tmp_path: Path) -> None:
     with Cluster(tmp_path) as cluster:
-        for w in cluster.workers:
-            cluster.start_worker(w)
-        cluster.wait_healthy([w.url for w in cluster.workers])
+        cluster.start_workers()
         router = cluster.start_router(
             "router", [w.spec() for w in cluster.workers], "--lease-ttl", str(LEASE_TTL_S)
         )
@@ -78,9 +76,7 @@ def test_redis_stopped_and_restarted_empty(tmp_path: Path) -> None:
 
 def test_router_replica_killed_with_in_flight_load(tmp_path: Path) -> None:
     with Cluster(tmp_path) as cluster:
-        for w in cluster.workers:
-            cluster.start_worker(w)
-        cluster.wait_healthy([w.url for w in cluster.workers])
+        cluster.start_workers()
         specs = [w.spec() for w in cluster.workers]
         lease = ("--lease-ttl", str(LEASE_TTL_S))
         r0 = cluster.start_router("r0", specs, *lease)

@@ -52,9 +52,7 @@ def worker_entries(cluster: Cluster, worker_id: str) -> dict[int, int]:
 
 def test_worker_sigkilled_mid_stream(tmp_path: Path) -> None:
     with Cluster(tmp_path) as cluster:
-        for w in cluster.workers:
-            cluster.start_worker(w)
-        cluster.wait_healthy([w.url for w in cluster.workers])
+        cluster.start_workers()
         router = cluster.start_router(
             "router", [w.spec() for w in cluster.workers], "--lease-ttl", str(LEASE_TTL_S)
         )
@@ -93,9 +91,7 @@ def _workers(router: str) -> list[dict[str, object]]:
 
 def test_worker_restarted_in_place_resets_its_entries(tmp_path: Path) -> None:
     with Cluster(tmp_path) as cluster:
-        for w in cluster.workers:
-            cluster.start_worker(w)
-        cluster.wait_healthy([w.url for w in cluster.workers])
+        cluster.start_workers()
         specs = [w.spec() for w in cluster.workers]
         router = cluster.start_router("router", specs, "--lease-ttl", "30")
         cluster.wait_healthy([*(w.url for w in cluster.workers), router])
@@ -131,9 +127,7 @@ def test_a_worker_that_comes_up_after_being_dropped_is_served(tmp_path: Path) ->
         cluster.wait_healthy([router])
         _wait_workers(cluster, router, [])  # the absent worker is dropped, fully
         assert "w0 unreachable" in cluster.group.log_tail("router", 100_000)
-        for w in cluster.workers:  # the worker comes up after the router dropped it
-            cluster.start_worker(w)
-        cluster.wait_healthy([w.url for w in cluster.workers])
+        cluster.start_workers()  # the worker comes up after the router dropped it
         _wait_workers(cluster, router, ["w0"])  # revived by the router's maintenance
         for prompt in family_prompts(4, 4):
             complete(router, prompt)

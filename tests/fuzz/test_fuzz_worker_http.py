@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from json_strategies import json_values
 
 from router.cluster import ProcessGroup, wait_healthy
 from router.redis_server import free_port
@@ -98,20 +99,6 @@ def assert_alive(port: int) -> None:
         conn.close()
 
 
-json_scalars = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=False),
-    st.text(max_size=20),
-)
-json_values = st.recursive(
-    json_scalars,
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
-    ),
-    max_leaves=10,
-)
 prompts = st.one_of(
     json_values,
     st.text(min_size=1, max_size=40),
