@@ -5,9 +5,11 @@ Two families live here because the worker and the router must agree on them:
 * ``sha256_cbor`` block hashes, byte-exact with vLLM: SHA-256 over canonical CBOR of
   ``[parent_digest, [token ids...], extra_keys or None]``, chained from ``NONE_HASH``.
   On the wire a hash is the last 8 bytes of its digest as an unsigned big-endian int.
-* Router keys: 64-bit XXH3 chained over the parent key and the tokens' little-endian
-  uint32 bytes, seeded by a namespace seed with the LoRA name and cache salt folded into
-  the root. They never depend on an engine's hash algorithm or seed.
+* Router keys: XXH3-64 of a block's tokens (little-endian uint32 bytes) seeded with the
+  parent's key, top bit cleared; the chain starts from a root key seeded by a namespace
+  seed with the LoRA name and cache salt folded in. They never depend on an engine's hash
+  algorithm or seed. 63 bits keep every key a non-negative signed 64-bit integer: Redis
+  stores sets of them as compact intsets and they cross the wire as plain decimals.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ BlockHash = NewType("BlockHash", bytes)
 """An engine block hash: the full digest (32 bytes for sha256_cbor)."""
 
 BlockKey = NewType("BlockKey", int)
-"""A router key: an unsigned 64-bit chained XXH3 of a block's prefix."""
+"""A router key: a 63-bit chained XXH3 of a block's prefix (``0 <= key < 2**63``)."""
 
 DEFAULT_NONE_HASH_SEED: Final = "vllm-none-hash"
 """vLLM's NONE_HASH seed when ``PYTHONHASHSEED`` is not set."""
@@ -47,6 +49,7 @@ DEFAULT_NONE_HASH_SEED: Final = "vllm-none-hash"
 _ARRAY3_BYTES32: Final = b"\x83\x58\x20"  # CBOR: array(3), then bytes(32) header
 _CBOR_NULL: Final = b"\xf6"
 _TOKEN_TYPECODE: Final = "I"  # uint32, little-endian on every platform we support
+_KEY_MASK: Final = (1 << 63) - 1
 
 
 def _cbor(value: Any) -> bytes:
@@ -158,12 +161,15 @@ def router_block_key(parent: int, token_ids: Sequence[int]) -> BlockKey:
     Raises:
         OverflowError: A token id is negative or does not fit in 32 bits.
     """
-    data = parent.to_bytes(8, "little") + array(_TOKEN_TYPECODE, token_ids).tobytes()
-    return BlockKey(xxhash.xxh3_64_intdigest(data))
+    raw = array(_TOKEN_TYPECODE, token_ids).tobytes()
+    return BlockKey(xxhash.xxh3_64_intdigest(raw, parent) & _KEY_MASK)
 
 
 def router_block_keys(token_ids: Sequence[int], block_size: int, parent: int) -> list[BlockKey]:
     """Router keys of every full block of ``token_ids``, chained from ``parent``.
+
+    Equals :func:`router_block_key` applied block by block (the hot path of ingest and
+    routing: one buffer for all tokens, a zero-copy view per block).
 
     Args:
         token_ids: The tokens; a partial last block is ignored.
@@ -176,14 +182,15 @@ def router_block_keys(token_ids: Sequence[int], block_size: int, parent: int) ->
     Raises:
         OverflowError: A token id is negative or does not fit in 32 bits.
     """
-    raw = array(_TOKEN_TYPECODE, token_ids).tobytes()
+    raw = memoryview(array(_TOKEN_TYPECODE, token_ids)).cast("B")
     step = block_size * 4
     digest = xxhash.xxh3_64_intdigest
+    mask = _KEY_MASK
     keys: list[int] = []
     append = keys.append
     prev = parent
     for offset in range(0, (len(raw) // step) * step, step):
-        prev = digest(prev.to_bytes(8, "little") + raw[offset : offset + step])
+        prev = digest(raw[offset : offset + step], prev) & mask
         append(prev)
     # BlockKey is a NewType over int: the cast skips a call per key on the hot path.
     return cast("list[BlockKey]", keys)

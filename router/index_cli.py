@@ -25,6 +25,7 @@ from events.hashing import BlockKey, RouterKeyer
 from router.errors import RouterError
 from router.index.base import WorkerId
 from router.index.bridge import WorkerBridge
+from router.index.changes import Changes
 from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRegistry, load_records, parse_worker_spec
@@ -70,7 +71,7 @@ async def expected_entries(
     # Tolerant, like a snapshot load: runs under an evicted ancestor are unreachable.
     bridge = WorkerBridge(keyer, tolerate_orphans=True)
     for event in snapshot_events(snapshot):
-        bridge.store(event, {})
+        bridge.store(event, Changes())
     return {key: mask for key, (_, mask) in bridge.entries().items()}
 
 

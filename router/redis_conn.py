@@ -2,7 +2,9 @@
 
 One asyncio client type per deployment: ``redis.asyncio.Redis`` for a single node,
 ``redis.asyncio.RedisCluster`` when the server reports ``cluster_enabled:1`` (or the
-caller says so). Both speak hiredis when it is installed.
+caller says so). Both parse replies with hiredis; single-node clients also pack commands
+with hiredis's C packer (redis-py's asyncio connections pack in Python, about 0.3 µs per
+argument: most of the client's time on an index write of thousands of keys).
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 from urllib.parse import urlsplit, urlunsplit
 
+import hiredis
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import DataError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.errors import RouterError
@@ -111,6 +115,35 @@ def _kwargs(url: str, options: RedisOptions) -> dict[str, Any]:
     return kwargs
 
 
+class _CPacking:
+    """Connection mixin: commands packed by ``hiredis.pack_command`` (same bytes, in C)."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        """One RESP command; a name with spaces (``"CONFIG GET"``) is split as redis-py does.
+
+        Raises:
+            DataError: An argument is not str, bytes, int or float.
+        """
+        name = args[0].encode() if isinstance(args[0], str) else args[0]
+        if b" " in name:
+            args = (*name.split(), *args[1:])
+        try:
+            return [hiredis.pack_command(args)]
+        except TypeError as exc:
+            raise DataError(f"cannot send {args[0]!r}: {exc}") from None
+
+
+_C_PACKING: dict[type[AbstractConnection], type[AbstractConnection]] = {}
+
+
+def _c_packing(cls: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``cls`` with :class:`_CPacking` (one subclass per connection class)."""
+    found = _C_PACKING.get(cls)
+    if found is None:
+        found = _C_PACKING[cls] = type(f"CPacking{cls.__name__}", (_CPacking, cls), {})
+    return found
+
+
 async def is_cluster(client: aioredis.Redis) -> bool:
     """True when the server runs in cluster mode (``INFO cluster``)."""
     info = await client.info("cluster")
@@ -147,6 +180,8 @@ async def connect(url: str, options: RedisOptions | None = None) -> RedisClient:
             await client.initialize()
         else:
             client = aioredis.from_url(url, **kwargs)
+            pool = client.connection_pool
+            pool.connection_class = _c_packing(pool.connection_class)
         await client.ping()
     except (RedisError, OSError, ValueError) as exc:
         raise RedisConnectError(

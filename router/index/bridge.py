@@ -7,37 +7,31 @@ engine hash -> router key. ``BlockRemoved`` goes through the same map. Every phy
 copy is reference-counted per (engine hash, tier), and every router key per tier, so an
 entry leaves the index only when its last copy on that tier is removed.
 
-The bridge is I/O-free: it produces :class:`EntryChange` records (the final presence
-mask of each touched router key) that an index writes, and :func:`fold_batch` drives it
-over a whole batch, shared by every ``PrefixIndex`` implementation.
+The bridge is I/O-free: it produces :class:`~router.index.changes.Changes` (the
+transition of each touched router key's presence mask) that an index writes, and
+:func:`fold_batch` drives it over a whole batch, shared by every ``PrefixIndex``
+implementation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, NamedTuple
+from itertools import pairwise, repeat
+from typing import Any
 
 from events.hashing import BlockKey, RouterKeyer, router_block_keys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
 from router.errors import OrphanParentError
+from router.index.changes import CPU_MASK, GPU_MASK, Changes
 
 __all__ = [
-    "CPU_MASK",
-    "GPU_MASK",
     "BridgeCounters",
-    "Changes",
-    "EntryChange",
     "WorkerBridge",
     "cache_salt_of",
     "fold_batch",
     "tier_mask",
 ]
-
-GPU_MASK: Final = 1
-"""Presence bit of a block held on the GPU tier (medium ``"GPU"`` or unspecified)."""
-CPU_MASK: Final = 2
-"""Presence bit of a block held on a slower tier (``"CPU"``, ``"STORAGE"``, ...)."""
 
 
 def tier_mask(medium: str | None) -> int:
@@ -58,27 +52,6 @@ def cache_salt_of(event: BlockStored) -> str | None:
         return None
     salts = [k for k in first if isinstance(k, str) and k != event.lora_name]
     return salts[-1] if salts else None
-
-
-class EntryChange(NamedTuple):
-    """How one worker's entry for a router key changes.
-
-    Attributes:
-        key: The router key.
-        tag: The router key of block 0 of the key's chain (its prefix family); a
-            cluster index places all keys of a family on one shard.
-        old_mask: Tier bits held before the batch (0: absent).
-        new_mask: Tier bits held after it (0: the entry leaves).
-    """
-
-    key: BlockKey
-    tag: BlockKey
-    old_mask: int
-    new_mask: int
-
-
-Changes = dict[BlockKey, EntryChange]
-"""Changes of one batch segment, by router key, in first-touched order."""
 
 
 @dataclass(slots=True)
@@ -145,11 +118,10 @@ class WorkerBridge:
 
     def reset(self) -> Changes:
         """Forget everything; returns the removal of every indexed entry."""
-        changes = {
-            key: EntryChange(key, state[_TAG], _mask(state), 0)
-            for key, state in self._keys.items()
-            if state[_INDEXED]
-        }
+        changes = Changes()
+        for key, state in self._keys.items():
+            if state[_INDEXED]:
+                changes.note(state[_TAG], key, _mask(state), 0)
         self._copies.clear()
         self._keys.clear()
         self._children.clear()
@@ -196,36 +168,64 @@ class WorkerBridge:
         if tag is None:
             tag = keys[0]
         tier = _tier(event.medium)
-        mask = GPU_MASK if tier == _GPU else CPU_MASK
-        one = (1, 0) if tier == _GPU else (0, 1)
-        all_copies, all_keys, children = self._copies, self._keys, self._children
-        for block_hash, key in zip(event.block_hashes, keys, strict=True):
-            copies = all_copies.get(block_hash)
-            if copies is None and key not in all_keys and key not in children:
-                # Fast path (the common case): a new block nobody below or at it holds;
-                # what _add would do, without its general bookkeeping.
-                all_copies[block_hash] = (key, *one)
-                above = None if parent is None else all_keys.get(parent)
-                indexed = parent is None or (above is not None and above[_INDEXED])
-                all_keys[key] = (tag, *one, parent, indexed)
-                if parent is not None:
-                    self._link(parent, key)
-                if indexed:
-                    _note(changes, key, tag, 0, mask)
+        if not self._store_new(event.block_hashes, keys, tag, parent, tier, changes):
+            for block_hash, key in zip(event.block_hashes, keys, strict=True):
+                copies = self._copies.get(block_hash)
+                if copies is None:
+                    self._copies[block_hash] = (key, 0, 0)
+                elif copies[_KEY] is None:
+                    # Now reachable from block 0: its earlier copies are indexed too.
+                    self._copies[block_hash] = (key, 0, 0)
+                    for t in (_GPU, _CPU):
+                        for _ in range(copies[t]):
+                            self._add(block_hash, t, +1, tag, parent, changes)
+                # NOTE: a hash re-stored with other tokens keeps its first key: the index
+                # already holds that one and children chain from it.
+                self._add(block_hash, tier, +1, tag, parent, changes)
                 parent = key
-                continue
-            if copies is None:
-                all_copies[block_hash] = (key, 0, 0)
-            elif copies[_KEY] is None:
-                # Now reachable from block 0: its earlier copies are indexed too.
-                all_copies[block_hash] = (key, 0, 0)
-                for t in (_GPU, _CPU):
-                    for _ in range(copies[t]):
-                        self._add(block_hash, t, +1, tag, parent, changes)
-            # NOTE: a hash re-stored with other tokens keeps its first key: the index
-            # already holds that one and children chain from it.
-            self._add(block_hash, tier, +1, tag, parent, changes)
-            parent = key
+
+    def _store_new(
+        self,
+        hashes: list[WireHash],
+        keys: list[BlockKey],
+        tag: BlockKey,
+        parent: BlockKey | None,
+        tier: int,
+        changes: Changes,
+    ) -> bool:
+        """Store a run of blocks in bulk if it is the common case; False if it is not.
+
+        The common case: every hash and every key of the run is new (no copy held, no
+        key held or with held children) and distinct; then each block is a new entry,
+        indexed iff the parent is (prefix closure), with one dict update per map.
+        """
+        all_copies, all_keys, children = self._copies, self._keys, self._children
+        if not (
+            all_copies.keys().isdisjoint(hashes)
+            and all_keys.keys().isdisjoint(keys)
+            and children.keys().isdisjoint(keys)
+        ):
+            return False
+        gpu, cpu = (1, 0) if tier == _GPU else (0, 1)
+        parents: list[BlockKey | None] = [parent, *keys[:-1]]
+        indexed = parent is None or all_keys[parent][_INDEXED]
+        rows = zip(repeat(tag), repeat(gpu), repeat(cpu), parents, repeat(indexed))
+        had_copies, had_keys = len(all_copies), len(all_keys)
+        all_copies.update(zip(hashes, zip(keys, repeat(gpu), repeat(cpu)), strict=True))
+        all_keys.update(zip(keys, rows, strict=True))
+        if len(all_copies) - had_copies != len(keys) or len(all_keys) - had_keys != len(keys):
+            # A hash or key repeats within the run: undo (none was held before).
+            for block_hash in hashes:
+                all_copies.pop(block_hash, None)
+            for key in keys:
+                all_keys.pop(key, None)
+            return False
+        children.update(pairwise(keys))
+        if parent is not None:
+            self._link(parent, keys[0])
+        if indexed:
+            changes.add_new(tag, keys, GPU_MASK if tier == _GPU else CPU_MASK)
+        return True
 
     def remove(self, event: BlockRemoved, changes: Changes) -> None:
         """Fold one ``BlockRemoved`` into ``changes``; unknown copies are counted."""
@@ -289,7 +289,7 @@ class WorkerBridge:
         if after == before:
             return
         if state[_INDEXED]:
-            _note(changes, key, state[_TAG], before, after)
+            changes.note(state[_TAG], key, before, after)
         if after == 0:
             if state[_PARENT] is not None:
                 self._unlink(state[_PARENT], key)
@@ -333,23 +333,13 @@ class WorkerBridge:
                     continue
                 self._keys[BlockKey(child)] = (*state[:_INDEXED], indexed)
                 mask = _mask(state)
-                _note(
-                    changes,
-                    BlockKey(child),
-                    state[_TAG],
-                    0 if indexed else mask,
-                    mask if indexed else 0,
-                )
+                old, new = (0, mask) if indexed else (mask, 0)
+                changes.note(state[_TAG], BlockKey(child), old, new)
                 stack.append(BlockKey(child))
 
 
 def _bump(entry: tuple[Any, ...], tier: int, delta: int) -> tuple[Any, ...]:
     return (*entry[:tier], entry[tier] + delta, *entry[tier + 1 :])
-
-
-def _note(changes: Changes, key: BlockKey, tag: BlockKey, old: int, new: int) -> None:
-    previous = changes.get(key)
-    changes[key] = EntryChange(key, tag, old if previous is None else previous.old_mask, new)
 
 
 def _tier(medium: str | None) -> int:
@@ -390,7 +380,7 @@ async def fold_batch(
         OrphanParentError: A ``BlockStored`` has an unknown parent; the events before it
             were applied and written.
     """
-    changes: Changes = {}
+    changes = Changes()
     for position, event in enumerate(batch.events):
         if isinstance(event, BlockStored):
             try:
@@ -402,12 +392,11 @@ async def fold_batch(
             bridge.remove(event, changes)
         elif isinstance(event, AllBlocksCleared):
             await _flush(write, changes)
-            changes = {}
+            changes = Changes()
             await clear()
     await _flush(write, changes)
 
 
 async def _flush(write: Callable[[Changes], Awaitable[None]], changes: Changes) -> None:
-    effective = {k: c for k, c in changes.items() if c.old_mask != c.new_mask}
-    if effective:
-        await write(effective)
+    if changes:
+        await write(changes)

@@ -1,12 +1,16 @@
-"""Group commit of index writes: while one worker's write is in flight, later changes merge.
+"""Group commit of index writes: while one write is in flight, every later change merges.
 
-The ingest folds a worker's batches as fast as they arrive; waiting for Redis after each
-one caps it at one round trip per batch. With group commit ``submit`` returns at once:
-the changes join the worker's pending set (merged per router key: the first old mask,
-the latest new mask) and one background task per worker sends the pending set whenever
-the previous write completed. Per worker, writes stay in order; a failed write goes to
-the ``on_error`` callback when one is given, else it is kept and raised by the next
-``submit`` or ``flush`` of that worker, so the caller rebuilds it.
+The ingest folds batches as fast as they arrive; waiting for Redis after each one caps it
+at one round trip per batch, and a round trip per worker costs more client time than
+the write itself when many workers are busy. With group commit ``submit`` returns at
+once: the changes join their worker's pending set (merged per router key: the first old
+mask, the latest new mask) and one background task sends the pending sets of *all*
+workers in one ``send`` call whenever the previous one completed.
+
+Invariants: at most one ``send`` is in flight, so per worker, writes land in order; a
+worker whose write failed loses its pending changes too (they were folded on top of the
+lost write: the caller rebuilds the worker); the failure goes to ``on_error`` when one is
+given, else it is kept and raised once by the next ``submit`` or ``flush`` of that worker.
 """
 
 from __future__ import annotations
@@ -14,83 +18,84 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable
 
 from router.index.base import WorkerId
-from router.index.bridge import Changes, EntryChange
+from router.index.changes import Changes
 
-__all__ = ["GroupCommit", "merge_changes"]
+__all__ = ["GroupCommit", "Send"]
 
 log = logging.getLogger(__name__)
 
-
-def merge_changes(into: Changes, changes: Changes) -> None:
-    """Fold later ``changes`` into ``into``: per key, the first old and the latest new mask."""
-    for key, change in changes.items():
-        previous = into.get(key)
-        if previous is None:
-            into[key] = change
-        else:
-            into[key] = EntryChange(key, change.tag, previous.old_mask, change.new_mask)
-
-
-@dataclass(eq=False)
-class _Queue:
-    # NOTE: pending holds changes not yet handed to send; task, while running, is the
-    # only sender of this worker (so writes never overtake each other).
-    pending: Changes = field(default_factory=dict)
-    task: asyncio.Task[None] | None = None
-    error: BaseException | None = None
+Send = Callable[[dict[WorkerId, Changes]], Awaitable[dict[WorkerId, Exception]]]
+"""Writes the changes of several workers; returns the failure of each worker that failed
+(raising fails them all)."""
 
 
 class GroupCommit:
-    """Per-worker write-behind queues in front of a ``send(worker, changes)`` coroutine.
+    """A write-behind queue for all workers in front of a ``send`` coroutine.
 
     Args:
-        send: Writes one merged set of a worker's changes (raises on failure).
-        on_error: Told of a failed write at once (instead of the next call raising it).
+        send: Writes merged changes of several workers (see :data:`Send`).
+        on_error: Told of a worker's failed write at once (instead of the next call
+            raising it).
     """
 
     def __init__(
-        self,
-        send: Callable[[WorkerId, Changes], Awaitable[None]],
-        on_error: Callable[[WorkerId, Exception], None] | None = None,
+        self, send: Send, on_error: Callable[[WorkerId, Exception], None] | None = None
     ) -> None:
         self._send = send
         self.on_error = on_error
-        self._queues: dict[WorkerId, _Queue] = {}
+        self._pending: dict[WorkerId, Changes] = {}
+        self._in_flight: frozenset[WorkerId] = frozenset()
+        self._errors: dict[WorkerId, Exception] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._progress = asyncio.Event()
 
     def submit(self, worker_id: WorkerId, changes: Changes) -> None:
-        """Queue changes for the worker; starts its sender if idle.
+        """Queue a worker's changes (``changes`` is taken over); starts the sender if idle.
 
         Raises:
-            Exception: The previous write of this worker failed (raised once).
+            Exception: The previous write of this worker failed (raised once; the new
+                changes are dropped with it).
         """
-        queue = self._queues.setdefault(worker_id, _Queue())
-        if queue.error is not None:
-            error, queue.error = queue.error, None
+        error = self._errors.pop(worker_id, None)
+        if error is not None:
             raise error
-        merge_changes(queue.pending, changes)
-        if queue.task is None or queue.task.done():
-            queue.task = asyncio.create_task(self._drain(worker_id, queue))
+        pending = self._pending.get(worker_id)
+        if pending is None:
+            self._pending[worker_id] = changes
+        else:
+            pending.merge(changes)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain())
 
-    async def _drain(self, worker_id: WorkerId, queue: _Queue) -> None:
-        while queue.pending:
-            changes = {k: c for k, c in queue.pending.items() if c.old_mask != c.new_mask}
-            queue.pending = {}
-            if not changes:
-                continue
+    async def _drain(self) -> None:
+        while self._pending:
+            writes, self._pending = self._pending, {}
+            self._in_flight = frozenset(writes)
             try:
-                await self._send(worker_id, changes)
-            except Exception as exc:  # kept for the caller: it decides how to recover
-                log.warning("worker %s: queued index write failed: %s", worker_id, exc)
-                queue.pending = {}
-                if self.on_error is not None:
-                    self.on_error(worker_id, exc)
-                else:
-                    queue.error = exc
-                return
+                failed = await self._send(writes)
+            except Exception as exc:  # every worker of the write failed
+                failed = dict.fromkeys(writes, exc)
+            finally:
+                self._in_flight = frozenset()
+            for worker_id, error in failed.items():
+                self._fail(worker_id, error)
+            self._progress.set()
+            self._progress = asyncio.Event()
+
+    def _fail(self, worker_id: WorkerId, exc: Exception) -> None:
+        log.warning("worker %s: queued index write failed: %s", worker_id, exc)
+        self._pending.pop(worker_id, None)
+        if self.on_error is not None:
+            self.on_error(worker_id, exc)
+        else:
+            self._errors[worker_id] = exc
+
+    def _busy(self, ids: Iterable[WorkerId]) -> bool:
+        running = self._task is not None and not self._task.done()
+        return running and any(w in self._pending or w in self._in_flight for w in ids)
 
     async def flush(self, worker_id: WorkerId | None = None, *, raise_errors: bool = True) -> None:
         """Wait until the worker's (or every worker's) queued changes are written.
@@ -98,28 +103,25 @@ class GroupCommit:
         Raises:
             Exception: A queued write failed (when ``raise_errors``; else it is dropped).
         """
-        ids = list(self._queues) if worker_id is None else [worker_id]
-        for wid in ids:
-            queue = self._queues.get(wid)
-            if queue is None:
-                continue
-            while queue.task is not None and not queue.task.done():
-                await asyncio.shield(queue.task)
-            error, queue.error = queue.error, None
-            if error is not None and raise_errors:
-                raise error
+        everyone = [*self._pending, *self._in_flight, *self._errors]
+        ids = everyone if worker_id is None else [worker_id]
+        while self._busy(ids):
+            await self._progress.wait()
+        errors = [e for w in ids if (e := self._errors.pop(w, None)) is not None]
+        if errors and raise_errors:
+            raise errors[0]
 
     def discard(self, worker_id: WorkerId) -> None:
         """Drop the worker's queued changes and error (a write in flight still completes)."""
-        queue = self._queues.pop(worker_id, None)
-        if queue is not None:
-            queue.pending = {}
+        self._pending.pop(worker_id, None)
+        self._errors.pop(worker_id, None)
 
     async def close(self) -> None:
-        """Cancel every sender (queued changes are lost)."""
-        for queue in self._queues.values():
-            if queue.task is not None:
-                queue.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await queue.task
-        self._queues.clear()
+        """Cancel the sender (queued changes are lost)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        self._pending.clear()
+        self._errors.clear()
+        self._progress.set()

@@ -2,8 +2,9 @@
 
 A prefix family is the set of chains that share block 0; its tag is block 0's router key.
 Per family and worker, the router keys the worker holds are two Redis sets (GPU tier,
-CPU tier) of signed 64-bit decimal members, which Redis stores as compact *intsets* (8
-bytes per key while a set holds at most ``set-max-intset-entries``, default 512). A
+CPU tier) of their decimals (63-bit, non-negative), which Redis stores as compact
+*intsets* (8 bytes per key while a set holds at most ``set-max-intset-entries``, default
+512). A
 family's holders hash counts each worker's entries, so a lookup finds its candidates in
 one command. Keys that one script touches together share a hash tag:
 
@@ -18,7 +19,6 @@ families over shards.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -30,14 +30,11 @@ __all__ = [
     "KeyLayout",
     "check_name",
     "decode_key",
-    "encode_keys",
-    "encode_keys_fixed",
     "tag_text",
 ]
 
 _NAME: Final = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
-_SIGN: Final = 1 << 63
-_WRAP: Final = 1 << 64
+_KEY_LIMIT: Final = 1 << 63
 
 
 def check_name(kind: str, value: str) -> str:
@@ -55,30 +52,19 @@ def check_name(kind: str, value: str) -> str:
     return value
 
 
-def encode_keys(keys: Iterable[int]) -> bytes:
-    """Router keys as space-separated signed decimals (how the sets store them)."""
-    return " ".join([str(k - _WRAP if k >= _SIGN else k) for k in keys]).encode()
-
-
-def encode_keys_fixed(keys: Iterable[int]) -> bytes:
-    """Router keys as signed decimals right-aligned in 20 characters each (no separator):
-    a script can cut out key ``i`` without splitting the whole list."""
-    return b"".join([b"%20d" % (k - _WRAP if k >= _SIGN else k) for k in keys])
-
-
 def decode_key(member: bytes) -> BlockKey:
-    """Inverse of one :func:`encode_keys` element.
+    """A router key from an index set member (a non-negative decimal below ``2**63``).
 
     Raises:
-        PrefixIndexError: The member is not a decimal 64-bit integer.
+        PrefixIndexError: The member is not such a decimal.
     """
     try:
         value = int(member)
     except ValueError:
         raise PrefixIndexError(f"index set member {member!r} is not a router key") from None
-    if not -_SIGN <= value < _SIGN:
-        raise PrefixIndexError(f"index set member {member!r} is out of the 64-bit range")
-    return BlockKey(value % _WRAP)
+    if not 0 <= value < _KEY_LIMIT:
+        raise PrefixIndexError(f"index set member {member!r} is out of the 63-bit key range")
+    return BlockKey(value)
 
 
 def tag_text(tag: BlockKey) -> str:

@@ -12,7 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from events.hashing import BlockKey, RouterKeyer
 from events.schema import KVEventBatch
 from router.index.base import IndexStats, PrefixMatch, WorkerId
-from router.index.bridge import CPU_MASK, GPU_MASK, Changes, WorkerBridge, fold_batch
+from router.index.bridge import WorkerBridge, fold_batch
+from router.index.changes import CPU_MASK, GPU_MASK, Changes
 
 __all__ = ["MemoryPrefixIndex", "match_prefix"]
 
@@ -86,12 +87,12 @@ class MemoryPrefixIndex:
         await fold_batch(worker_id, self.bridge(worker_id), batch, write, clear)
 
     def _write(self, worker_id: WorkerId, changes: Changes) -> None:
-        for key, change in changes.items():
+        for _, key, (_, new_mask) in changes.items():
             holders = self._holders.get(key)
-            if change.new_mask:
+            if new_mask:
                 if holders is None:
                     holders = self._holders[key] = {}
-                holders[worker_id] = change.new_mask
+                holders[worker_id] = new_mask
             elif holders is not None:
                 holders.pop(worker_id, None)
                 if not holders:

@@ -10,9 +10,11 @@ cannot write.
 Costs: a lookup is one ``EVALSHA`` on the family's shard: one ``HKEYS``/``HMGET`` for
 the candidates, then, per candidate holding the family, a binary search of its matched
 depth with ``SISMEMBER`` (the bridge keeps each chain's entries prefix-closed), plus one
-``SMISMEMBER`` for the tier split when the worker has CPU-tier entries there. A batch is
-one ``EVALSHA`` on a single node; on a cluster one call to the worker's shard (fencing +
-bookkeeping) followed by one call per family shard, sent concurrently.
+``SMISMEMBER`` for the tier split when the worker has CPU-tier entries there. A write is
+one ``EVALSHA`` on a single node, for any number of workers (group commit sends every
+worker's pending changes together, each fenced by its own lease); on a cluster, per
+worker, one call to the worker's shard (fencing + bookkeeping) followed by one call per
+family shard, all sent concurrently.
 
 NOTE: on a cluster the fencing check and the family writes are separate scripts, so a
 writer whose lease lapses between the two may write that one batch after a newer owner
@@ -33,24 +35,19 @@ from events.hashing import BlockKey, RouterKeyer
 from events.schema import KVEventBatch
 from router.errors import PrefixIndexError
 from router.index.base import IndexStats, PrefixMatch, WorkerId
-from router.index.bridge import CPU_MASK, GPU_MASK, Changes, WorkerBridge, fold_batch
+from router.index.bridge import WorkerBridge, fold_batch
+from router.index.changes import CPU_MASK, GPU_MASK, Changes, transition
 from router.index.group_commit import GroupCommit
-from router.index.layout import (
-    KeyLayout,
-    check_name,
-    decode_key,
-    encode_keys,
-    encode_keys_fixed,
-    tag_text,
-)
+from router.index.layout import KeyLayout, check_name, decode_key, tag_text
 from router.index.scripts import (
     APPLY_FAMILIES,
-    APPLY_SINGLE,
     APPLY_WORKER,
+    APPLY_WORKERS,
     CLEAR_FAMILIES,
     FORGET_FAMILIES,
     LOOKUP,
     Script,
+    StaleLeaseError,
 )
 from router.redis_conn import RedisClient, reply_bytes
 
@@ -59,7 +56,7 @@ __all__ = ["RedisPrefixIndex"]
 _CLEAR_CHUNK: Final = 500
 """Families dropped per script call while clearing a worker."""
 
-_apply_single = Script(APPLY_SINGLE)
+_apply_workers = Script(APPLY_WORKERS)
 _apply_worker = Script(APPLY_WORKER)
 _apply_families = Script(APPLY_FAMILIES)
 _clear_families = Script(CLEAR_FAMILIES)
@@ -67,22 +64,40 @@ _forget_families = Script(FORGET_FAMILIES)
 _lookup = Script(LOOKUP)
 
 
-def _family_args(changes: Changes) -> dict[BlockKey, list[bytes | int | str]]:
-    """Per family tag: its six script arguments (tag, entries delta, four key lists)."""
-    lists: dict[BlockKey, tuple[list[int], list[list[int]]]] = {}
-    for change in changes.values():
-        old, new = change.old_mask, change.new_mask
-        delta, sets = lists.setdefault(change.tag, ([0], [[], [], [], []]))
-        delta[0] += new.bit_count() - old.bit_count()
-        for bit, (added, dropped) in ((GPU_MASK, (0, 1)), (CPU_MASK, (2, 3))):
-            if new & bit and not old & bit:
-                sets[added].append(change.key)
-            elif old & bit and not new & bit:
-                sets[dropped].append(change.key)
-    return {
-        tag: [tag_text(tag), delta[0], *(encode_keys(keys) for keys in sets)]
-        for tag, (delta, sets) in lists.items()
-    }
+def _lists_of(old: int, new: int) -> tuple[int, ...]:
+    """Which of a family's four key lists (GPU added, GPU removed, CPU added, CPU
+    removed) an entry going from mask ``old`` to ``new`` joins."""
+    gained, lost = new & ~old, old & ~new
+    bits = (gained & GPU_MASK, lost & GPU_MASK, gained & CPU_MASK, lost & CPU_MASK)
+    return tuple(i for i, bit in enumerate(bits) if bit)
+
+
+_LISTS: Final = {transition(o, n): _lists_of(o, n) for o in range(4) for n in range(4)}
+
+
+def _family_args(changes: Changes) -> tuple[int, list[tuple[BlockKey, list[str | int]]]]:
+    """The worker's entries delta, and per family its script arguments (see ``_FAMILY``
+    in :mod:`router.index.scripts`): tag, the four list lengths, the four key lists."""
+    delta = 0
+    out = []
+    for tag, family in changes.families.items():
+        kinds = set(family.values())
+        lists: list[list[BlockKey]] = [[], [], [], []]
+        if len(kinds) == 1:  # the common case: one kind of change (say, all stored)
+            keys = list(family)
+            for i in _LISTS[kinds.pop()]:
+                lists[i] = keys
+        else:
+            for key, change in family.items():
+                for i in _LISTS[change]:
+                    lists[i].append(key)
+        counts = [len(keys) for keys in lists]
+        delta += counts[0] - counts[1] + counts[2] - counts[3]
+        args: list[str | int] = [tag_text(tag), *counts]
+        for keys in lists:
+            args.extend(keys)
+        out.append((tag, args))
+    return delta, out
 
 
 class RedisPrefixIndex:
@@ -93,9 +108,10 @@ class RedisPrefixIndex:
         layout: Key names of the namespace.
         keyer: Router key function (its seed must match the one requests use).
         group_commit: ``apply`` queues its writes and returns once the batch is folded;
-            a worker's queued changes merge while its previous write is in flight (see
-            :mod:`router.index.group_commit`). A failed write is raised by the worker's
-            next ``apply`` or ``flush``. Off: ``apply`` returns once Redis has the batch.
+            queued changes merge while the previous write is in flight and all workers'
+            go out in one write (see :mod:`router.index.group_commit`). A failed write is
+            raised by the worker's next ``apply`` or ``flush``. Off: ``apply`` returns
+            once Redis has the batch.
 
     NOTE: only the holder of a worker's lease writes that worker's entries; the lease
     token is given with :meth:`use_lease` before :meth:`apply` or :meth:`clear_worker`.
@@ -186,27 +202,58 @@ class RedisPrefixIndex:
         await fold_batch(worker_id, self.bridge(worker_id), batch, write, clear)
 
     async def _write(self, worker_id: WorkerId, changes: Changes) -> None:
+        self._token(worker_id)
         if self.group_commit:
-            self._token(worker_id)
             self._queues.submit(worker_id, changes)
-        else:
-            await self._send(worker_id, changes)
-
-    async def _send(self, worker_id: WorkerId, changes: Changes) -> None:
-        token = self._token(worker_id)
-        families = _family_args(changes)
-        delta = sum(int(args[1]) for args in families.values())
-        prefix = self.layout.prefix
-        if not self.is_cluster:
-            flat = [a for args in families.values() for a in args]
-            await _apply_single(
-                self.client, self._worker_keys(worker_id), [token, worker_id, prefix, delta, *flat]
-            )
             return
-        tags = [args[0] for args in families.values()]
+        failed = await self._send({worker_id: changes})
+        if worker_id in failed:
+            raise failed[worker_id]
+
+    async def _send(self, writes: dict[WorkerId, Changes]) -> dict[WorkerId, Exception]:
+        """Write several workers' changes; returns the failure of each refused worker."""
+        failed: dict[WorkerId, Exception] = {}
+        fenced: list[tuple[WorkerId, str, Changes]] = []
+        for worker_id, changes in writes.items():
+            try:
+                fenced.append((worker_id, self._token(worker_id), changes))
+            except PrefixIndexError as exc:  # the lease was dropped while queued
+                failed[worker_id] = exc
+        if self.is_cluster:
+            results = await asyncio.gather(
+                *(self._send_cluster(*write) for write in fenced), return_exceptions=True
+            )
+            for (worker_id, _, _), result in zip(fenced, results, strict=True):
+                if isinstance(result, Exception):
+                    failed[worker_id] = result
+                elif isinstance(result, BaseException):
+                    raise result
+            return failed
+        keys: list[str] = []
+        args: list[str | int] = [self.layout.prefix]
+        for worker_id, token, changes in fenced:
+            delta, families = _family_args(changes)
+            flat = [a for _, family in families for a in family]
+            keys.extend(self._worker_keys(worker_id))
+            args.extend((token, worker_id, delta, len(flat)))
+            args.extend(flat)
+        if fenced:
+            refused = await _apply_workers(self.client, keys, args)
+            for raw in refused:
+                worker_id = WorkerId(reply_bytes(raw).decode())
+                failed[worker_id] = StaleLeaseError(
+                    f"write for worker {worker_id!r} refused: lease not held with this "
+                    "epoch; re-acquire the worker's lease and resync it"
+                )
+        return failed
+
+    async def _send_cluster(self, worker_id: WorkerId, token: str, changes: Changes) -> None:
+        delta, families = _family_args(changes)
+        tags = [args[0] for _, args in families]
         await _apply_worker(self.client, self._worker_keys(worker_id), [token, delta, *tags])
-        groups: dict[int, tuple[str, list[bytes | int | str]]] = {}
-        for tag, args in families.items():
+        groups: dict[int, tuple[str, list[str | int]]] = {}
+        prefix = self.layout.prefix
+        for tag, args in families:
             holders = self.layout.holders(tag)
             slot = key_slot(holders.encode())
             groups.setdefault(slot, (holders, [worker_id, prefix]))[1].extend(args)
@@ -225,7 +272,7 @@ class RedisPrefixIndex:
         reply: list[Any] = await _lookup(
             self.client,
             [self.layout.holders(tag)],
-            [self.layout.prefix, tag_text(tag), encode_keys_fixed(keys), *fields],
+            [self.layout.prefix, tag_text(tag), len(keys), *keys, *fields],
         )
         out: dict[WorkerId, PrefixMatch] = {}
         for i in range(0, len(reply), 3):

@@ -4,9 +4,11 @@ Each script touches keys of one hash tag only (see :mod:`router.index.layout`), 
 runs unchanged on a single node and on a Redis Cluster shard. Scripts are composed
 from shared fragments instead of repeating them.
 
-Router keys travel as one space-separated argument of signed decimals per list (the
-scripts split them), and the scripts build key names from the namespace prefix, the
-family tag and the worker id: far cheaper for the client than thousands of arguments.
+Router keys travel as one argument each (63-bit, so plain non-negative decimals that
+Redis stores as intsets), preceded by their count; the client packs them with hiredis's
+C packer (see :mod:`router.redis_conn`) and the scripts hand ranges of ``ARGV`` to
+``SADD``/``SREM``/``SMISMEMBER`` unchanged, with no string splitting on either side. The
+scripts build key names from the namespace prefix, the family tag and the worker id.
 """
 
 from __future__ import annotations
@@ -22,10 +24,9 @@ from router.errors import PrefixIndexError
 __all__ = [
     "ACQUIRE",
     "APPLY_FAMILIES",
-    "APPLY_SINGLE",
     "APPLY_WORKER",
+    "APPLY_WORKERS",
     "CLEAR_FAMILIES",
-    "FAMILY_ARGS",
     "FENCED_ERROR",
     "FORGET_FAMILIES",
     "LOOKUP",
@@ -53,68 +54,74 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then
 end
 """
 
-# Splits a space-separated key list and applies a set command to it, in chunks that
-# stay far below Lua's limit on unpack() arguments.
+# Applies a set command to ARGV[first .. first + count - 1], in chunks that stay far
+# below Lua's limit on unpack() results.
 _SET_OP: Final = """
-local function set_op(cmd, key, list)
-  if list == '' then
-    return
-  end
-  local chunk = {}
-  for member in string.gmatch(list, '%S+') do
-    chunk[#chunk + 1] = member
-    if #chunk == 1000 then
-      redis.call(cmd, key, unpack(chunk))
-      chunk = {}
-    end
-  end
-  if #chunk > 0 then
-    redis.call(cmd, key, unpack(chunk))
+local function set_op(cmd, key, first, count)
+  local last = first + count - 1
+  for s = first, last, 4000 do
+    redis.call(cmd, key, unpack(ARGV, s, math.min(s + 3999, last)))
   end
 end
 """
 
-# Applies one family's part of a batch: ARGV from position a: tag, entries delta, GPU keys
-# added, GPU keys removed, CPU keys added, CPU keys removed. Returns the worker's entry
-# count left in the family.
+# Applies one family's part of a write: ARGV from position a: tag, the counts of four key
+# lists (GPU added, GPU removed, CPU added, CPU removed), then the lists. Returns the
+# worker's entry count left in the family and the position after the family.
 _FAMILY: Final = """
 local function family(ns, worker, a)
   local tag = ARGV[a]
   local g = ns .. 'g:{' .. tag .. '}:' .. worker
   local c = ns .. 'c:{' .. tag .. '}:' .. worker
-  set_op('SADD', g, ARGV[a + 2])
-  set_op('SREM', g, ARGV[a + 3])
-  set_op('SADD', c, ARGV[a + 4])
-  set_op('SREM', c, ARGV[a + 5])
+  local n1, n2 = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local n3, n4 = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  local i = a + 5
+  set_op('SADD', g, i, n1)
+  set_op('SREM', g, i + n1, n2)
+  set_op('SADD', c, i + n1 + n2, n3)
+  set_op('SREM', c, i + n1 + n2 + n3, n4)
   local h = ns .. 'h:{' .. tag .. '}'
-  local left = redis.call('HINCRBY', h, worker, ARGV[a + 1])
+  local left = redis.call('HINCRBY', h, worker, n1 + n3 - n2 - n4)
   if left <= 0 then
     redis.call('HDEL', h, worker)
   end
-  return left
+  return left, i + n1 + n2 + n3 + n4
 end
 """
 
-FAMILY_ARGS: Final = 6
-"""Arguments per family in the write scripts (see ``_FAMILY``)."""
-
-APPLY_SINGLE: Final = (
+APPLY_WORKERS: Final = (
     _SET_OP
     + _FAMILY
-    + _FENCE
-    + f"""
--- Single node: the whole batch in one atomic, fenced script.
--- KEYS: lease, worker, families   ARGV: token, worker id, ns prefix, entries delta,
--- then {FAMILY_ARGS} arguments per family.
-for a = 5, #ARGV, {FAMILY_ARGS} do
-  if family(ARGV[3], ARGV[2], a) > 0 then
-    redis.call('SADD', KEYS[3], ARGV[a])
+    + """
+-- Single node: the writes of any number of workers in one atomic script, each fenced by
+-- its own lease token; a worker whose token is not current is skipped and reported.
+-- KEYS: per worker: lease, worker, families   ARGV: ns prefix, then per worker: token,
+-- worker id, entries delta, number of its family arguments, its families.
+-- Returns the ids of the workers whose writes were refused.
+local ns = ARGV[1]
+local refused = {}
+local a, k = 2, 1
+while a <= #ARGV do
+  local token, worker, delta = ARGV[a], ARGV[a + 1], ARGV[a + 2]
+  local stop = a + 4 + tonumber(ARGV[a + 3])
+  if redis.call('GET', KEYS[k]) ~= token then
+    refused[#refused + 1] = worker
   else
-    redis.call('SREM', KEYS[3], ARGV[a])
+    local f = a + 4
+    while f < stop do
+      local tag, left = ARGV[f], 0
+      left, f = family(ns, worker, f)
+      if left > 0 then
+        redis.call('SADD', KEYS[k + 2], tag)
+      else
+        redis.call('SREM', KEYS[k + 2], tag)
+      end
+    end
+    redis.call('HINCRBY', KEYS[k + 1], 'entries', delta)
   end
+  a, k = stop, k + 3
 end
-redis.call('HINCRBY', KEYS[2], 'entries', ARGV[4])
-return 0
+return refused
 """
 )
 
@@ -135,12 +142,13 @@ return 0
 APPLY_FAMILIES: Final = (
     _SET_OP
     + _FAMILY
-    + f"""
+    + """
 -- Cluster, one slot: the families of a batch that live in KEYS[1]'s slot.
--- KEYS: one holders hash of the slot   ARGV: worker id, ns prefix, then
--- {FAMILY_ARGS} arguments per family.
-for a = 3, #ARGV, {FAMILY_ARGS} do
-  family(ARGV[2], ARGV[1], a)
+-- KEYS: one holders hash of the slot   ARGV: worker id, ns prefix, then the families.
+local a = 3
+while a <= #ARGV do
+  local _
+  _, a = family(ARGV[2], ARGV[1], a)
 end
 return 0
 """
@@ -177,16 +185,16 @@ LOOKUP: Final = """
 -- The longest consecutive prefix of one request's keys per candidate worker, in one
 -- family (one slot): O(log n) membership checks per candidate holding the family.
 -- KEYS: the family's holders hash.
--- ARGV: ns prefix, family tag, the keys (20 characters each, right-aligned), then the
--- candidate worker ids (none: every holder of the family).
+-- ARGV: ns prefix, family tag, the number n of keys, the keys, then the candidate
+-- worker ids (none: every holder of the family).
 -- Returns: flat list worker, gpu_blocks, cpu_blocks for each worker holding block 0.
-local ns, tag = ARGV[1], ARGV[2]
+local ns, tag, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local candidates = {}
-if #ARGV == 3 then
+if #ARGV == 3 + n then
   candidates = redis.call('HKEYS', KEYS[1])
 else
   local asked = {}
-  for j = 4, #ARGV do
+  for j = 4 + n, #ARGV do
     asked[#asked + 1] = ARGV[j]
   end
   local counts = redis.call('HMGET', KEYS[1], unpack(asked))
@@ -199,18 +207,13 @@ end
 if #candidates == 0 then
   return {}
 end
-local packed = ARGV[3]
-local n = #packed / 20
-local function key(i)
-  return string.match(string.sub(packed, 20 * i - 19, 20 * i), '%S+')
-end
 local out = {}
 for _, w in ipairs(candidates) do
   local gset = ns .. 'g:{' .. tag .. '}:' .. w
   local cset = ns .. 'c:{' .. tag .. '}:' .. w
   local has_cpu = redis.call('EXISTS', cset) == 1
   local function held(i)
-    local k = key(i)
+    local k = ARGV[3 + i]
     return redis.call('SISMEMBER', gset, k) == 1
       or (has_cpu and redis.call('SISMEMBER', cset, k) == 1)
   end
@@ -237,12 +240,9 @@ for _, w in ipairs(candidates) do
   local gpu, cpu = depth, 0
   if has_cpu and depth > 0 then
     gpu = 0
-    for first = 1, depth, 1000 do
-      local chunk = {}
-      for i = first, math.min(depth, first + 999) do
-        chunk[#chunk + 1] = key(i)
-      end
-      local g = redis.call('SMISMEMBER', gset, unpack(chunk))
+    for first = 4, depth + 3, 4000 do
+      local last = math.min(depth + 3, first + 3999)
+      local g = redis.call('SMISMEMBER', gset, unpack(ARGV, first, last))
       for i = 1, #g do
         gpu = gpu + g[i]
       end

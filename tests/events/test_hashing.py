@@ -77,7 +77,7 @@ def test_router_keys_are_chained_and_seeded() -> None:
     assert keys[0] == router_block_key(root, tokens[:16])
     assert keys[2] == router_block_key(keys[1], tokens[32:])
     assert router_block_keys(tokens, 16, root_key(8)) != keys
-    assert all(0 <= k < 2**64 for k in keys)
+    assert all(0 <= k < 2**63 for k in keys)
 
 
 def test_lora_and_salt_fold_into_the_root() -> None:

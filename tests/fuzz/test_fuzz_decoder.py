@@ -36,7 +36,7 @@ from events.schema import (
 )
 from router.errors import OrphanParentError
 from router.index.base import WorkerId
-from router.index.bridge import CPU_MASK, GPU_MASK
+from router.index.changes import CPU_MASK, GPU_MASK
 from router.index.memory import MemoryPrefixIndex
 
 REASONS = frozenset({"msgpack", "unknown_tag", "bad_field", "bad_batch", "bad_event", "too_large"})

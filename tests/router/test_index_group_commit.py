@@ -1,38 +1,90 @@
-"""Group commit: merged per key while a write is in flight, in order, errors surfaced."""
+"""Changes and group commit: merged per key while a write is in flight, in order, one send
+for all workers, errors surfaced per worker."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from events.hashing import BlockKey
 from router.index.base import WorkerId
-from router.index.bridge import Changes, EntryChange
-from router.index.group_commit import GroupCommit, merge_changes
+from router.index.changes import Changes, transition
+from router.index.group_commit import GroupCommit
 
 W = WorkerId("w")
+V = WorkerId("v")
 
 
-def change(key: int, old: int, new: int) -> Changes:
-    return {BlockKey(key): EntryChange(BlockKey(key), BlockKey(1), old, new)}
+def change(key: int, old: int, new: int, tag: int = 1) -> Changes:
+    changes = Changes()
+    changes.note(BlockKey(tag), BlockKey(key), old, new)
+    return changes
 
 
-def test_merge_keeps_first_old_and_latest_new() -> None:
+def test_merge_keeps_first_old_and_latest_new_and_drops_no_ops() -> None:
     pending = change(5, 0, 1)
-    merge_changes(pending, change(5, 1, 3))
-    merge_changes(pending, change(6, 2, 0))
-    assert pending == {**change(5, 0, 3), **change(6, 2, 0)}
+    pending.merge(change(5, 1, 3))
+    pending.merge(change(6, 2, 0))
+    pending.merge(change(7, 0, 1, tag=2))
+    pending.merge(change(7, 1, 0, tag=2))  # added then removed: nothing left
+    assert pending.families == {1: {5: (0, 3), 6: (2, 0)}}
+    assert pending.masks() == {5: transition(0, 3), 6: transition(2, 0)}
+    assert len(pending) == 2
+
+
+def test_add_new_in_bulk_equals_notes_one_by_one() -> None:
+    bulk, single = change(2, 1, 0), change(2, 1, 0)
+    bulk.add_new(BlockKey(1), [BlockKey(k) for k in (2, 3, 4)], 1)
+    for key in (2, 3, 4):
+        single.note(BlockKey(1), BlockKey(key), 0, 1)
+    # Key 2 went 1 -> 0 -> 1: no change left to write.
+    assert bulk.families == single.families == {1: {3: (0, 1), 4: (0, 1)}}
+    fresh = Changes()
+    fresh.add_new(BlockKey(1), [BlockKey(3), BlockKey(4)], 2)
+    assert fresh.families == {1: {3: (0, 2), 4: (0, 2)}}
+
+
+notes = st.lists(
+    st.tuples(st.integers(0, 2), st.integers(0, 6), st.integers(0, 3), st.integers(0, 3)),
+    max_size=40,
+)
+
+
+@given(first=notes, second=notes)
+def test_merge_equals_noting_everything_in_one(
+    first: list[tuple[int, int, int, int]], second: list[tuple[int, int, int, int]]
+) -> None:
+    """Merging two folds equals one fold of both, for chained transitions per key."""
+
+    def fold(into: Changes, seq: list[tuple[int, int, int, int]], held: dict[int, int]) -> None:
+        for tag, key, _, new in seq:
+            k = tag * 10 + key  # a key belongs to one family
+            into.note(BlockKey(tag), BlockKey(k), held.get(k, 0), new)
+            held[k] = new
+
+    held: dict[int, int] = {}
+    whole = Changes()
+    fold(whole, first + second, dict(held))
+    a, b = Changes(), Changes()
+    fold(a, first, held)
+    fold(b, second, held)
+    a.merge(b)
+    assert a.masks() == whole.masks()
+    assert all(old != new for old, new in a.masks().values())
 
 
 def test_changes_merge_while_a_write_is_in_flight() -> None:
     async def main() -> None:
-        sent: list[Changes] = []
+        sent: list[dict[WorkerId, dict[int, tuple[int, int]]]] = []
         release = asyncio.Event()
 
-        async def send(worker_id: WorkerId, changes: Changes) -> None:
-            sent.append(changes)
+        async def send(writes: dict[WorkerId, Changes]) -> dict[WorkerId, Exception]:
+            sent.append({w: dict(c.masks()) for w, c in writes.items()})
             await release.wait()
+            return {}
 
         commits = GroupCommit(send)
         commits.submit(W, change(1, 0, 1))
@@ -40,16 +92,18 @@ def test_changes_merge_while_a_write_is_in_flight() -> None:
         commits.submit(W, change(2, 0, 1))
         commits.submit(W, change(2, 1, 0))  # added then removed: nothing to write
         commits.submit(W, change(3, 0, 2))
+        commits.submit(V, change(4, 0, 1))  # another worker joins the same send
         release.set()
         await commits.flush(W)
-        assert sent == [change(1, 0, 1), change(3, 0, 2)]
+        await commits.flush()
+        assert sent == [{W: {1: (0, 1)}}, {W: {3: (0, 2)}, V: {4: (0, 1)}}]
 
     asyncio.run(main())
 
 
 def test_a_failed_write_is_raised_once_or_reported() -> None:
     async def main() -> None:
-        async def fail(worker_id: WorkerId, changes: Changes) -> None:
+        async def fail(writes: dict[WorkerId, Changes]) -> dict[WorkerId, Exception]:
             raise ConnectionError("redis went away")
 
         commits = GroupCommit(fail)
@@ -68,5 +122,25 @@ def test_a_failed_write_is_raised_once_or_reported() -> None:
         assert seen == [(W, "redis went away")]
         reporting.submit(W, change(2, 0, 1))  # nothing kept to raise
         await reporting.close()
+
+    asyncio.run(main())
+
+
+def test_one_refused_worker_does_not_fail_the_others() -> None:
+    async def main() -> None:
+        written: list[WorkerId] = []
+
+        async def send(writes: dict[WorkerId, Changes]) -> dict[WorkerId, Exception]:
+            written.extend(w for w in writes if w != V)
+            return {V: PermissionError("lease lost")}
+
+        commits = GroupCommit(send)
+        commits.submit(W, change(1, 0, 1))
+        commits.submit(V, change(2, 0, 1))
+        await commits.flush(W)  # W's write landed: nothing to raise
+        with pytest.raises(PermissionError):
+            commits.submit(V, change(3, 0, 1))
+        assert written == [W]
+        await commits.close()
 
     asyncio.run(main())
