@@ -4,8 +4,10 @@ One asyncio task per worker reads that worker's SUB socket, so one worker's repl
 sink never stalls another worker. Per worker, batches reach the :class:`EventSink` strictly
 in seq order and exactly once. A seq gap is closed by a vLLM-compatible replay over DEALER;
 what replay cannot close is signalled with ``on_resync_needed``, a seq at or below the last
-one with ``on_reset`` (a publisher restart). Malformed messages are counted, logged at a
-limited rate and skipped.
+one with ``on_reset`` (a publisher restart). A stream with a restart probe (a worker that
+names its publisher lifetimes) is asked on each gap whether it restarted, since a new
+lifetime whose first batches were lost shows as a jump, not a drop. Malformed messages are
+counted, logged at a limited rate and skipped.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final, Protocol
@@ -83,7 +85,12 @@ class EventSink(Protocol):
         """Apply one batch (per worker: in seq order, exactly once)."""
 
     async def on_reset(self, worker_id: str, seq: int) -> None:
-        """The worker's publisher restarted: ``seq`` is at or below the last one seen."""
+        """The worker's publisher restarted; ``seq`` is the first seen of its new lifetime.
+
+        ``seq`` is at or below the last one seen, or above it and the stream's restart
+        probe said so. The new lifetime's batches before ``seq`` follow (replayed), or
+        ``on_resync_needed`` if they cannot.
+        """
 
     async def on_resync_needed(self, worker_id: str, reason: str) -> None:
         """Batches of the worker were lost for good; its state must be rebuilt.
@@ -108,6 +115,11 @@ class WorkerStream:
             replayed and always resync.
         topic: Topic prefix to subscribe to (``b""`` = everything).
         curve: CURVE client settings when the worker's sockets are CURVE servers.
+        restart_probe: Awaited on a live seq gap, before replaying it: ``True`` means the
+            publisher restarted since the last batch delivered (a new lifetime whose first
+            batches were lost), and the gap is handled as a restart (``on_reset``, then the
+            new lifetime replayed from seq 0). It must not raise; it answers ``False`` when
+            unsure. ``None`` (vLLM's protocol): only a seq drop is a restart.
     """
 
     worker_id: str
@@ -115,6 +127,7 @@ class WorkerStream:
     replay_endpoint: str | None = None
     topic: bytes = b""
     curve: CurveClientConfig | None = None
+    restart_probe: Callable[[], Awaitable[bool]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,7 +410,10 @@ class EventSubscriber:
                     worker.live_seq = seq
                     worker.counters.num_duplicates += 1
                     return
-                await self._reset(worker, seq)
+                await self._reset(worker, seq, "seq went back")
+                last = worker.last_seq = -1
+            elif seq > last + 1 and await self._restarted(worker):
+                await self._reset(worker, seq, "restart probe: new publisher lifetime")
                 last = worker.last_seq = -1
             worker.live_seq = seq
             if seq > last + 1:
@@ -430,14 +446,19 @@ class EventSubscriber:
             ReceivedBatch(worker.stream.worker_id, seq, batch, bytes(payload), recv_ts, replayed)
         )
 
-    async def _reset(self, worker: _Worker, seq: int) -> None:
+    async def _restarted(self, worker: _Worker) -> bool:
+        probe = worker.stream.restart_probe
+        return probe is not None and await probe()
+
+    async def _reset(self, worker: _Worker, seq: int, why: str) -> None:
         worker.counters.num_resets += 1
         self._warn.warning(
             (worker.stream.worker_id, "reset"),
-            "worker %s: seq %d after %d: publisher restarted, resetting its stream",
+            "worker %s: seq %d after %d: publisher restarted (%s), resetting its stream",
             worker.stream.worker_id,
             seq,
             worker.last_seq,
+            why,
         )
         await self._sink.on_reset(worker.stream.worker_id, seq)
 

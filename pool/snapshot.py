@@ -8,17 +8,28 @@ The snapshot is a list of *runs*, each shaped like a ``BlockStored`` event: the 
 block before the run (``None`` at block 0), the hashes of the run's blocks, and their token
 ids concatenated. Runs are the maximal unbranched paths of the prefix tree and come
 parents first, so feeding them in order to an index as ``BlockStored`` events rebuilds it.
+
+Seqs (and so a snapshot's ``next_seq``) count from 0 per publisher lifetime, so a
+snapshot and ``/health`` also carry the worker's random lifetime id
+(:func:`new_lifetime_id`): a router that sees it change knows the worker restarted, even
+when the new lifetime's first batches never reached it.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypedDict
 
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, WireHash
 
-__all__ = ["CachedChains", "ChainRun"]
+__all__ = ["CachedChains", "ChainRun", "new_lifetime_id"]
+
+
+def new_lifetime_id() -> str:
+    """A random publisher lifetime id, chosen once per worker process: 32 lowercase hex digits."""
+    return secrets.token_hex(16)
 
 
 class ChainRun(TypedDict):

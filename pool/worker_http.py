@@ -10,18 +10,21 @@ Endpoints:
   body and response); with ``"stream": true``, Server-Sent Events: one ``data: {chunk}``
   per generated token (``choices[0].text`` the new text, ``token_ids`` the new ids), the
   last chunk with ``finish_reason`` and ``usage``, then ``data: [DONE]``.
-* ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "running", "waiting",
-  "free_blocks", "total_blocks", "usage", "queued_prefill_tokens", "decode_tokens"}``
-  (the load figures the router's cost model reads); 503 while draining, and 503 ``{"status":
-  "stopped"}`` once the engine loop has exited.
+* ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "lifetime_id", "running",
+  "waiting", "free_blocks", "total_blocks", "usage", "queued_prefill_tokens",
+  "decode_tokens"}`` (the load figures the router's cost model reads); 503 while draining,
+  and 503 ``{"status": "stopped", "worker_id", "lifetime_id"}`` once the engine loop has
+  exited. ``lifetime_id`` (32 hex digits, random per worker process) names the publisher
+  lifetime: a router that sees it change knows the worker restarted, even when the new
+  lifetime's first event batches never reached it.
 * ``GET /metrics``: Prometheus text, from the worker's own ``CollectorRegistry``.
 * ``POST /v1/reset_prefix_cache``: ``{"success": true}`` (an ``AllBlocksCleared`` event
   is published), or 409 ``{"success": false, "error"}`` while requests hold blocks.
 * ``GET /v1/snapshot``: every cached block as parent-first runs, each shaped like a
   ``BlockStored`` event::
 
-      {"worker_id": "w0", "block_size": 16, "hash_algo": "sha256_cbor", "medium": "GPU",
-       "next_seq": 42,
+      {"worker_id": "w0", "lifetime_id": "5f0c...", "block_size": 16,
+       "hash_algo": "sha256_cbor", "medium": "GPU", "next_seq": 42,
        "runs": [{"parent_block_hash": null, "block_hashes": [h0, h1],
                  "token_ids": [...32 ids...]}, ...]}
 
@@ -41,7 +44,7 @@ import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
 from aiohttp import web
@@ -60,6 +63,7 @@ from pool.completions import (
 )
 from pool.engine import Engine, EngineClosedError, InvalidRequestError
 from pool.outputs import EngineStats, RequestOutput
+from pool.snapshot import new_lifetime_id
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "WorkerHTTP", "WorkerInfo"]
 
@@ -81,12 +85,15 @@ class WorkerInfo:
         model_name: The ``model`` field of completions.
         hash_algo: The block hash algorithm of its events.
         medium: The ``medium`` of its events.
+        lifetime_id: Names this process's publisher lifetime (its seqs start at 0); a
+            fresh random one by default, so build one ``WorkerInfo`` per worker process.
     """
 
     worker_id: str
     model_name: str = "kvroute-tiny"
     hash_algo: str = "sha256_cbor"
     medium: str = "GPU"
+    lifetime_id: str = field(default_factory=new_lifetime_id)
 
 
 class _EngineCollector(Collector):
@@ -312,13 +319,18 @@ class WorkerHTTP:
 
     async def _health(self, request: web.Request) -> web.Response:
         if not self.engine.is_running:
-            stopped = {"status": "stopped", "worker_id": self.info.worker_id}
+            stopped = {
+                "status": "stopped",
+                "worker_id": self.info.worker_id,
+                "lifetime_id": self.info.lifetime_id,
+            }
             return web.json_response(stopped, status=503)
         stats = await self._on_engine(self.engine.stats)
         accepting = self.engine.is_accepting
         body = {
             "status": "ok" if accepting else "draining",
             "worker_id": self.info.worker_id,
+            "lifetime_id": self.info.lifetime_id,
             "running": stats.num_running,
             "waiting": stats.num_waiting,
             "free_blocks": stats.num_free_blocks,
@@ -352,6 +364,7 @@ class WorkerHTTP:
         info = self.info
         body = {
             "worker_id": info.worker_id,
+            "lifetime_id": info.lifetime_id,
             "block_size": snap.block_size,
             "hash_algo": info.hash_algo,
             "medium": info.medium,

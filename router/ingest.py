@@ -13,9 +13,12 @@
   (entries cleared first); if replay cannot help, a resync: clear, then the snapshot
   (kvroute workers) or tolerant mode (others: orphans are stored detached, counted,
   never indexed);
-* a publisher restart clears the worker; a lost lease or a Redis failure (e.g. Redis
-  restarted empty) marks it for a rebuild, which the maintenance pass or the next batch
-  performs.
+* a publisher restart clears the worker. A restart shows as a seq drop; for kvroute
+  workers also as a change of the lifetime id in ``GET /health`` (:mod:`router.lifetime`),
+  checked on every seq jump before it is replayed as a gap, so a restart whose first
+  batches were lost is not taken for a gap (vLLM engines have no such id: a jump is a gap);
+* a lost lease or a Redis failure (e.g. Redis restarted empty) marks the worker for a
+  rebuild, which the maintenance pass or the next batch performs.
 
 Registrations persist in Redis (:class:`router.index.registry.WorkerRegistry`), so a
 restarted router resumes the same workers; a maintenance pass also reaps workers whose
@@ -26,10 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import aiohttp
@@ -51,7 +55,9 @@ from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import Lease, WorkerRecord, WorkerRegistry
 from router.index.scripts import StaleLeaseError
 from router.index.snapshot import fetch_snapshot, snapshot_events
+from router.lifetime import LifetimeTracker
 from router.metrics import IngestMetrics, StreamCollector
+from router.task_lock import TaskLock
 
 __all__ = ["IndexIngest", "IngestConfig"]
 
@@ -67,6 +73,8 @@ class IngestConfig:
             lapsed workers, reaping, registry sync); keep it at most a third of the
             registry's lease TTL.
         snapshot_timeout_s: Timeout of one ``GET /v1/snapshot``.
+        lifetime_timeout_s: Timeout of one ``GET /health`` that reads a kvroute worker's
+            lifetime id (a seq jump waits for it; no answer: the jump is a gap).
         snapshot_chunk_runs: Snapshot runs written per index batch.
         group_commit: Turn on the index's group commit: a batch returns once folded, and
             a worker's batches that arrive while its previous write is in flight go to
@@ -78,6 +86,7 @@ class IngestConfig:
 
     maintain_interval_s: float = 3.0
     snapshot_timeout_s: float = 10.0
+    lifetime_timeout_s: float = 2.0
     snapshot_chunk_runs: int = 512
     group_commit: bool = True
     subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
@@ -94,8 +103,8 @@ class _Worker:
     needs_rebuild: bool = False
     replaying: bool = False
     in_batch: bool = False
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    holder: asyncio.Task[object] | None = None
+    # NOTE: held by whatever changes the worker's entries (see TaskLock).
+    lock: TaskLock = field(default_factory=TaskLock)
     seen: BridgeCounters = field(default_factory=BridgeCounters)
 
     @property
@@ -133,6 +142,7 @@ class IndexIngest:
         self._membership = asyncio.Lock()
         self._subscriber: EventSubscriber | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._lifetimes: LifetimeTracker | None = None
         self._maintainer: asyncio.Task[None] | None = None
 
     @property
@@ -143,6 +153,7 @@ class IndexIngest:
     async def start(self, records: Sequence[WorkerRecord] = ()) -> None:
         """Register ``records``, subscribe to every registered worker, start maintenance."""
         self._session = aiohttp.ClientSession()
+        self._lifetimes = LifetimeTracker(self._session, self.config.lifetime_timeout_s)
         self._subscriber = EventSubscriber(self, self.config.subscriber)
         self.metrics.registry.register(StreamCollector(self._stream_counters))
         for record in records:
@@ -201,7 +212,9 @@ class IndexIngest:
         del self._workers[wid]
         if self._subscriber is not None:
             await self._subscriber.remove_worker(wid)
-        async with self._exclusive(worker):  # waits for a maintenance step in flight
+        if self._lifetimes is not None:
+            self._lifetimes.forget(wid)
+        async with worker.lock.hold():  # waits for a maintenance step in flight
             if worker.lease is not None:
                 await self.index.clear_worker(wid)
                 self.index.forget_lease(wid)
@@ -216,7 +229,7 @@ class IndexIngest:
         if worker is None:
             self.metrics.batches.labels(received.worker_id, "unknown_worker").inc()
             return
-        async with self._exclusive(worker):
+        async with worker.lock.hold():
             outer = not worker.in_batch
             worker.in_batch = True
             try:
@@ -234,20 +247,21 @@ class IndexIngest:
         if worker is None:
             return
         self.metrics.resets.labels(worker_id).inc()
-        async with self._exclusive(worker):
+        async with worker.lock.hold():
             if worker.lease is None:
                 return
             try:
                 await self._clear(worker, applied_through=-1)
             except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
                 self._failed(worker, exc)
+            await self._tracker.record(worker.record)
 
     async def on_resync_needed(self, worker_id: str, reason: str) -> None:
         """Batches were lost for good: clear the worker and rebuild what can be."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return
-        async with self._exclusive(worker):
+        async with worker.lock.hold():
             if worker.lease is None:
                 return
             try:
@@ -266,9 +280,13 @@ class IndexIngest:
             await self._rebuild(worker)
         applied = worker.applied_through
         if applied is not None and received.seq > applied + 1 and not worker.replaying:
-            # Batches before this one never reached the index (a late join, a snapshot
-            # older than the stream): fetch them; the replay redelivers this one too.
-            await self._replay(worker, applied + 1, clear=False)
+            if await self._tracker.changed(worker.record):
+                await self._reset_lifetime(worker, received.seq)
+            else:
+                # Batches before this one never reached the index (a late join, a
+                # snapshot older than the stream): fetch them; the replay redelivers
+                # this one too.
+                await self._replay(worker, applied + 1, clear=False)
         if self._covered(worker, received):
             return
         try:
@@ -337,6 +355,21 @@ class IndexIngest:
         """Clear the worker and rebuild from its snapshot, or accept the loss."""
         self.metrics.resyncs.labels(worker.worker_id, reason).inc()
         log.warning("worker %s: resync (%s)", worker.worker_id, reason)
+        await self._reload(worker)
+
+    async def _reset_lifetime(self, worker: _Worker, seq: int) -> None:
+        """A kvroute worker restarted and its new lifetime's first batches were lost."""
+        self.metrics.resets.labels(worker.worker_id).inc()
+        log.warning(
+            "worker %s: seq %d under a new publisher lifetime: it restarted; "
+            "resetting it from its snapshot",
+            worker.worker_id,
+            seq,
+        )
+        await self._reload(worker)
+
+    async def _reload(self, worker: _Worker) -> None:
+        """Clear the worker, then load its snapshot or keep what arrives from now on."""
         await self._clear(worker, applied_through=None)
         if worker.record.has_snapshot:
             await self._load_snapshot(worker)
@@ -363,6 +396,7 @@ class IndexIngest:
         wid, record = worker.worker_id, worker.record
         assert self._session is not None and record.http_url is not None
         bridge = self.index.bridge(wid)
+        await self._tracker.record(record)  # before: never newer than the snapshot's
         try:
             snapshot = await fetch_snapshot(
                 self._session, record.http_url, self.config.snapshot_timeout_s
@@ -391,6 +425,13 @@ class IndexIngest:
             len(events),
             snapshot.next_seq,
         )
+
+    async def _restart_probe(self, worker_id: str) -> bool:
+        """The subscriber's restart probe of a kvroute worker's stream (see ``WorkerStream``)."""
+        worker = self._workers.get(worker_id)
+        if worker is None or worker.lease is None:
+            return False  # nothing of it to keep or drop here
+        return await self._tracker.changed(worker.record)
 
     def _write_failed(self, worker_id: WorkerId, exc: Exception) -> None:
         worker = self._workers.get(worker_id)
@@ -455,7 +496,7 @@ class IndexIngest:
         if worker.lease is None:
             await self._take_over(worker)
             return
-        async with self._exclusive(worker):
+        async with worker.lock.hold():
             try:  # surfaces a failed queued write of an idle worker
                 await self.index.flush(worker.worker_id)
             except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
@@ -467,7 +508,7 @@ class IndexIngest:
         lease = await self.registry.acquire(worker.worker_id)
         if lease is None:
             return  # another router replica ingests this worker
-        async with self._exclusive(worker):
+        async with worker.lock.hold():
             if self._workers.get(worker.record.worker_id) is not worker:
                 await self.registry.release(lease)  # removed while the lease was acquired
                 return
@@ -511,6 +552,9 @@ class IndexIngest:
                 curve=None
                 if record.server_key is None
                 else CurveClientConfig(record.server_key.encode(), self.config.client_keys),
+                restart_probe=functools.partial(self._restart_probe, record.worker_id)
+                if record.has_snapshot
+                else None,
             )
         )
 
@@ -522,16 +566,7 @@ class IndexIngest:
             return {}
         return {w: subscriber.counters(w) for w in subscriber.worker_ids}
 
-    @contextlib.asynccontextmanager
-    async def _exclusive(self, worker: _Worker) -> AsyncIterator[None]:
-        """One path at a time changes a worker's entries; re-entrant within one task."""
-        task = asyncio.current_task()
-        if worker.holder is not None and worker.holder is task:
-            yield
-            return
-        async with worker.lock:
-            worker.holder = task
-            try:
-                yield
-            finally:
-                worker.holder = None
+    @property
+    def _tracker(self) -> LifetimeTracker:
+        assert self._lifetimes is not None, "start() first"
+        return self._lifetimes

@@ -6,8 +6,9 @@ No tests live here; the fault test modules import it by name.
   fixed loopback ports, each one killable (SIGKILL) and restartable in place.
 * :class:`SyntheticWorker`: a worker without a model, in the test process: a real
   ``KVCacheManager`` + ``EventPublisher`` (loss injection, small high-water marks) and the
-  worker's ``/health`` and ``/v1/snapshot`` over HTTP, so a real router ingests it
-  exactly as a kvroute worker and ``kvroute index check`` can compare against it.
+  worker's ``/health`` and ``/v1/snapshot`` over HTTP (with its publisher lifetime id), so
+  a real router ingests it exactly as a kvroute worker and ``kvroute index check`` can
+  compare against it.
 * :func:`index_check`: runs ``kvroute index check --json`` and returns the divergence.
 * :func:`scrape`: a router's ``/metrics`` as ``{(name, labels): value}``.
 * :class:`Load`: closed-loop clients whose every request ends in an answer, a JSON
@@ -38,7 +39,7 @@ from events.endpoints import Endpoint
 from events.publisher import EventPublisher, PublisherConfig
 from events.schema import KVEventBatch
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
-from pool.snapshot import CachedChains
+from pool.snapshot import CachedChains, new_lifetime_id
 from router.cluster import ProcessGroup, wait_healthy
 from router.redis_server import RedisServer, free_port
 
@@ -346,7 +347,8 @@ class SyntheticWorker:
     """A real pool and publisher with the worker's ``/health`` and ``/v1/snapshot``.
 
     Each :meth:`step` runs one request through the ``KVCacheManager`` (hit, allocate,
-    cache, free) and publishes its events as one batch, like one engine step.
+    cache, free) and publishes its events as one batch, like one engine step. Each
+    instance is one publisher lifetime: both endpoints report its ``lifetime_id``.
 
     Args:
         worker_id: Its id.
@@ -379,6 +381,7 @@ class SyntheticWorker:
             ),
             skip_live_seqs=self.skip_live_seqs,
         )
+        self.lifetime_id = new_lifetime_id()
         self.last_batch: KVEventBatch | None = None
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -424,14 +427,16 @@ class SyntheticWorker:
         with self._lock:
             free = self.kv.block_pool.get_num_free_blocks()
         return web.json_response(
-            {"status": "ok", "worker_id": self.ports.worker_id, "running": 0, "waiting": 0,
+            {"status": "ok", "worker_id": self.ports.worker_id,
+             "lifetime_id": self.lifetime_id, "running": 0, "waiting": 0,
              "free_blocks": free, "total_blocks": NUM_BLOCKS - 1,
              "usage": 1 - free / (NUM_BLOCKS - 1)}
         )  # fmt: skip
 
     async def _snapshot(self, request: web.Request) -> web.Response:
         with self._lock:
-            body = {"worker_id": self.ports.worker_id, "block_size": BLOCK_SIZE,
+            body = {"worker_id": self.ports.worker_id, "lifetime_id": self.lifetime_id,
+                    "block_size": BLOCK_SIZE,
                     "hash_algo": "sha256_cbor", "medium": "GPU",
                     "next_seq": self.publisher.next_seq, "runs": self.chains.runs()}  # fmt: skip
         return web.json_response(body)

@@ -1,4 +1,5 @@
-"""Event stream faults into a real router: PUB high-water-mark drops; silent and slow replay.
+"""Event stream faults into a real router: PUB high-water-mark drops; silent and slow replay;
+a restart whose first batches are lost.
 
 The worker is a :class:`SyntheticWorker` (a real pool and publisher in the test process,
 with the worker's ``/health`` and ``/v1/snapshot``), so the test controls the publisher's
@@ -18,7 +19,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import zmq
 from fault_helpers import (
     BLOCK_SIZE,
@@ -39,7 +39,7 @@ REPLAY_TIMEOUT_S = 5.0
 """The subscriber's replay timeout (``SubscriberConfig.replay_timeout_s``)."""
 SILENT_BOUND_S = REPLAY_TIMEOUT_S + 40.0
 RESTART_BOUND_S = 10.0
-"""A reset, a snapshot load and ``index check`` runs."""
+"""A lifetime check, a reset, a replay from seq 0 and ``index check`` runs."""
 
 
 def unique_prompts(seed: int, num_blocks: int = 16) -> Iterator[list[int]]:
@@ -238,19 +238,13 @@ def test_slow_replay_endpoint_still_closes_the_gap(tmp_path: Path) -> None:
     assert metric(samples, "kvroute_ingest_replays_total", worker="s2", outcome="failed") == 0
 
 
-@pytest.mark.xfail(
-    reason="restart detection is by seq only (vLLM's protocol): a new lifetime first seen at a "
-    "seq above the old last one is taken for a gap and replayed from the new publisher's "
-    "buffer, so the old lifetime's entries stay (claiming too much); needs a publisher "
-    "lifetime id, e.g. in /health or /v1/snapshot, checked by the router",
-    strict=False,
-)
 def test_restart_whose_first_batches_are_lost_is_still_a_reset(tmp_path: Path) -> None:
     """A worker restarted in place whose first new batches never reach the router.
 
     Its old lifetime ended below seq 4; the new one's first 20 batches are lost on the way
     (slow joiner after the reconnect, or drops), so the first seq the router sees is *above*
-    the old last seq and reads as a gap, not as a restart.
+    the old last seq: a jump, not a drop. The router asks the worker's ``/health`` for its
+    lifetime id before replaying the jump as a gap, sees a new one and resets the worker.
     """
     prompts = unique_prompts(4)
     with Cluster(tmp_path, num_workers=0) as cluster:
@@ -273,4 +267,10 @@ def test_restart_whose_first_batches_are_lost_is_still_a_reset(tmp_path: Path) -
                 new.step(next(prompts))  # seqs 0..19 stay in the replay buffer only
                 time.sleep(0.05)  # polling another process's metrics
             took = wait_converged(cluster, [("s3", new.url)], RESTART_BOUND_S)
+            samples = scrape(router)
     assert took < RESTART_BOUND_S
+    # One restart, seen by the lifetime check (no seq drop); the lost 0..19 replayed.
+    assert metric(samples, "kvroute_stream_resets_total", worker="s3") == 1
+    assert metric(samples, "kvroute_ingest_resets_total", worker="s3") == 1
+    assert metric(samples, "kvroute_stream_gaps_total", worker="s3") == 1
+    assert metric(samples, "kvroute_stream_resyncs_total", worker="s3") == 0

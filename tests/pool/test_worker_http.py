@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -321,7 +322,11 @@ def test_streaming_sends_one_chunk_per_token_then_usage_and_done(
 def test_health_reports_load(worker: RunningWorker) -> None:
     status, body = _get(f"{worker.http}/health")
     assert status == 200
-    assert json.loads(body) == {
+    health = json.loads(body)
+    # The publisher lifetime id: random per process, the same in /v1/snapshot.
+    assert re.fullmatch("[0-9a-f]{32}", health.pop("lifetime_id"))
+    assert _snapshot(worker)["lifetime_id"] == json.loads(body)["lifetime_id"]
+    assert health == {
         "status": "ok",
         "worker_id": "w-test",
         "running": 0,

@@ -1,0 +1,194 @@
+"""Ingest: a kvroute worker's publisher lifetime id tells a restart from a seq gap.
+
+Real publishers, ZeroMQ, HTTP and Redis. A seq *jump* is a gap (replayed, entries kept)
+while the worker reports the lifetime id recorded for it; a new id means it restarted and
+its new lifetime's first batches were lost (entries cleared, rebuilt); a worker that
+gives no id is treated as today (vLLM's protocol: the jump is a gap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Literal
+
+import pytest
+from aiohttp import web
+
+from pool.snapshot import new_lifetime_id
+from router.index.base import WorkerId
+from tests.router.test_ingest_helpers import (
+    FakeWorker,
+    Stack,
+    divergent,
+    eventually,
+    fake_workers,
+    keys,
+    lookup_is,
+    match,
+    stack,
+    stored,
+)
+
+LIFETIME_TIMEOUT_S = 0.5
+
+
+class LifetimeWorker(FakeWorker):
+    """A :class:`FakeWorker` that also serves ``GET /health`` with its lifetime id.
+
+    Args:
+        worker_id: Its id.
+        health: ``"ok"`` answers with the id; ``"silent"`` never answers.
+        kwargs: As for :class:`FakeWorker`.
+    """
+
+    def __init__(
+        self, worker_id: str, *, health: Literal["ok", "silent"] = "ok", **kwargs: Any
+    ) -> None:
+        super().__init__(worker_id, **kwargs)
+        self.lifetime_id = new_lifetime_id()
+        self.health = health
+        self._released = asyncio.Event()
+
+    async def start(self) -> LifetimeWorker:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/snapshot", self._snapshot)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.http_url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def _health(self, _: web.Request) -> web.Response:
+        if self.health == "silent":
+            await self._released.wait()  # the client times out first; close() releases
+        return web.json_response(
+            {"status": "ok", "worker_id": self.worker_id, "lifetime_id": self.lifetime_id}
+        )
+
+    def restart_publisher(self) -> None:
+        super().restart_publisher()
+        self.lifetime_id = new_lifetime_id()
+
+    async def close(self) -> None:
+        self._released.set()  # or the server's cleanup waits for the silent handlers
+        await super().close()
+
+
+def stream_count(s: Stack, name: str, worker: str) -> float:
+    """A ``kvroute_stream_*`` counter of the subscriber (0 when never incremented)."""
+    value = s.metrics.registry.get_sample_value(f"kvroute_stream_{name}_total", {"worker": worker})
+    return 0.0 if value is None else value
+
+
+async def started(s: Stack, *workers: FakeWorker) -> None:
+    """Start the ingest with a short ``GET /health`` timeout."""
+    config = dataclasses.replace(s.ingest.config, lifetime_timeout_s=LIFETIME_TIMEOUT_S)
+    s.ingest.config = config
+    await s.ingest.start([w.record() for w in workers])
+
+
+async def seen_live(s: Stack, worker: FakeWorker, batches: float) -> None:
+    """Publish empty batches until the subscriber delivered more than ``batches``."""
+    wid = worker.worker_id
+
+    async def more() -> bool:
+        if stream_count(s, "batches", wid) > batches:
+            return True
+        worker.publish()
+        return False
+
+    await eventually(more, what=f"a batch from {wid} after {batches}")
+
+
+@pytest.mark.parametrize("health", ["ok", "none", "silent"])
+def test_gap_is_replayed_and_entries_kept(
+    redis_url: str, namespace: str, health: Literal["ok", "none", "silent"]
+) -> None:
+    """Same lifetime id, no ``/health`` (404) or one that never answers: a jump is a gap."""
+
+    async def main() -> None:
+        skip: set[int] = set()
+        worker = (
+            FakeWorker("k1", skip_live_seqs=skip)
+            if health == "none"
+            else LifetimeWorker("k1", health=health, skip_live_seqs=skip)
+        )
+        async with fake_workers(worker) as (k1,), stack(redis_url, namespace) as s:
+            k1.publish(stored(1, 0, 4))
+            await started(s, k1)
+            await s.handshake(k1)
+            skip.add(k1.publish(stored(2, 0, 3)) + 1)  # the next batch is lost live
+            k1.publish(stored(3, 0, 2))
+            k1.publish()  # reveals the gap
+            await eventually(lookup_is(s.index, 3, {"k1": match(2)}), what="replayed")
+            assert dict(await s.index.lookup(keys(1))) == {WorkerId("k1"): match(4)}
+            assert dict(await s.index.lookup(keys(2))) == {WorkerId("k1"): match(3)}
+            assert await divergent(s.index, k1) == 0
+            assert stream_count(s, "gaps", "k1") == 1
+            assert stream_count(s, "replays", "k1") == 1
+            assert stream_count(s, "resets", "k1") == 0
+            assert s.count("resets", worker="k1") == 0
+            assert s.count("snapshots", worker="k1", outcome="ok") == 1  # at start only
+
+    asyncio.run(main())
+
+
+def test_jump_under_a_new_lifetime_is_a_reset(redis_url: str, namespace: str) -> None:
+    """The subscriber's jump: the old lifetime's entries go, the new one is replayed."""
+
+    async def main() -> None:
+        skip: set[int] = set()
+        async with (
+            fake_workers(LifetimeWorker("k1", skip_live_seqs=skip)) as (k1,),
+            stack(redis_url, namespace) as s,
+        ):
+            await started(s, k1)
+            await s.handshake(k1)
+            k1.publish(stored(1, 0, 4))
+            await eventually(lookup_is(s.index, 1, {"k1": match(4)}), what="old lifetime")
+            old_next = k1.publisher.next_seq
+            seen = stream_count(s, "batches", "k1")
+            skip.update(range(old_next + 2))  # the new lifetime's first batches are lost
+            k1.restart_publisher()
+            k1.publish(stored(2, 0, 3))  # seq 0: lost live, kept for replay
+            await seen_live(s, k1, seen)  # first seen: a seq above the old last one
+            await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="new lifetime")
+            assert dict(await s.index.lookup(keys(1))) == {}
+            assert await divergent(s.index, k1) == 0
+            assert stream_count(s, "resets", "k1") == 1
+            assert s.count("resets", worker="k1") == 1
+            assert stream_count(s, "gaps", "k1") == 1  # the new lifetime, replayed from 0
+            assert stream_count(s, "resyncs", "k1") == 0
+
+    asyncio.run(main())
+
+
+def test_jump_past_a_snapshot_under_a_new_lifetime_is_a_reset(
+    redis_url: str, namespace: str
+) -> None:
+    """The ingest's jump (past a snapshot, nothing seen live): cleared, snapshot reloaded."""
+
+    async def main() -> None:
+        skip: set[int] = {0}
+        async with (
+            fake_workers(LifetimeWorker("k1", skip_live_seqs=skip)) as (k1,),
+            stack(redis_url, namespace) as s,
+        ):
+            k1.publish(stored(1, 0, 4))  # seq 0, never live: only the snapshot has it
+            await started(s, k1)
+            assert dict(await s.index.lookup(keys(1))) == {WorkerId("k1"): match(4)}
+            skip.update(range(4))
+            k1.restart_publisher()
+            k1.publish(stored(2, 0, 3))  # seq 0 of the new lifetime, lost live
+            await seen_live(s, k1, 0)  # seq >= 4, above the snapshot's next_seq (1)
+            await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="new lifetime")
+            assert dict(await s.index.lookup(keys(1))) == {}
+            assert await divergent(s.index, k1) == 0
+            assert s.count("resets", worker="k1") == 1
+            assert s.count("snapshots", worker="k1", outcome="ok") == 2
+            assert s.count("replays", worker="k1", outcome="ok") == 0
+            assert stream_count(s, "resets", "k1") == 0  # the subscriber saw no jump
+
+    asyncio.run(main())
