@@ -38,7 +38,7 @@ from router.index.base import IndexStats, PrefixMatch, WorkerId
 from router.index.bridge import WorkerBridge, fold_batch
 from router.index.changes import CPU_MASK, GPU_MASK, Changes, transition
 from router.index.group_commit import GroupCommit
-from router.index.layout import KeyLayout, check_name, decode_key, tag_text
+from router.index.layout import KeyLayout, check_name, decode_key, encode_keys_fixed, tag_text
 from router.index.scripts import (
     APPLY_FAMILIES,
     APPLY_WORKER,
@@ -272,7 +272,7 @@ class RedisPrefixIndex:
         reply: list[Any] = await _lookup(
             self.client,
             [self.layout.holders(tag)],
-            [self.layout.prefix, tag_text(tag), len(keys), *keys, *fields],
+            [self.layout.prefix, tag_text(tag), encode_keys_fixed(keys), *fields],
         )
         out: dict[WorkerId, PrefixMatch] = {}
         for i in range(0, len(reply), 3):
