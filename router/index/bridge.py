@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from itertools import pairwise, repeat
-from typing import Any
+from itertools import pairwise
+from typing import Final
 
 from events.hashing import BlockKey, RouterKeyer, router_block_keys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
@@ -65,23 +65,49 @@ class BridgeCounters:
     ignored_groups: int = 0
 
 
-# Per engine hash: (router key or None (detached), GPU copies, CPU copies); per router
-# key: (family tag, GPU copies, CPU copies, parent key or None (block 0), indexed).
-# Tuples of ints, not objects or lists: cheap to create, and CPython's cyclic garbage
-# collector stops tracking them, so a million cached blocks add no collector pauses
-# (with lists, a full collection took 1.2 s at a million blocks).
-_KEY, _TAG, _GPU, _CPU, _PARENT, _INDEXED = 0, 0, 1, 2, 3, 4
+# State words. Per engine hash, a *copy word*: GPU copies (bits 0-31), CPU copies
+# (32-63), router key (64-127; _NONE: detached). Per router key, a *key word*: GPU
+# copies, CPU copies (as above), family tag (64-127), parent key (128-191; _NONE: block
+# 0), indexed (bit 192). Plain ints, never tuples: a dict holding a freshly created tuple
+# becomes tracked by CPython's cyclic garbage collector again, and every collection then
+# walks all of its entries (20-500 ms pauses at a million cached blocks); dicts of ints
+# are never tracked, so the bridge costs the collector nothing however large it grows.
+_GPU, _CPU = 0, 32  # a tier is the shift of its copy count
+_COUNT: Final = (1 << 32) - 1
+_COUNTS: Final = (1 << 64) - 1
+_NONE: Final = 1 << 63  # no key: router keys are below 2**63
+_INDEXED: Final = 1 << 192
 # NOTE: an engine hash's entry is deleted when its GPU + CPU copies reach 0; a router
 # key's counts equal the sums over the engine hashes that map to it. A detached hash
-# (key None) chains from an unknown ancestor: no router key, no index entry.
+# (key _NONE) chains from an unknown ancestor: no router key, no index entry.
 # NOTE (prefix closure): a held key is indexed iff it is block 0 or its parent key is
 # indexed. Evicting a block whose descendants stay cached unindexes them (a request
 # could not use them: its prefix stops at the gap); re-caching it indexes them again.
 # So along any chain the index holds a prefix, and a lookup may binary-search it.
 
 
-def _mask(counts: tuple[Any, ...]) -> int:
-    return (GPU_MASK if counts[_GPU] else 0) | (CPU_MASK if counts[_CPU] else 0)
+def _mask(word: int) -> int:
+    """Tier mask of a copy or key word."""
+    return (GPU_MASK if word & _COUNT else 0) | (CPU_MASK if (word >> _CPU) & _COUNT else 0)
+
+
+def _key_of(copies: int) -> int:
+    """Router key of a copy word (``_NONE``: detached)."""
+    return copies >> 64
+
+
+def _tag_of(state: int) -> BlockKey:
+    return BlockKey((state >> 64) & _COUNTS)
+
+
+def _parent_of(state: int) -> BlockKey | None:
+    parent = (state >> 128) & _COUNTS
+    return None if parent == _NONE else BlockKey(parent)
+
+
+def _key_word(tag: int, parent: int | None, indexed: bool) -> int:
+    """A key word with no copies."""
+    return tag << 64 | (_NONE if parent is None else parent) << 128 | indexed << 192
 
 
 class _Orphan(Exception):
@@ -104,8 +130,8 @@ class WorkerBridge:
     keyer: RouterKeyer
     tolerate_orphans: bool = False
     counters: BridgeCounters = field(default_factory=BridgeCounters)
-    _copies: dict[WireHash, tuple[Any, ...]] = field(default_factory=dict)
-    _keys: dict[BlockKey, tuple[Any, ...]] = field(default_factory=dict)
+    _copies: dict[WireHash, int] = field(default_factory=dict)
+    _keys: dict[BlockKey, int] = field(default_factory=dict)
     # NOTE: parent key -> its held child keys (whether or not the parent is held): one
     # key, or a tuple of keys when the chain branches.
     _children: dict[BlockKey, int | tuple[int, ...]] = field(default_factory=dict)
@@ -113,15 +139,17 @@ class WorkerBridge:
     def entries(self) -> dict[BlockKey, tuple[BlockKey, int]]:
         """Every indexed router key with its family tag and tier mask."""
         return {
-            key: (state[_TAG], _mask(state)) for key, state in self._keys.items() if state[_INDEXED]
+            key: (_tag_of(state), _mask(state))
+            for key, state in self._keys.items()
+            if state & _INDEXED
         }
 
     def reset(self) -> Changes:
         """Forget everything; returns the removal of every indexed entry."""
         changes = Changes()
         for key, state in self._keys.items():
-            if state[_INDEXED]:
-                changes.note(state[_TAG], key, _mask(state), 0)
+            if state & _INDEXED:
+                changes.note(_tag_of(state), key, _mask(state), 0)
         self._copies.clear()
         self._keys.clear()
         self._children.clear()
@@ -153,13 +181,13 @@ class WorkerBridge:
             if parent_copies is None and not self.tolerate_orphans:
                 self.counters.orphans += 1
                 raise _Orphan(event.parent_block_hash)
-            if parent_copies is None or parent_copies[_KEY] is None:
+            if parent_copies is None or _key_of(parent_copies) == _NONE:
                 self.counters.detached += 1
                 self._store_detached(event, changes)
                 return
-            parent = parent_copies[_KEY]
+            parent = BlockKey(_key_of(parent_copies))
             parent_key = parent
-            tag = self._keys[parent][_TAG]
+            tag = _tag_of(self._keys[parent])
         try:
             keys = router_block_keys(event.token_ids, event.block_size, parent_key)
         except OverflowError:  # a token id outside uint32
@@ -172,12 +200,12 @@ class WorkerBridge:
             for block_hash, key in zip(event.block_hashes, keys, strict=True):
                 copies = self._copies.get(block_hash)
                 if copies is None:
-                    self._copies[block_hash] = (key, 0, 0)
-                elif copies[_KEY] is None:
+                    self._copies[block_hash] = key << 64
+                elif _key_of(copies) == _NONE:
                     # Now reachable from block 0: its earlier copies are indexed too.
-                    self._copies[block_hash] = (key, 0, 0)
+                    self._copies[block_hash] = key << 64
                     for t in (_GPU, _CPU):
-                        for _ in range(copies[t]):
+                        for _ in range((copies >> t) & _COUNT):
                             self._add(block_hash, t, +1, tag, parent, changes)
                 # NOTE: a hash re-stored with other tokens keeps its first key: the index
                 # already holds that one and children chain from it.
@@ -206,13 +234,13 @@ class WorkerBridge:
             and children.keys().isdisjoint(keys)
         ):
             return False
-        gpu, cpu = (1, 0) if tier == _GPU else (0, 1)
-        parents: list[BlockKey | None] = [parent, *keys[:-1]]
-        indexed = parent is None or all_keys[parent][_INDEXED]
-        rows = zip(repeat(tag), repeat(gpu), repeat(cpu), parents, repeat(indexed))
+        one = 1 << tier
+        indexed = parent is None or bool(all_keys[parent] & _INDEXED)
+        base = one | tag << 64 | (_INDEXED if indexed else 0)
         had_copies, had_keys = len(all_copies), len(all_keys)
-        all_copies.update(zip(hashes, zip(keys, repeat(gpu), repeat(cpu)), strict=True))
-        all_keys.update(zip(keys, rows, strict=True))
+        all_copies.update(zip(hashes, [one | key << 64 for key in keys], strict=True))
+        parents = [_NONE if parent is None else parent, *keys[:-1]]
+        all_keys.update(zip(keys, [base | above << 128 for above in parents], strict=True))
         if len(all_copies) - had_copies != len(keys) or len(all_keys) - had_keys != len(keys):
             # A hash or key repeats within the run: undo (none was held before).
             for block_hash in hashes:
@@ -235,29 +263,27 @@ class WorkerBridge:
         tier = _tier(event.medium)
         for block_hash in event.block_hashes:
             copies = self._copies.get(block_hash)
-            if copies is None or not copies[tier]:
+            if copies is None or not (copies >> tier) & _COUNT:
                 self.counters.unknown_removals += 1
                 continue
-            if copies[_KEY] is None:
-                self._copies[block_hash] = _bump(copies, tier, -1)
+            key = _key_of(copies)
+            if key == _NONE:
+                self._copies[block_hash] = copies - (1 << tier)
             else:
-                state = self._keys[copies[_KEY]]
-                self._add(block_hash, tier, -1, state[_TAG], state[_PARENT], changes)
-            copies = self._copies[block_hash]
-            if not copies[_GPU] and not copies[_CPU]:
+                state = self._keys[BlockKey(key)]
+                self._add(block_hash, tier, -1, _tag_of(state), _parent_of(state), changes)
+            if not self._copies[block_hash] & _COUNTS:
                 del self._copies[block_hash]
 
     def _store_detached(self, event: BlockStored, changes: Changes) -> None:
         tier = _tier(event.medium)
         for block_hash in event.block_hashes:
-            copies = self._copies.get(block_hash)
-            if copies is None:
-                copies = (None, 0, 0)
-            if copies[_KEY] is None:
-                self._copies[block_hash] = _bump(copies, tier, +1)
+            copies = self._copies.get(block_hash, _NONE << 64)
+            if _key_of(copies) == _NONE:
+                self._copies[block_hash] = copies + (1 << tier)
             else:  # another copy of a hash already held with a key: count it there
-                state = self._keys[copies[_KEY]]
-                self._add(block_hash, tier, +1, state[_TAG], state[_PARENT], changes)
+                state = self._keys[BlockKey(_key_of(copies))]
+                self._add(block_hash, tier, +1, _tag_of(state), _parent_of(state), changes)
 
     def _add(
         self,
@@ -269,18 +295,18 @@ class WorkerBridge:
         changes: Changes,
     ) -> None:
         copies = self._copies[block_hash]
-        key = copies[_KEY]
+        key = BlockKey(_key_of(copies))
         keys = self._keys
         state = keys.get(key)
         if state is None:
             above = None if parent is None else keys.get(parent)
-            indexed = parent is None or (above is not None and above[_INDEXED])
-            state = (tag, 0, 0, parent, indexed)
+            indexed = parent is None or (above is not None and bool(above & _INDEXED))
+            state = _key_word(tag, parent, indexed)
             if parent is not None:
                 self._link(parent, key)
         before = _mask(state)
-        self._copies[block_hash] = _bump(copies, tier, delta)
-        state = _bump(state, tier, delta)
+        self._copies[block_hash] = copies + (delta << tier)
+        state += delta << tier
         after = _mask(state)
         if after == 0:
             keys.pop(key, None)
@@ -288,14 +314,16 @@ class WorkerBridge:
             keys[key] = state
         if after == before:
             return
-        if state[_INDEXED]:
-            changes.note(state[_TAG], key, before, after)
+        indexed = bool(state & _INDEXED)
+        if indexed:
+            changes.note(_tag_of(state), key, before, after)
         if after == 0:
-            if state[_PARENT] is not None:
-                self._unlink(state[_PARENT], key)
-            if state[_INDEXED] and key in self._children:
+            above = _parent_of(state)
+            if above is not None:
+                self._unlink(above, key)
+            if indexed and key in self._children:
                 self._cascade(key, False, changes)
-        elif before == 0 and state[_INDEXED] and key in self._children:
+        elif before == 0 and indexed and key in self._children:
             self._cascade(key, True, changes)
 
     def _link(self, parent: BlockKey, key: BlockKey) -> None:
@@ -329,17 +357,13 @@ class WorkerBridge:
             kids = self._children.get(stack.pop(), ())
             for child in (kids,) if isinstance(kids, int) else kids:
                 state = self._keys[BlockKey(child)]
-                if state[_INDEXED] == indexed:
+                if bool(state & _INDEXED) == indexed:
                     continue
-                self._keys[BlockKey(child)] = (*state[:_INDEXED], indexed)
+                self._keys[BlockKey(child)] = state ^ _INDEXED
                 mask = _mask(state)
                 old, new = (0, mask) if indexed else (mask, 0)
-                changes.note(state[_TAG], BlockKey(child), old, new)
+                changes.note(_tag_of(state), BlockKey(child), old, new)
                 stack.append(BlockKey(child))
-
-
-def _bump(entry: tuple[Any, ...], tier: int, delta: int) -> tuple[Any, ...]:
-    return (*entry[:tier], entry[tier] + delta, *entry[tier + 1 :])
 
 
 def _tier(medium: str | None) -> int:
