@@ -13,7 +13,7 @@ from events.hashing import BlockKey, RouterKeyer
 from events.schema import KVEventBatch
 from router.index.base import IndexStats, PrefixMatch, WorkerId
 from router.index.bridge import WorkerBridge, fold_batch
-from router.index.changes import CPU_MASK, GPU_MASK, Changes
+from router.index.changes import CPU_MASK, GPU_MASK, Changes, masks_of
 
 __all__ = ["MemoryPrefixIndex", "match_prefix"]
 
@@ -87,7 +87,8 @@ class MemoryPrefixIndex:
         await fold_batch(worker_id, self.bridge(worker_id), batch, write, clear)
 
     def _write(self, worker_id: WorkerId, changes: Changes) -> None:
-        for _, key, (_, new_mask) in changes.items():
+        for _, key, change in changes.items():
+            new_mask = masks_of(change)[1]
             holders = self._holders.get(key)
             if new_mask:
                 if holders is None:

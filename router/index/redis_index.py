@@ -36,7 +36,7 @@ from events.schema import KVEventBatch
 from router.errors import PrefixIndexError
 from router.index.base import IndexStats, PrefixMatch, WorkerId
 from router.index.bridge import WorkerBridge, fold_batch
-from router.index.changes import CPU_MASK, GPU_MASK, Changes, transition
+from router.index.changes import CPU_MASK, GPU_MASK, Changes, Transition, masks_of
 from router.index.group_commit import GroupCommit
 from router.index.layout import KeyLayout, check_name, decode_key, encode_keys_fixed, tag_text
 from router.index.scripts import (
@@ -64,40 +64,46 @@ _forget_families = Script(FORGET_FAMILIES)
 _lookup = Script(LOOKUP)
 
 
-def _lists_of(old: int, new: int) -> tuple[int, ...]:
+def _lists_of(change: Transition) -> tuple[int, ...]:
     """Which of a family's four key lists (GPU added, GPU removed, CPU added, CPU
-    removed) an entry going from mask ``old`` to ``new`` joins."""
+    removed) an entry with this transition joins."""
+    old, new = masks_of(change)
     gained, lost = new & ~old, old & ~new
     bits = (gained & GPU_MASK, lost & GPU_MASK, gained & CPU_MASK, lost & CPU_MASK)
     return tuple(i for i, bit in enumerate(bits) if bit)
 
 
-_LISTS: Final = {transition(o, n): _lists_of(o, n) for o in range(4) for n in range(4)}
+_LISTS: Final = tuple(_lists_of(change) for change in range(16))
 
 
-def _family_args(changes: Changes) -> tuple[int, list[tuple[BlockKey, list[str | int]]]]:
-    """The worker's entries delta, and per family its script arguments (see ``_FAMILY``
-    in :mod:`router.index.scripts`): tag, the four list lengths, the four key lists."""
+def _write_args(changes: Changes, args: list[str | int]) -> tuple[int, list[tuple[BlockKey, int]]]:
+    """Append every family's script arguments (see ``_FAMILY`` in
+    :mod:`router.index.scripts`: tag, the four list lengths, the four key lists) to
+    ``args``; returns the worker's entries delta and each family's tag and start."""
     delta = 0
-    out = []
+    starts = []
     for tag, family in changes.families.items():
+        starts.append((tag, len(args)))
         kinds = set(family.values())
-        lists: list[list[BlockKey]] = [[], [], [], []]
         if len(kinds) == 1:  # the common case: one kind of change (say, all stored)
-            keys = list(family)
-            for i in _LISTS[kinds.pop()]:
-                lists[i] = keys
+            joins = _LISTS[kinds.pop()]
+            counts = [len(family) if i in joins else 0 for i in range(4)]
+            args.append(tag_text(tag))
+            args.extend(counts)
+            for _ in joins:
+                args.extend(family)
         else:
+            lists: list[list[BlockKey]] = [[], [], [], []]
             for key, change in family.items():
                 for i in _LISTS[change]:
                     lists[i].append(key)
-        counts = [len(keys) for keys in lists]
+            counts = [len(keys) for keys in lists]
+            args.append(tag_text(tag))
+            args.extend(counts)
+            for keys in lists:
+                args.extend(keys)
         delta += counts[0] - counts[1] + counts[2] - counts[3]
-        args: list[str | int] = [tag_text(tag), *counts]
-        for keys in lists:
-            args.extend(keys)
-        out.append((tag, args))
-    return delta, out
+    return delta, starts
 
 
 class RedisPrefixIndex:
@@ -232,11 +238,11 @@ class RedisPrefixIndex:
         keys: list[str] = []
         args: list[str | int] = [self.layout.prefix]
         for worker_id, token, changes in fenced:
-            delta, families = _family_args(changes)
-            flat = [a for _, family in families for a in family]
+            head = len(args)
+            args.extend((token, worker_id, 0, 0))
+            delta, _ = _write_args(changes, args)
+            args[head + 2 : head + 4] = [delta, len(args) - head - 4]
             keys.extend(self._worker_keys(worker_id))
-            args.extend((token, worker_id, delta, len(flat)))
-            args.extend(flat)
         if fenced:
             refused = await _apply_workers(self.client, keys, args)
             for raw in refused:
@@ -248,15 +254,17 @@ class RedisPrefixIndex:
         return failed
 
     async def _send_cluster(self, worker_id: WorkerId, token: str, changes: Changes) -> None:
-        delta, families = _family_args(changes)
-        tags = [args[0] for _, args in families]
+        args: list[str | int] = []
+        delta, starts = _write_args(changes, args)
+        tags = [args[start] for _, start in starts]
         await _apply_worker(self.client, self._worker_keys(worker_id), [token, delta, *tags])
         groups: dict[int, tuple[str, list[str | int]]] = {}
         prefix = self.layout.prefix
-        for tag, args in families:
+        ends = [start for _, start in starts[1:]] + [len(args)]
+        for (tag, start), end in zip(starts, ends, strict=True):
             holders = self.layout.holders(tag)
             slot = key_slot(holders.encode())
-            groups.setdefault(slot, (holders, [worker_id, prefix]))[1].extend(args)
+            groups.setdefault(slot, (holders, [worker_id, prefix]))[1].extend(args[start:end])
         await asyncio.gather(
             *(_apply_families(self.client, [key], args) for key, args in groups.values())
         )
