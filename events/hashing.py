@@ -169,7 +169,7 @@ def router_block_keys(token_ids: Sequence[int], block_size: int, parent: int) ->
     """Router keys of every full block of ``token_ids``, chained from ``parent``.
 
     Equals :func:`router_block_key` applied block by block (the hot path of ingest and
-    routing: one buffer for all tokens, a zero-copy view per block).
+    routing: one buffer for all tokens, sliced per block).
 
     Args:
         token_ids: The tokens; a partial last block is ignored.
@@ -182,7 +182,7 @@ def router_block_keys(token_ids: Sequence[int], block_size: int, parent: int) ->
     Raises:
         OverflowError: A token id is negative or does not fit in 32 bits.
     """
-    raw = memoryview(array(_TOKEN_TYPECODE, token_ids)).cast("B")
+    raw = array(_TOKEN_TYPECODE, token_ids).tobytes()
     step = block_size * 4
     digest = xxhash.xxh3_64_intdigest
     mask = _KEY_MASK
