@@ -34,6 +34,7 @@ __all__ = [
     "CostBreakdown",
     "CostConfigError",
     "CostWeights",
+    "candidate_score",
     "choose",
     "replicated_blocks",
     "score_candidate",
@@ -143,16 +144,7 @@ def score_candidate(
     Returns:
         The score and its terms.
     """
-    cached = min(max(cached_tokens, 0.0), float(max(num_prompt_tokens - 1, 0)))
-    prefill = num_prompt_tokens - cached
-    replicated = min(max(replicated_tokens, 0.0), prefill)
-    score = (
-        weights.prefill * (prefill - replicated)
-        + weights.replicated_prefill * replicated
-        + weights.queued_prefill * load.queued_prefill_tokens
-        + weights.decode * load.decode_tokens
-        + weights.per_request * load.num_requests
-    )
+    cached, prefill, replicated = _terms(num_prompt_tokens, cached_tokens, replicated_tokens)
     return CostBreakdown(
         cached_tokens=cached,
         prefill_tokens=prefill,
@@ -160,7 +152,39 @@ def score_candidate(
         queued_prefill_tokens=load.queued_prefill_tokens,
         decode_tokens=load.decode_tokens,
         num_requests=load.num_requests,
-        score=score,
+        score=_weighted(weights, prefill, replicated, load),
+    )
+
+
+def candidate_score(
+    num_prompt_tokens: int,
+    cached_tokens: float,
+    load: WorkerLoad,
+    weights: CostWeights,
+    replicated_tokens: float = 0.0,
+) -> float:
+    """``score_candidate(...).score`` without building the breakdown (the routing hot
+    path scores every candidate and explains only the chosen one)."""
+    _, prefill, replicated = _terms(num_prompt_tokens, cached_tokens, replicated_tokens)
+    return _weighted(weights, prefill, replicated, load)
+
+
+def _terms(
+    num_prompt_tokens: int, cached_tokens: float, replicated_tokens: float
+) -> tuple[float, float, float]:
+    """Cached, prefill and replicated tokens, each clamped to what the prompt allows."""
+    cached = min(max(cached_tokens, 0.0), float(max(num_prompt_tokens - 1, 0)))
+    prefill = num_prompt_tokens - cached
+    return cached, prefill, min(max(replicated_tokens, 0.0), prefill)
+
+
+def _weighted(weights: CostWeights, prefill: float, replicated: float, load: WorkerLoad) -> float:
+    return (
+        weights.prefill * (prefill - replicated)
+        + weights.replicated_prefill * replicated
+        + weights.queued_prefill * load.queued_prefill_tokens
+        + weights.decode * load.decode_tokens
+        + weights.per_request * load.num_requests
     )
 
 

@@ -21,7 +21,14 @@ from typing import Final, Protocol
 import xxhash
 
 from events.hashing import BlockKey
-from router.cost import CostConfigError, CostWeights, choose, replicated_blocks, score_candidate
+from router.cost import (
+    CostConfigError,
+    CostWeights,
+    candidate_score,
+    choose,
+    replicated_blocks,
+    score_candidate,
+)
 from router.index.base import PrefixMatch, WorkerId
 from router.load import WorkerLoad
 
@@ -260,16 +267,19 @@ class CostPolicy:
             blocks = [max(c.match.num_blocks, c.num_predicted_blocks) for c in candidates]
         else:
             blocks = [c.num_predicted_blocks for c in candidates]
-        shared = replicated_blocks(blocks, weights.replicated_holders)
-        breakdowns = []
-        for c, num_shared in zip(candidates, shared, strict=True):
-            cached = float(c.num_predicted_blocks * bs)
-            if self.uses_index:
-                cached = max(cached, c.match.weighted_tokens(bs, weights.cpu_hit))
-            breakdowns.append(
-                score_candidate(request.num_prompt_tokens, cached, c.load, weights, num_shared * bs)
-            )
-        scores = [b.score for b in breakdowns]
+        shared = [n * bs for n in replicated_blocks(blocks, weights.replicated_holders)]
+        cached = [float(c.num_predicted_blocks * bs) for c in candidates]
+        if self.uses_index:
+            cpu_hit = weights.cpu_hit
+            cached = [
+                max(tokens, c.match.weighted_tokens(bs, cpu_hit))
+                for tokens, c in zip(cached, candidates, strict=True)
+            ]
+        num_prompt = request.num_prompt_tokens
+        scores = [
+            candidate_score(num_prompt, tokens, c.load, weights, replicated)
+            for tokens, c, replicated in zip(cached, candidates, shared, strict=True)
+        ]
         index = choose(
             scores,
             temperature=weights.temperature,
@@ -278,7 +288,10 @@ class CostPolicy:
             tie_break=self._turn,
         )
         self._turn += 1
-        prefill = math.ceil(breakdowns[index].prefill_tokens)
+        chosen = score_candidate(
+            num_prompt, cached[index], candidates[index].load, weights, shared[index]
+        )
+        prefill = math.ceil(chosen.prefill_tokens)
         return _decision(self.name, request, candidates, scores, index, prefill)
 
 

@@ -185,7 +185,10 @@ class RedisLoadTracker:
             if other is not None:
                 routed = routed + other
             own = reported.get(w)
-            out[w] = routed if own is None else _field_max(routed, own)
+            if own is None:
+                out[w] = routed
+            else:  # reports are clamped, so the idle case needs no new object
+                out[w] = own if routed is _IDLE else _field_max(routed, own)
         return out
 
     async def forget(self, worker_id: WorkerId) -> None:
@@ -202,7 +205,7 @@ class RedisLoadTracker:
         if load is None:
             self._reported.pop(worker_id, None)
         else:
-            self._reported[worker_id] = load
+            self._reported[worker_id] = load.clamped()
 
     async def refresh(self) -> None:
         """Heartbeat when due and re-read the other replicas' load now."""
