@@ -2,37 +2,46 @@
 
 One asyncio task per worker reads that worker's SUB socket, so one worker's replay or slow
 sink never stalls another worker. Per worker, batches reach the :class:`EventSink` strictly
-in seq order and exactly once. A seq gap is closed by a vLLM-compatible replay over DEALER;
-what replay cannot close is signalled with ``on_resync_needed``, a seq at or below the last
-one with ``on_reset`` (a publisher restart). A stream with a restart probe (a worker that
-names its publisher lifetimes) is asked on each gap whether it restarted, since a new
-lifetime whose first batches were lost shows as a jump, not a drop. Malformed messages are
-counted, logged at a limited rate and skipped.
+in seq order and exactly once. A seq gap is closed by a vLLM-compatible replay over DEALER
+(:mod:`events.replay_client`); what replay cannot close is signalled with
+``on_resync_needed``, a seq at or below the last one with ``on_reset`` (a publisher
+restart). A stream with a restart probe (a worker that names its publisher lifetimes) is
+asked on each gap whether it restarted, since a new lifetime whose first batches were lost
+shows as a jump, not a drop. Malformed messages are counted, logged at a limited rate and
+skipped.
+
+The stream, sink and counter types live in :mod:`events.subscription` and are re-exported
+here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
-import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Final, Protocol
+from typing import Final
 
-import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from events.curve import CurveClientConfig, configure_client
-from events.errors import EventDecodeError, EventsError, FramingError
-from events.framing import END_OF_REPLAY_SEQ, Frame, pack_seq, parse_message, unpack_seq
-from events.schema import KVEventBatch, decode_batch
+from events.curve import configure_client
+from events.errors import EventDecodeError, FramingError
+from events.framing import Frame, parse_message
+from events.rate_limited_log import RateLimitedLog
+from events.replay_client import ReplayClient
+from events.schema import decode_batch
+from events.subscription import (
+    EventSink,
+    ReceivedBatch,
+    SubscriberConfig,
+    SubscriberError,
+    WorkerCounters,
+    WorkerStream,
+)
 
 __all__ = [
     "EventSink",
@@ -52,158 +61,6 @@ _HANDSHAKE_FAILED: Final = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 _monitor_ids = itertools.count()
-
-
-class SubscriberError(EventsError, ValueError):
-    """A worker id is unknown or already subscribed."""
-
-
-class ReceivedBatch(msgspec.Struct, frozen=True, gc=False):
-    """One batch as delivered to the sink (a Struct: built per batch, it must be cheap).
-
-    Attributes:
-        worker_id: The worker that published it.
-        seq: Its sequence number in that worker's current publisher lifetime.
-        batch: The decoded events.
-        payload: The raw msgpack payload, as received (for recorders).
-        recv_ts: Wall-clock time in seconds when it was received.
-        replayed: ``True`` if it came through replay rather than the live stream.
-    """
-
-    worker_id: str
-    seq: int
-    batch: KVEventBatch
-    payload: bytes
-    recv_ts: float
-    replayed: bool
-
-
-class EventSink(Protocol):
-    """Consumer of a subscriber's deliveries; all calls for one worker are sequential."""
-
-    async def on_batch(self, received: ReceivedBatch) -> None:
-        """Apply one batch (per worker: in seq order, exactly once)."""
-
-    async def on_reset(self, worker_id: str, seq: int) -> None:
-        """The worker's publisher restarted; ``seq`` is the first seen of its new lifetime.
-
-        ``seq`` is at or below the last one seen, or above it and the stream's restart
-        probe said so. The new lifetime's batches before ``seq`` follow (replayed), or
-        ``on_resync_needed`` if they cannot.
-        """
-
-    async def on_resync_needed(self, worker_id: str, reason: str) -> None:
-        """Batches of the worker were lost for good; its state must be rebuilt.
-
-        ``reason`` is one of ``"no_replay_endpoint"``, ``"replay_timeout"`` (the replay
-        endpoint stayed silent), ``"replay_buffer_overrun"`` (the first batch asked for is
-        not buffered: it left the ring buffer, or the publisher dropped it on a full
-        queue), ``"replay_hole"`` / ``"replay_short"`` / ``"replay_empty"`` (the replay
-        skipped or ended before batches it had to cover: the publisher restarted
-        meanwhile) and ``"replay_nested"`` (a replay was asked for during a replay).
-        """
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerStream:
-    """Where one worker publishes; the subscriber always connects to these addresses.
-
-    Attributes:
-        worker_id: The worker's identity (unique per subscriber).
-        endpoint: The worker's PUB address, e.g. ``tcp://127.0.0.1:5557``.
-        replay_endpoint: The worker's replay ROUTER address; ``None``: gaps cannot be
-            replayed and always resync.
-        topic: Topic prefix to subscribe to (``b""`` = everything).
-        curve: CURVE client settings when the worker's sockets are CURVE servers.
-        restart_probe: Awaited on a live seq gap, before replaying it: ``True`` means the
-            publisher restarted since the last batch delivered (a new lifetime whose first
-            batches were lost), and the gap is handled as a restart (``on_reset``, then the
-            new lifetime replayed from seq 0). It must not raise; it answers ``False`` when
-            unsure. ``None`` (vLLM's protocol): only a seq drop is a restart.
-    """
-
-    worker_id: str
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: bytes = b""
-    curve: CurveClientConfig | None = None
-    restart_probe: Callable[[], Awaitable[bool]] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class SubscriberConfig:
-    """Settings of an :class:`EventSubscriber`.
-
-    Attributes:
-        replay_timeout_s: Longest silence accepted from a replay endpoint before the
-            replay is abandoned and the worker resynced.
-        hwm: Receive high-water mark of each SUB socket, in messages.
-        max_drain: Messages handled from one worker before yielding to other tasks.
-        log_interval_s: Repeats of one warning per (worker, reason) are logged at most
-            this often, with the number suppressed.
-    """
-
-    replay_timeout_s: float = 5.0
-    hwm: int = 100_000
-    max_drain: int = 256
-    log_interval_s: float = 10.0
-
-
-@dataclass
-class WorkerCounters:
-    """What happened on one worker's stream.
-
-    Attributes:
-        num_batches: Batches delivered to the sink (live and replayed).
-        num_replayed: Of those, batches delivered through replay.
-        num_gaps: Seq gaps seen on the live stream.
-        num_missed: Seqs missing in those gaps (before any replay).
-        num_replays: Replay requests made.
-        num_resets: Publisher restarts seen.
-        num_duplicates: Batches received again and skipped (replay overlap).
-        num_handshake_failures: Failed ZeroMQ handshakes (wrong CURVE keys, not allowed).
-        malformed: Malformed messages skipped, by reason.
-        resyncs: Resync signals, by reason.
-    """
-
-    num_batches: int = 0
-    num_replayed: int = 0
-    num_gaps: int = 0
-    num_missed: int = 0
-    num_replays: int = 0
-    num_resets: int = 0
-    num_duplicates: int = 0
-    num_handshake_failures: int = 0
-    malformed: collections.Counter[str] = field(default_factory=collections.Counter)
-    resyncs: collections.Counter[str] = field(default_factory=collections.Counter)
-
-    def snapshot(self) -> WorkerCounters:
-        """An independent copy."""
-        return dataclasses.replace(
-            self,
-            malformed=collections.Counter(self.malformed),
-            resyncs=collections.Counter(self.resyncs),
-        )
-
-
-class _RateLimitedLog:
-    """Logs one warning per key at most every ``interval_s``, counting the suppressed ones."""
-
-    def __init__(self, interval_s: float) -> None:
-        self._interval_s = interval_s
-        self._next_s: dict[tuple[str, str], float] = {}
-        self._suppressed: collections.Counter[tuple[str, str]] = collections.Counter()
-
-    def warning(self, key: tuple[str, str], message: str, *args: object) -> None:
-        now = time.monotonic()
-        if now < self._next_s.get(key, 0.0):
-            self._suppressed[key] += 1
-            return
-        self._next_s[key] = now + self._interval_s
-        suppressed = self._suppressed.pop(key, 0)
-        if suppressed:
-            message += f" ({suppressed} similar warnings suppressed)"
-        _log.warning(message, *args)
 
 
 @dataclass(eq=False)
@@ -243,7 +100,8 @@ class EventSubscriber:
         self._workers: dict[str, _Worker] = {}
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None
-        self._warn = _RateLimitedLog(self._config.log_interval_s)
+        self._warn = RateLimitedLog(self._config.log_interval_s, _log)
+        self._replay_client = ReplayClient(self._context, self._config.replay_timeout_s)
 
     @property
     def worker_ids(self) -> list[str]:
@@ -523,78 +381,28 @@ class EventSubscriber:
         if stream.replay_endpoint is None:
             await self._resync(worker, "no_replay_endpoint")
             return False
+
+        async def on_batch(seq: int, payload: bytes) -> None:
+            if redeliver or worker.last_seq is None or seq > worker.last_seq:
+                await self._deliver(worker, seq, payload, time.time(), replayed=True)
+            else:
+                worker.counters.num_duplicates += 1
+
         worker.replaying = True
         worker.counters.num_replays += 1
-        dealer = self._context.socket(zmq.DEALER)
         try:
-            dealer.linger = 0
-            dealer.rcvhwm = 0  # bounded by the publisher's buffer; never truncate a replay
-            if stream.curve is not None:
-                configure_client(dealer, stream.curve)
-            dealer.connect(stream.replay_endpoint)
-            await dealer.send_multipart([b"", pack_seq(from_seq)])
-            reason = await self._receive_replay(worker, dealer, from_seq, through, redeliver)
+            reason = await self._replay_client.fetch(
+                stream.replay_endpoint,
+                stream.curve,
+                from_seq,
+                through=through,
+                on_batch=on_batch,
+                on_malformed=lambda exc: self._malformed(worker, exc),
+            )
         finally:
-            dealer.close(linger=0)
             worker.replaying = False
         if reason is not None:
             await self._resync(worker, reason)
             return False
         _log.info("worker %s: replayed from seq %d", stream.worker_id, from_seq)
         return True
-
-    async def _receive_replay(
-        self,
-        worker: _Worker,
-        dealer: zmq.asyncio.Socket,
-        from_seq: int,
-        through: int,
-        redeliver: bool,
-    ) -> str | None:
-        """Apply replies until the end marker; returns why the replay failed, or ``None``."""
-        expected = from_seq
-        async with contextlib.aclosing(self._replies(dealer)) as replies:
-            async for frames in replies:
-                if frames is None:
-                    return "replay_timeout"
-                if len(frames) != 4 or frames[0] != b"":
-                    self._malformed(
-                        worker,
-                        FramingError("bad_replay_frames", f"expected 4 frames, got {len(frames)}"),
-                    )
-                    continue
-                if frames[2] == END_OF_REPLAY_SEQ:
-                    if expected > through:
-                        return None
-                    return "replay_empty" if expected == from_seq else "replay_short"
-                try:
-                    seq = unpack_seq(frames[2])
-                except FramingError as exc:
-                    self._malformed(worker, exc)
-                    continue
-                if seq != expected:
-                    return "replay_buffer_overrun" if expected == from_seq else "replay_hole"
-                expected += 1
-                if redeliver or worker.last_seq is None or seq > worker.last_seq:
-                    await self._deliver(worker, seq, frames[3], time.time(), replayed=True)
-                else:
-                    worker.counters.num_duplicates += 1
-        raise AssertionError("unreachable: replies end only with a timeout")
-
-    async def _replies(
-        self, dealer: zmq.asyncio.Socket
-    ) -> AsyncGenerator[list[bytes] | None, None]:
-        """Replay replies as they come; ``None`` after ``replay_timeout_s`` of silence."""
-        timeout_ms = int(self._config.replay_timeout_s * 1000)
-        drain: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
-        while True:
-            if not await dealer.poll(timeout=timeout_ms):
-                yield None
-                return
-            # Drain what is queued without a future per message.
-            while True:
-                try:
-                    frames = drain.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                yield frames

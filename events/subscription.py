@@ -1,0 +1,162 @@
+"""The subscriber's contracts: what a worker's stream is, what the sink is told, what is counted.
+
+:class:`WorkerStream` says where a worker publishes, :class:`SubscriberConfig` how the
+subscriber reads it; the subscriber hands each batch to an :class:`EventSink` as a
+:class:`ReceivedBatch` and counts what happened per worker in :class:`WorkerCounters`.
+No I/O here: :mod:`events.subscriber` is the ZeroMQ side.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from events.curve import CurveClientConfig
+from events.errors import EventsError
+from events.schema import KVEventBatch
+
+__all__ = [
+    "EventSink",
+    "ReceivedBatch",
+    "SubscriberConfig",
+    "SubscriberError",
+    "WorkerCounters",
+    "WorkerStream",
+]
+
+
+class SubscriberError(EventsError, ValueError):
+    """A worker id is unknown or already subscribed."""
+
+
+class ReceivedBatch(msgspec.Struct, frozen=True, gc=False):
+    """One batch as delivered to the sink (a Struct: built per batch, it must be cheap).
+
+    Attributes:
+        worker_id: The worker that published it.
+        seq: Its sequence number in that worker's current publisher lifetime.
+        batch: The decoded events.
+        payload: The raw msgpack payload, as received (for recorders).
+        recv_ts: Wall-clock time in seconds when it was received.
+        replayed: ``True`` if it came through replay rather than the live stream.
+    """
+
+    worker_id: str
+    seq: int
+    batch: KVEventBatch
+    payload: bytes
+    recv_ts: float
+    replayed: bool
+
+
+class EventSink(Protocol):
+    """Consumer of a subscriber's deliveries; all calls for one worker are sequential."""
+
+    async def on_batch(self, received: ReceivedBatch) -> None:
+        """Apply one batch (per worker: in seq order, exactly once)."""
+
+    async def on_reset(self, worker_id: str, seq: int) -> None:
+        """The worker's publisher restarted; ``seq`` is the first seen of its new lifetime.
+
+        ``seq`` is at or below the last one seen, or above it and the stream's restart
+        probe said so. The new lifetime's batches before ``seq`` follow (replayed), or
+        ``on_resync_needed`` if they cannot.
+        """
+
+    async def on_resync_needed(self, worker_id: str, reason: str) -> None:
+        """Batches of the worker were lost for good; its state must be rebuilt.
+
+        ``reason`` is one of ``"no_replay_endpoint"``, ``"replay_timeout"`` (the replay
+        endpoint stayed silent), ``"replay_buffer_overrun"`` (the first batch asked for is
+        not buffered: it left the ring buffer, or the publisher dropped it on a full
+        queue), ``"replay_hole"`` / ``"replay_short"`` / ``"replay_empty"`` (the replay
+        skipped or ended before batches it had to cover: the publisher restarted
+        meanwhile) and ``"replay_nested"`` (a replay was asked for during a replay).
+        """
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStream:
+    """Where one worker publishes; the subscriber always connects to these addresses.
+
+    Attributes:
+        worker_id: The worker's identity (unique per subscriber).
+        endpoint: The worker's PUB address, e.g. ``tcp://127.0.0.1:5557``.
+        replay_endpoint: The worker's replay ROUTER address; ``None``: gaps cannot be
+            replayed and always resync.
+        topic: Topic prefix to subscribe to (``b""`` = everything).
+        curve: CURVE client settings when the worker's sockets are CURVE servers.
+        restart_probe: Awaited on a live seq gap, before replaying it: ``True`` means the
+            publisher restarted since the last batch delivered (a new lifetime whose first
+            batches were lost), and the gap is handled as a restart (``on_reset``, then the
+            new lifetime replayed from seq 0). It must not raise; it answers ``False`` when
+            unsure. ``None`` (vLLM's protocol): only a seq drop is a restart.
+    """
+
+    worker_id: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: bytes = b""
+    curve: CurveClientConfig | None = None
+    restart_probe: Callable[[], Awaitable[bool]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberConfig:
+    """Settings of an :class:`EventSubscriber`.
+
+    Attributes:
+        replay_timeout_s: Longest silence accepted from a replay endpoint before the
+            replay is abandoned and the worker resynced.
+        hwm: Receive high-water mark of each SUB socket, in messages.
+        max_drain: Messages handled from one worker before yielding to other tasks.
+        log_interval_s: Repeats of one warning per (worker, reason) are logged at most
+            this often, with the number suppressed.
+    """
+
+    replay_timeout_s: float = 5.0
+    hwm: int = 100_000
+    max_drain: int = 256
+    log_interval_s: float = 10.0
+
+
+@dataclass
+class WorkerCounters:
+    """What happened on one worker's stream.
+
+    Attributes:
+        num_batches: Batches delivered to the sink (live and replayed).
+        num_replayed: Of those, batches delivered through replay.
+        num_gaps: Seq gaps seen on the live stream.
+        num_missed: Seqs missing in those gaps (before any replay).
+        num_replays: Replay requests made.
+        num_resets: Publisher restarts seen.
+        num_duplicates: Batches received again and skipped (replay overlap).
+        num_handshake_failures: Failed ZeroMQ handshakes (wrong CURVE keys, not allowed).
+        malformed: Malformed messages skipped, by reason.
+        resyncs: Resync signals, by reason.
+    """
+
+    num_batches: int = 0
+    num_replayed: int = 0
+    num_gaps: int = 0
+    num_missed: int = 0
+    num_replays: int = 0
+    num_resets: int = 0
+    num_duplicates: int = 0
+    num_handshake_failures: int = 0
+    malformed: collections.Counter[str] = field(default_factory=collections.Counter)
+    resyncs: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    def snapshot(self) -> WorkerCounters:
+        """An independent copy."""
+        return dataclasses.replace(
+            self,
+            malformed=collections.Counter(self.malformed),
+            resyncs=collections.Counter(self.resyncs),
+        )
