@@ -55,6 +55,9 @@ __all__ = ["RedisPrefixIndex"]
 
 _CLEAR_CHUNK: Final = 500
 """Families dropped per script call while clearing a worker."""
+_MAX_WRITE_ARGS: Final = 16_384
+"""Arguments after which a single-node write closes its script call and opens another
+(about 8 ms of Redis time at most: lookups are not held up behind a burst)."""
 
 _apply_workers = Script(APPLY_WORKERS)
 _apply_worker = Script(APPLY_WORKER)
@@ -76,34 +79,31 @@ def _lists_of(change: Transition) -> tuple[int, ...]:
 _LISTS: Final = tuple(_lists_of(change) for change in range(16))
 
 
-def _write_args(changes: Changes, args: list[str | int]) -> tuple[int, list[tuple[BlockKey, int]]]:
-    """Append every family's script arguments (see ``_FAMILY`` in
+def _append_family(
+    tag: BlockKey, family: dict[BlockKey, Transition], args: list[str | int]
+) -> int:
+    """Append one family's script arguments (see ``_FAMILY`` in
     :mod:`router.index.scripts`: tag, the four list lengths, the four key lists) to
-    ``args``; returns the worker's entries delta and each family's tag and start."""
-    delta = 0
-    starts = []
-    for tag, family in changes.families.items():
-        starts.append((tag, len(args)))
-        kinds = set(family.values())
-        if len(kinds) == 1:  # the common case: one kind of change (say, all stored)
-            joins = _LISTS[kinds.pop()]
-            counts = [len(family) if i in joins else 0 for i in range(4)]
-            args.append(tag_text(tag))
-            args.extend(counts)
-            for _ in joins:
-                args.extend(family)
-        else:
-            lists: list[list[BlockKey]] = [[], [], [], []]
-            for key, change in family.items():
-                for i in _LISTS[change]:
-                    lists[i].append(key)
-            counts = [len(keys) for keys in lists]
-            args.append(tag_text(tag))
-            args.extend(counts)
-            for keys in lists:
-                args.extend(keys)
-        delta += counts[0] - counts[1] + counts[2] - counts[3]
-    return delta, starts
+    ``args``; returns the change of the worker's entry count."""
+    kinds = set(family.values())
+    if len(kinds) == 1:  # the common case: one kind of change (say, all stored)
+        joins = _LISTS[kinds.pop()]
+        counts = [len(family) if i in joins else 0 for i in range(4)]
+        args.append(tag_text(tag))
+        args.extend(counts)
+        for _ in joins:
+            args.extend(family)
+    else:
+        lists: list[list[BlockKey]] = [[], [], [], []]
+        for key, change in family.items():
+            for i in _LISTS[change]:
+                lists[i].append(key)
+        counts = [len(keys) for keys in lists]
+        args.append(tag_text(tag))
+        args.extend(counts)
+        for keys in lists:
+            args.extend(keys)
+    return counts[0] - counts[1] + counts[2] - counts[3]
 
 
 class RedisPrefixIndex:
@@ -235,15 +235,7 @@ class RedisPrefixIndex:
                 elif isinstance(result, BaseException):
                     raise result
             return failed
-        keys: list[str] = []
-        args: list[str | int] = [self.layout.prefix]
-        for worker_id, token, changes in fenced:
-            head = len(args)
-            args.extend((token, worker_id, 0, 0))
-            delta, _ = _write_args(changes, args)
-            args[head + 2 : head + 4] = [delta, len(args) - head - 4]
-            keys.extend(self._worker_keys(worker_id))
-        if fenced:
+        for keys, args in self._single_node_calls(fenced):
             refused = await _apply_workers(self.client, keys, args)
             for raw in refused:
                 worker_id = WorkerId(reply_bytes(raw).decode())
@@ -253,18 +245,53 @@ class RedisPrefixIndex:
                 )
         return failed
 
+    def _single_node_calls(
+        self, fenced: list[tuple[WorkerId, str, Changes]]
+    ) -> list[tuple[list[str], list[str | int]]]:
+        """``APPLY_WORKERS`` calls (keys, arguments) for the writes, in order.
+
+        A call closes once it holds ``_MAX_WRITE_ARGS`` arguments, between two families
+        (a worker's write may then span calls, each fenced): a burst such as a snapshot
+        load never makes one script block Redis for long or build a huge ``ARGV``.
+        """
+        calls: list[tuple[list[str], list[str | int]]] = []
+        keys: list[str] = []
+        args: list[str | int] = [self.layout.prefix]
+        for worker_id, token, changes in fenced:
+            head = -1
+            delta = 0
+            for tag, family in changes.families.items():
+                if head < 0 or len(args) >= _MAX_WRITE_ARGS:
+                    if head >= 0:
+                        args[head + 2 : head + 4] = [delta, len(args) - head - 4]
+                    if len(args) >= _MAX_WRITE_ARGS:
+                        calls.append((keys, args))
+                        keys, args = [], [self.layout.prefix]
+                    head, delta = len(args), 0
+                    args.extend((token, worker_id, 0, 0))
+                    keys.extend(self._worker_keys(worker_id))
+                delta += _append_family(tag, family, args)
+            if head >= 0:
+                args[head + 2 : head + 4] = [delta, len(args) - head - 4]
+        if keys:
+            calls.append((keys, args))
+        return calls
+
     async def _send_cluster(self, worker_id: WorkerId, token: str, changes: Changes) -> None:
-        args: list[str | int] = []
-        delta, starts = _write_args(changes, args)
-        tags = [args[start] for _, start in starts]
+        delta = 0
+        families: list[tuple[BlockKey, list[str | int]]] = []
+        for tag, family in changes.families.items():
+            args: list[str | int] = []
+            delta += _append_family(tag, family, args)
+            families.append((tag, args))
+        tags = [tag_text(tag) for tag, _ in families]
         await _apply_worker(self.client, self._worker_keys(worker_id), [token, delta, *tags])
         groups: dict[int, tuple[str, list[str | int]]] = {}
         prefix = self.layout.prefix
-        ends = [start for _, start in starts[1:]] + [len(args)]
-        for (tag, start), end in zip(starts, ends, strict=True):
+        for tag, args in families:
             holders = self.layout.holders(tag)
             slot = key_slot(holders.encode())
-            groups.setdefault(slot, (holders, [worker_id, prefix]))[1].extend(args[start:end])
+            groups.setdefault(slot, (holders, [worker_id, prefix]))[1].extend(args)
         await asyncio.gather(
             *(_apply_families(self.client, [key], args) for key, args in groups.values())
         )
