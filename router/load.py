@@ -11,16 +11,18 @@ a Redis-backed tracker shares them between router replicas.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Protocol
+
+import msgspec
 
 from router.index.base import WorkerId
 
 __all__ = ["LoadTracker", "MemoryLoadTracker", "WorkerLoad", "finished", "prefilled", "routed"]
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
+# A msgspec Struct, not a frozen dataclass: built per candidate per decision, ~0.1 us
+# against ~0.6 us (bench_router).
+class WorkerLoad(msgspec.Struct, frozen=True, gc=False):
     """The outstanding work of one worker, or a change to it (fields may then be negative).
 
     Attributes:

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
+import msgspec
 import xxhash
 
 from events.hashing import BlockKey
@@ -65,8 +66,9 @@ class RouteRequest:
     num_output_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+# Candidate and CandidateScore are msgspec Structs, not frozen dataclasses: 64 of each per
+# decision at 64 workers, ~0.1 us apiece against ~1 us (bench_router).
+class Candidate(msgspec.Struct, frozen=True, gc=False):
     """A worker the request may go to, with what the router knows about it.
 
     Attributes:
@@ -78,13 +80,12 @@ class Candidate:
     """
 
     worker_id: WorkerId
-    load: WorkerLoad = field(default_factory=WorkerLoad)
-    match: PrefixMatch = field(default_factory=PrefixMatch)
+    load: WorkerLoad = msgspec.field(default_factory=WorkerLoad)
+    match: PrefixMatch = msgspec.field(default_factory=PrefixMatch)
     num_predicted_blocks: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class CandidateScore:
+class CandidateScore(msgspec.Struct, frozen=True, gc=False):
     """How a policy saw one candidate.
 
     Attributes:

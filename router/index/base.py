@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NewType, Protocol
 
+import msgspec
+
 from events.hashing import BlockKey
 from events.schema import KVEventBatch
 
@@ -21,8 +23,7 @@ WorkerId = NewType("WorkerId", str)
 """A worker's identity, unique within a namespace (``--id`` of ``kvroute worker``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
+class PrefixMatch(msgspec.Struct, frozen=True, gc=False):
     """The longest consecutive prefix of a request's keys that one worker holds.
 
     NOTE: ``num_gpu_blocks + num_cpu_blocks == num_blocks``: a block counts as GPU when the
