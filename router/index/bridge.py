@@ -133,8 +133,8 @@ class WorkerBridge:
     _copies: dict[WireHash, int] = field(default_factory=dict)
     _keys: dict[BlockKey, int] = field(default_factory=dict)
     # NOTE: parent key -> its held child keys (whether or not the parent is held): one
-    # key, or a tuple of keys when the chain branches.
-    _children: dict[BlockKey, int | tuple[int, ...]] = field(default_factory=dict)
+    # key, or several packed in one int when the chain branches (see _pack_kids).
+    _children: dict[BlockKey, int] = field(default_factory=dict)
 
     def entries(self) -> dict[BlockKey, tuple[BlockKey, int]]:
         """Every indexed router key with its family tag and tier mask."""
@@ -330,32 +330,27 @@ class WorkerBridge:
         kids = self._children.get(parent)
         if kids is None:
             self._children[parent] = key
-        elif isinstance(kids, int):
-            if kids != key:
-                self._children[parent] = (kids, key)
-        elif key not in kids:
-            self._children[parent] = (*kids, key)
+            return
+        held = _unpack_kids(kids)
+        if key not in held:
+            self._children[parent] = _pack_kids((*held, key))
 
     def _unlink(self, parent: BlockKey, key: BlockKey) -> None:
         kids = self._children.get(parent)
         if kids is None:
             return
-        if isinstance(kids, int):
-            if kids == key:
-                del self._children[parent]
-            return
-        rest = tuple(k for k in kids if k != key)
-        if not rest:
-            del self._children[parent]
+        rest = tuple(k for k in _unpack_kids(kids) if k != key)
+        if rest:
+            self._children[parent] = _pack_kids(rest)
         else:
-            self._children[parent] = rest[0] if len(rest) == 1 else rest
+            del self._children[parent]
 
     def _cascade(self, root: BlockKey, indexed: bool, changes: Changes) -> None:
         """(Un)index the held descendants of ``root`` (iteratively: chains are long)."""
         stack = [root]
         while stack:
-            kids = self._children.get(stack.pop(), ())
-            for child in (kids,) if isinstance(kids, int) else kids:
+            kids = self._children.get(stack.pop())
+            for child in () if kids is None else _unpack_kids(kids):
                 state = self._keys[BlockKey(child)]
                 if bool(state & _INDEXED) == indexed:
                     continue
@@ -364,6 +359,24 @@ class WorkerBridge:
                 old, new = (0, mask) if indexed else (mask, 0)
                 changes.note(_tag_of(state), BlockKey(child), old, new)
                 stack.append(BlockKey(child))
+
+
+def _pack_kids(keys: tuple[int, ...]) -> int:
+    """A key's children as one int: the child itself, or for a branch ``_NONE``, the
+    count and each child in its own 64 bits above (an int, not a tuple: see the state
+    words)."""
+    if len(keys) == 1:
+        return keys[0]
+    packed = _NONE | len(keys)
+    for i, key in enumerate(keys, start=1):
+        packed |= key << (64 * i)
+    return packed
+
+
+def _unpack_kids(kids: int) -> tuple[int, ...]:
+    if kids < _NONE:
+        return (kids,)
+    return tuple((kids >> (64 * i)) & _COUNTS for i in range(1, (kids & _COUNT) + 1))
 
 
 def _tier(medium: str | None) -> int:
