@@ -23,6 +23,10 @@
 Registrations persist in Redis (:class:`router.index.registry.WorkerRegistry`), so a
 restarted router resumes the same workers; a maintenance pass also reaps workers whose
 lease lapsed (their router died).
+
+This module holds the membership, the leases and the maintenance pass; each worker's batch
+and recovery paths are a :class:`router.worker_ingest.WorkerIngest`, and which rebuild
+follows which loss is decided by :mod:`router.recovery` (shared with the offline replay).
 """
 
 from __future__ import annotations
@@ -31,16 +35,13 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import aiohttp
 from redis.exceptions import RedisError
 
 from events.curve import CurveClientConfig, CurveKeyPair
-from events.schema import KVEventBatch
 from events.subscriber import (
     EventSubscriber,
     ReceivedBatch,
@@ -48,16 +49,14 @@ from events.subscriber import (
     WorkerCounters,
     WorkerStream,
 )
-from router.errors import OrphanParentError, PrefixIndexError
+from router.errors import PrefixIndexError
 from router.index.base import WorkerId
-from router.index.bridge import BridgeCounters
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import Lease, WorkerRecord, WorkerRegistry
+from router.index.registry import WorkerRecord, WorkerRegistry
 from router.index.scripts import StaleLeaseError
-from router.index.snapshot import fetch_snapshot, snapshot_events
 from router.lifetime import LifetimeTracker
 from router.metrics import IngestMetrics, StreamCollector
-from router.task_lock import TaskLock
+from router.worker_ingest import IngestServices, WorkerIngest
 
 __all__ = ["IndexIngest", "IngestConfig"]
 
@@ -93,25 +92,6 @@ class IngestConfig:
     client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)
 
 
-@dataclass(eq=False)
-class _Worker:
-    record: WorkerRecord
-    lease: Lease | None = None
-    # NOTE: applied_through is the highest seq whose effect the index holds (-1: none
-    # since the last clear; None: unknown, accept the next batch whatever its seq).
-    applied_through: int | None = -1
-    needs_rebuild: bool = False
-    replaying: bool = False
-    in_batch: bool = False
-    # NOTE: held by whatever changes the worker's entries (see TaskLock).
-    lock: TaskLock = field(default_factory=TaskLock)
-    seen: BridgeCounters = field(default_factory=BridgeCounters)
-
-    @property
-    def worker_id(self) -> WorkerId:
-        return WorkerId(self.record.worker_id)
-
-
 class IndexIngest:
     """Folds registered workers' event streams into a Redis prefix index (an ``EventSink``).
 
@@ -135,7 +115,7 @@ class IndexIngest:
         index.group_commit = self.config.group_commit
         index.on_write_error(self._write_failed)
         self.metrics = metrics or IngestMetrics()
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, WorkerIngest] = {}
         # NOTE: held while the set of workers changes (add, remove, the maintenance's
         # registry sync), so a removal is never undone by a sync that read the registry
         # before the registration was deleted.
@@ -143,6 +123,7 @@ class IndexIngest:
         self._subscriber: EventSubscriber | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lifetimes: LifetimeTracker | None = None
+        self._services: IngestServices | None = None
         self._maintainer: asyncio.Task[None] | None = None
 
     @property
@@ -155,6 +136,15 @@ class IndexIngest:
         self._session = aiohttp.ClientSession()
         self._lifetimes = LifetimeTracker(self._session, self.config.lifetime_timeout_s)
         self._subscriber = EventSubscriber(self, self.config.subscriber)
+        self._services = IngestServices(
+            index=self.index,
+            metrics=self.metrics,
+            subscriber=self._subscriber,
+            session=self._session,
+            lifetimes=self._lifetimes,
+            snapshot_timeout_s=self.config.snapshot_timeout_s,
+            snapshot_chunk_runs=self.config.snapshot_chunk_runs,
+        )
         self.metrics.registry.register(StreamCollector(self._stream_counters))
         for record in records:
             await self.registry.register(record)
@@ -206,7 +196,7 @@ class IndexIngest:
                 await self._unsubscribe(worker)
             await self.registry.unregister(worker_id)
 
-    async def _unsubscribe(self, worker: _Worker) -> None:
+    async def _unsubscribe(self, worker: WorkerIngest) -> None:
         """Stop reading ``worker``'s stream, drop its entries and release its lease."""
         wid = worker.worker_id
         del self._workers[wid]
@@ -233,9 +223,9 @@ class IndexIngest:
             outer = not worker.in_batch
             worker.in_batch = True
             try:
-                await self._on_batch(worker, received)
+                await worker.apply_batch(received)
             except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
-                self._failed(worker, exc)
+                worker.failed(exc)
                 self.metrics.batches.labels(worker.worker_id, "failed").inc()
             finally:
                 if outer:
@@ -251,9 +241,9 @@ class IndexIngest:
             if worker.lease is None:
                 return
             try:
-                await self._clear(worker, applied_through=-1)
+                await worker.clear(applied_through=-1)
             except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
-                self._failed(worker, exc)
+                worker.failed(exc)
             await self._tracker.record(worker.record)
 
     async def on_resync_needed(self, worker_id: str, reason: str) -> None:
@@ -265,166 +255,9 @@ class IndexIngest:
             if worker.lease is None:
                 return
             try:
-                await self._resync(worker, reason)
+                await worker.resync(reason)
             except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
-                self._failed(worker, exc)
-
-    # -- batch path ----------------------------------------------------------------------
-
-    async def _on_batch(self, worker: _Worker, received: ReceivedBatch) -> None:
-        wid = worker.worker_id
-        if worker.lease is None:
-            self.metrics.batches.labels(wid, "not_owner").inc()
-            return
-        if worker.needs_rebuild:
-            await self._rebuild(worker)
-        applied = worker.applied_through
-        if applied is not None and received.seq > applied + 1 and not worker.replaying:
-            if await self._tracker.changed(worker.record):
-                await self._reset_lifetime(worker, received.seq)
-            else:
-                # Batches before this one never reached the index (a late join, a
-                # snapshot older than the stream): fetch them; the replay redelivers
-                # this one too.
-                await self._replay(worker, applied + 1, clear=False)
-        if self._covered(worker, received):
-            return
-        try:
-            await self.index.apply(wid, received.batch)
-        except OrphanParentError as exc:
-            self.metrics.orphans.labels(wid).inc()
-            self._sync_counters(worker)
-            if worker.replaying or worker.record.replay_endpoint is None:
-                log.warning("%s; resyncing worker %s", exc, wid)
-                await self._resync(worker, "orphan_parent")
-            else:
-                log.warning("%s; replaying worker %s from seq 0", exc, wid)
-                await self._replay(worker, 0, clear=True)
-            if self._covered(worker, received):
-                return
-            # Rebuilt without this batch (tolerant mode now, or a snapshot older than
-            # it): apply it once more; an orphan left now is claimed by nobody (safe).
-            try:
-                await self.index.apply(wid, received.batch)
-            except OrphanParentError:
-                self.metrics.orphans.labels(wid).inc()
-        self._applied(worker, received)
-
-    def _covered(self, worker: _Worker, received: ReceivedBatch) -> bool:
-        """True (and counted) when the index already holds the batch's effect."""
-        applied = worker.applied_through
-        if applied is None or received.seq > applied:
-            return False
-        self.metrics.batches.labels(worker.worker_id, "covered").inc()
-        return True
-
-    def _applied(self, worker: _Worker, received: ReceivedBatch) -> None:
-        wid = worker.worker_id
-        worker.applied_through = received.seq
-        self.metrics.batches.labels(wid, "applied").inc()
-        types = Counter(type(e).__name__ for e in received.batch.events)
-        for name, count in types.items():
-            self.metrics.events.labels(wid, name).inc(count)
-        self._sync_counters(worker)
-
-    def _sync_counters(self, worker: _Worker) -> None:
-        now = self.index.bridge(worker.worker_id).counters
-        before = worker.seen
-        for reason in ("malformed", "unknown_removals", "detached", "ignored_groups"):
-            delta = getattr(now, reason) - getattr(before, reason)
-            if delta > 0:
-                self.metrics.skipped.labels(worker.worker_id, reason).inc(delta)
-        worker.seen = replace(now)
-
-    # -- recovery ------------------------------------------------------------------------
-
-    async def _replay(self, worker: _Worker, from_seq: int, *, clear: bool) -> None:
-        """Ask the subscriber for batches from ``from_seq`` (they come back to on_batch)."""
-        assert self._subscriber is not None
-        if clear:
-            await self._clear(worker, applied_through=-1)
-        worker.replaying = True
-        try:
-            ok = await self._subscriber.request_replay(worker.record.worker_id, from_seq)
-        finally:
-            worker.replaying = False
-        self.metrics.replays.labels(worker.worker_id, "ok" if ok else "failed").inc()
-        # On failure the subscriber has already called on_resync_needed.
-
-    async def _resync(self, worker: _Worker, reason: str) -> None:
-        """Clear the worker and rebuild from its snapshot, or accept the loss."""
-        self.metrics.resyncs.labels(worker.worker_id, reason).inc()
-        log.warning("worker %s: resync (%s)", worker.worker_id, reason)
-        await self._reload(worker)
-
-    async def _reset_lifetime(self, worker: _Worker, seq: int) -> None:
-        """A kvroute worker restarted and its new lifetime's first batches were lost."""
-        self.metrics.resets.labels(worker.worker_id).inc()
-        log.warning(
-            "worker %s: seq %d under a new publisher lifetime: it restarted; "
-            "resetting it from its snapshot",
-            worker.worker_id,
-            seq,
-        )
-        await self._reload(worker)
-
-    async def _reload(self, worker: _Worker) -> None:
-        """Clear the worker, then load its snapshot or keep what arrives from now on."""
-        await self._clear(worker, applied_through=None)
-        if worker.record.has_snapshot:
-            await self._load_snapshot(worker)
-        else:
-            # History is gone: keep what arrives from now on, orphans detached.
-            self.index.bridge(worker.worker_id).tolerate_orphans = True
-
-    async def _rebuild(self, worker: _Worker) -> None:
-        """After a lease (re)acquisition or a failure: rebuild the worker from scratch."""
-        worker.needs_rebuild = False
-        if worker.record.has_snapshot:
-            await self._resync(worker, "rebuild")
-        elif worker.record.replay_endpoint is not None and worker.in_batch:
-            await self._replay(worker, 0, clear=True)
-        else:
-            await self._resync(worker, "rebuild")
-
-    async def _clear(self, worker: _Worker, applied_through: int | None) -> None:
-        await self.index.clear_worker(worker.worker_id)
-        self.index.bridge(worker.worker_id).tolerate_orphans = False
-        worker.applied_through = applied_through
-
-    async def _load_snapshot(self, worker: _Worker) -> None:
-        wid, record = worker.worker_id, worker.record
-        assert self._session is not None and record.http_url is not None
-        bridge = self.index.bridge(wid)
-        await self._tracker.record(record)  # before: never newer than the snapshot's
-        try:
-            snapshot = await fetch_snapshot(
-                self._session, record.http_url, self.config.snapshot_timeout_s
-            )
-        except PrefixIndexError as exc:
-            self.metrics.snapshots.labels(wid, "failed").inc()
-            log.error("worker %s: %s; keeping only what arrives from now on", wid, exc)
-            bridge.tolerate_orphans = True
-            return
-        events = snapshot_events(snapshot)
-        bridge.tolerate_orphans = True  # runs under an evicted ancestor are unreachable
-        try:
-            step = self.config.snapshot_chunk_runs
-            for start in range(0, len(events), step):
-                batch = KVEventBatch(ts=time.time(), events=list(events[start : start + step]))
-                await self.index.apply(wid, batch)
-        finally:
-            bridge.tolerate_orphans = False
-        await self.index.flush(wid)  # the snapshot is in Redis before the stream resumes
-        worker.applied_through = snapshot.next_seq - 1
-        self.metrics.snapshots.labels(wid, "ok").inc()
-        self._sync_counters(worker)
-        log.info(
-            "worker %s: loaded snapshot of %d runs (next seq %d)",
-            wid,
-            len(events),
-            snapshot.next_seq,
-        )
+                worker.failed(exc)
 
     async def _restart_probe(self, worker_id: str) -> bool:
         """The subscriber's restart probe of a kvroute worker's stream (see ``WorkerStream``)."""
@@ -436,20 +269,7 @@ class IndexIngest:
     def _write_failed(self, worker_id: WorkerId, exc: Exception) -> None:
         worker = self._workers.get(worker_id)
         if worker is not None:
-            self._failed(worker, exc)
-
-    def _failed(self, worker: _Worker, exc: Exception) -> None:
-        wid = worker.worker_id
-        if isinstance(exc, StaleLeaseError):
-            self.metrics.lease_lost.labels(wid).inc()
-            log.warning("worker %s: lost its lease (%s); maintenance will retake it", wid, exc)
-            worker.lease = None
-            self.index.forget_lease(wid)
-        else:
-            if isinstance(exc, RedisError):
-                self.metrics.redis_errors.labels(wid).inc()
-            log.warning("worker %s: index write failed (%s); it will be rebuilt", wid, exc)
-        worker.needs_rebuild = True
+            worker.failed(exc)
 
     # -- maintenance ---------------------------------------------------------------------
 
@@ -481,7 +301,7 @@ class IndexIngest:
             if record.worker_id not in self._workers:
                 await self._subscribe(record)
 
-    async def _maintain_worker(self, worker: _Worker) -> None:
+    async def _maintain_worker(self, worker: WorkerIngest) -> None:
         if self._workers.get(worker.record.worker_id) is not worker:
             return  # removed since this pass listed it
         # NOTE: the lease says which router ingests the worker, not that the worker is
@@ -500,11 +320,11 @@ class IndexIngest:
             try:  # surfaces a failed queued write of an idle worker
                 await self.index.flush(worker.worker_id)
             except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
-                self._failed(worker, exc)
+                worker.failed(exc)
             if worker.needs_rebuild and worker.record.has_snapshot:
                 await self._guarded_rebuild(worker)
 
-    async def _take_over(self, worker: _Worker) -> None:
+    async def _take_over(self, worker: WorkerIngest) -> None:
         lease = await self.registry.acquire(worker.worker_id)
         if lease is None:
             return  # another router replica ingests this worker
@@ -523,17 +343,17 @@ class IndexIngest:
             else:
                 await self._guarded_clear(worker)
 
-    async def _guarded_rebuild(self, worker: _Worker) -> None:
+    async def _guarded_rebuild(self, worker: WorkerIngest) -> None:
         try:
-            await self._rebuild(worker)
+            await worker.rebuild()
         except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
-            self._failed(worker, exc)
+            worker.failed(exc)
 
-    async def _guarded_clear(self, worker: _Worker) -> None:
+    async def _guarded_clear(self, worker: WorkerIngest) -> None:
         try:
-            await self._clear(worker, applied_through=-1)
+            await worker.clear(applied_through=-1)
         except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
-            self._failed(worker, exc)
+            worker.failed(exc)
 
     async def _maintain_forever(self) -> None:
         while True:
@@ -541,8 +361,8 @@ class IndexIngest:
             await self.maintain_once()
 
     async def _subscribe(self, record: WorkerRecord) -> None:
-        assert self._subscriber is not None
-        self._workers[record.worker_id] = _Worker(record)
+        assert self._subscriber is not None and self._services is not None
+        self._workers[record.worker_id] = WorkerIngest(record, self._services)
         await self._subscriber.add_worker(
             WorkerStream(
                 worker_id=record.worker_id,

@@ -1,0 +1,260 @@
+"""One worker's ingest: folds its batches into the index and rebuilds its entries after a loss.
+
+:class:`WorkerIngest` holds what the router knows of one registered worker (its lease, how
+far its stream is folded, whether it needs a rebuild) and runs its batch path and recovery
+paths; :class:`router.ingest.IndexIngest` owns one per worker, serialises the calls with the
+worker's :attr:`WorkerIngest.lock` and turns errors into :meth:`WorkerIngest.failed`. Which
+rebuild follows which loss is decided by :mod:`router.recovery`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, replace
+
+import aiohttp
+from redis.exceptions import RedisError
+
+from events.schema import KVEventBatch
+from events.subscriber import EventSubscriber, ReceivedBatch
+from router.errors import OrphanParentError, PrefixIndexError
+from router.index.base import WorkerId
+from router.index.bridge import BridgeCounters
+from router.index.redis_index import RedisPrefixIndex
+from router.index.registry import Lease, WorkerRecord
+from router.index.scripts import StaleLeaseError
+from router.index.snapshot import fetch_snapshot, snapshot_events
+from router.lifetime import LifetimeTracker
+from router.metrics import IngestMetrics
+from router.recovery import Rebuild, RecoveryRules, StreamPosition
+from router.task_lock import TaskLock
+
+__all__ = ["IngestServices", "WorkerIngest"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class IngestServices:
+    """What every worker's ingest shares (made by ``IndexIngest.start``).
+
+    Attributes:
+        index: The Redis prefix index written.
+        metrics: Where counters go.
+        subscriber: The event subscriber, asked for replays.
+        session: The HTTP session snapshots are fetched with.
+        lifetimes: The kvroute workers' recorded publisher lifetimes.
+        snapshot_timeout_s: Timeout of one ``GET /v1/snapshot``.
+        snapshot_chunk_runs: Snapshot runs written per index batch.
+    """
+
+    index: RedisPrefixIndex
+    metrics: IngestMetrics
+    subscriber: EventSubscriber
+    session: aiohttp.ClientSession
+    lifetimes: LifetimeTracker
+    snapshot_timeout_s: float
+    snapshot_chunk_runs: int
+
+
+class WorkerIngest:
+    """The ingest of one registered worker (callers hold :attr:`lock` around every call).
+
+    Args:
+        record: The worker's registration.
+        services: What all workers' ingests share.
+    """
+
+    def __init__(self, record: WorkerRecord, services: IngestServices) -> None:
+        self.record = record
+        self.rules = RecoveryRules(
+            has_snapshot=record.has_snapshot, can_replay=record.replay_endpoint is not None
+        )
+        self.lease: Lease | None = None
+        self.position = StreamPosition()
+        self.needs_rebuild = False
+        self.in_batch = False
+        # NOTE: held by whatever changes the worker's entries (see TaskLock).
+        self.lock = TaskLock()
+        self._services = services
+        self._seen = BridgeCounters()
+
+    @property
+    def worker_id(self) -> WorkerId:
+        """The worker's id."""
+        return WorkerId(self.record.worker_id)
+
+    # -- batch path ----------------------------------------------------------------------
+
+    async def apply_batch(self, received: ReceivedBatch) -> None:
+        """Apply one delivered batch (see :mod:`router.ingest` for the recovery paths)."""
+        wid, index, metrics = self.worker_id, self._services.index, self._services.metrics
+        if self.lease is None:
+            metrics.batches.labels(wid, "not_owner").inc()
+            return
+        if self.needs_rebuild:
+            await self.rebuild()
+        first_missing = self.position.first_missing(received.seq)
+        if first_missing is not None:
+            if await self._services.lifetimes.changed(self.record):
+                await self._reset_lifetime(received.seq)
+            else:
+                # Batches before this one never reached the index (a late join, a
+                # snapshot older than the stream): fetch them; the replay redelivers
+                # this one too.
+                await self._replay(first_missing, clear=False)
+        if self._covered(received):
+            return
+        try:
+            await index.apply(wid, received.batch)
+        except OrphanParentError as exc:
+            metrics.orphans.labels(wid).inc()
+            self._sync_counters()
+            how = self.rules.after_orphan(replaying=self.position.replaying)
+            if how is Rebuild.REPLAY_FROM_START:
+                log.warning("%s; replaying worker %s from seq 0", exc, wid)
+            else:
+                log.warning("%s; resyncing worker %s", exc, wid)
+            await self._rebuild_as(how, "orphan_parent")
+            if self._covered(received):
+                return
+            # Rebuilt without this batch (tolerant mode now, or a snapshot older than
+            # it): apply it once more; an orphan left now is claimed by nobody (safe).
+            try:
+                await index.apply(wid, received.batch)
+            except OrphanParentError:
+                metrics.orphans.labels(wid).inc()
+        self._applied(received)
+
+    def _covered(self, received: ReceivedBatch) -> bool:
+        """True (and counted) when the index already holds the batch's effect."""
+        if not self.position.covers(received.seq):
+            return False
+        self._services.metrics.batches.labels(self.worker_id, "covered").inc()
+        return True
+
+    def _applied(self, received: ReceivedBatch) -> None:
+        wid, metrics = self.worker_id, self._services.metrics
+        self.position.applied_through = received.seq
+        metrics.batches.labels(wid, "applied").inc()
+        types = Counter(type(e).__name__ for e in received.batch.events)
+        for name, count in types.items():
+            metrics.events.labels(wid, name).inc(count)
+        self._sync_counters()
+
+    def _sync_counters(self) -> None:
+        now = self._services.index.bridge(self.worker_id).counters
+        before = self._seen
+        for reason in ("malformed", "unknown_removals", "detached", "ignored_groups"):
+            delta = getattr(now, reason) - getattr(before, reason)
+            if delta > 0:
+                self._services.metrics.skipped.labels(self.worker_id, reason).inc(delta)
+        self._seen = replace(now)
+
+    # -- recovery ------------------------------------------------------------------------
+
+    async def resync(self, reason: str) -> None:
+        """Batches were lost for good: clear the worker and rebuild what can be."""
+        await self._rebuild_as(self.rules.after_loss(), reason)
+
+    async def rebuild(self) -> None:
+        """After a lease (re)acquisition or a failure: rebuild the worker from scratch."""
+        self.needs_rebuild = False
+        await self._rebuild_as(self.rules.after_takeover(in_batch=self.in_batch), "rebuild")
+
+    async def clear(self, applied_through: int | None) -> None:
+        """Drop the worker's entries; the stream continues after ``applied_through``."""
+        index = self._services.index
+        await index.clear_worker(self.worker_id)
+        index.bridge(self.worker_id).tolerate_orphans = False
+        self.position.applied_through = applied_through
+
+    def failed(self, exc: Exception) -> None:
+        """A write failed (``exc``): drop a lost lease, rebuild the worker later."""
+        wid, metrics = self.worker_id, self._services.metrics
+        if isinstance(exc, StaleLeaseError):
+            metrics.lease_lost.labels(wid).inc()
+            log.warning("worker %s: lost its lease (%s); maintenance will retake it", wid, exc)
+            self.lease = None
+            self._services.index.forget_lease(wid)
+        else:
+            if isinstance(exc, RedisError):
+                metrics.redis_errors.labels(wid).inc()
+            log.warning("worker %s: index write failed (%s); it will be rebuilt", wid, exc)
+        self.needs_rebuild = True
+
+    async def _rebuild_as(self, how: Rebuild, reason: str) -> None:
+        """Clear the worker and rebuild it ``how``; a resync is counted under ``reason``."""
+        if how is Rebuild.REPLAY_FROM_START:
+            await self._replay(0, clear=True)
+            return
+        self._services.metrics.resyncs.labels(self.worker_id, reason).inc()
+        log.warning("worker %s: resync (%s)", self.worker_id, reason)
+        await self._reload(how)
+
+    async def _replay(self, from_seq: int, *, clear: bool) -> None:
+        """Ask the subscriber for batches from ``from_seq`` (they come back to on_batch)."""
+        if clear:
+            await self.clear(applied_through=-1)
+        self.position.replaying = True
+        try:
+            ok = await self._services.subscriber.request_replay(self.record.worker_id, from_seq)
+        finally:
+            self.position.replaying = False
+        self._services.metrics.replays.labels(self.worker_id, "ok" if ok else "failed").inc()
+        # On failure the subscriber has already called on_resync_needed.
+
+    async def _reset_lifetime(self, seq: int) -> None:
+        """A kvroute worker restarted and its new lifetime's first batches were lost."""
+        self._services.metrics.resets.labels(self.worker_id).inc()
+        log.warning(
+            "worker %s: seq %d under a new publisher lifetime: it restarted; "
+            "resetting it from its snapshot",
+            self.worker_id,
+            seq,
+        )
+        await self._reload(self.rules.after_loss())
+
+    async def _reload(self, how: Rebuild) -> None:
+        """Clear the worker, then load its snapshot or keep what arrives from now on."""
+        await self.clear(applied_through=None)
+        if how is Rebuild.LOAD_SNAPSHOT:
+            await self._load_snapshot()
+        else:
+            self._services.index.bridge(self.worker_id).tolerate_orphans = True
+
+    async def _load_snapshot(self) -> None:
+        wid, record, services = self.worker_id, self.record, self._services
+        assert record.http_url is not None
+        bridge = services.index.bridge(wid)
+        await services.lifetimes.record(record)  # before: never newer than the snapshot's
+        try:
+            snapshot = await fetch_snapshot(
+                services.session, record.http_url, services.snapshot_timeout_s
+            )
+        except PrefixIndexError as exc:
+            services.metrics.snapshots.labels(wid, "failed").inc()
+            log.error("worker %s: %s; keeping only what arrives from now on", wid, exc)
+            bridge.tolerate_orphans = True
+            return
+        events = snapshot_events(snapshot)
+        bridge.tolerate_orphans = True  # runs under an evicted ancestor are unreachable
+        try:
+            step = services.snapshot_chunk_runs
+            for start in range(0, len(events), step):
+                batch = KVEventBatch(ts=time.time(), events=list(events[start : start + step]))
+                await services.index.apply(wid, batch)
+        finally:
+            bridge.tolerate_orphans = False
+        await services.index.flush(wid)  # the snapshot is in Redis before the stream resumes
+        self.position.applied_through = snapshot.next_seq - 1
+        services.metrics.snapshots.labels(wid, "ok").inc()
+        self._sync_counters()
+        log.info(
+            "worker %s: loaded snapshot of %d runs (next seq %d)",
+            wid,
+            len(events),
+            snapshot.next_seq,
+        )
