@@ -4,8 +4,9 @@ The log holds what an event subscriber delivered (batches after gap recovery, pu
 resets, lost-for-good resyncs), each stamped with its receive time. Replaying feeds the
 records up to the chosen moment to :class:`ReplayIngest`, which folds batches with the
 index's own ``apply`` (the engine-hash bridge production uses, duplicates, clears and
-orphan detection included) and follows the ingest's recovery rules for resets, resyncs
-and orphan parents, so the rebuilt index is the one the router held.
+orphan detection included) and follows the ingest's recovery rules
+(:mod:`router.recovery`) for resets, resyncs and orphan parents, so the rebuilt index is
+the one the router held.
 
 NOTE: a resync in production reloads a kvroute worker from its ``/v1/snapshot``; offline
 there is no worker to ask, so the replayed index holds nothing of that worker from the
@@ -31,6 +32,7 @@ from router.index.base import PrefixIndex, WorkerId
 from router.index.bridge import WorkerBridge
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRegistry
+from router.recovery import OFFLINE_RULES, Rebuild
 
 __all__ = [
     "REPLAY_LEASE_TTL_MS",
@@ -244,8 +246,9 @@ class ReplayIngest:
     """The router's recovery rules over an index, with the network taken out (an ``EventSink``).
 
     Batches go through ``index.apply`` (the same fold as production); a publisher reset
-    clears the worker; a resync clears it and, its history being lost, stores later
-    orphans detached (the ingest's path for workers without a snapshot).
+    clears the worker; a resync or an orphan parent is rebuilt as
+    :data:`router.recovery.OFFLINE_RULES` say (no snapshot, no replay): cleared, its
+    history lost, later orphans stored detached (the ingest's path for such workers).
 
     Args:
         index: The index to rebuild (fresh, or a namespace of its own).
@@ -278,10 +281,9 @@ class ReplayIngest:
             await self.index.apply(wid, received.batch)
         except OrphanParentError:
             self.num_orphans[wid] = self.num_orphans.get(wid, 0) + 1
-            # The router would replay the worker from seq 0; offline that replay is this
-            # same log, which meets the same orphan, so its next step is taken directly:
-            # resync (clear, orphans detached), then the batch once more.
-            await self._resync(wid)
+            # The router would replay the worker from seq 0 if it could; offline that
+            # replay is this same log, so the rules resync it: then the batch once more.
+            await self._rebuild(wid, OFFLINE_RULES.after_orphan(replaying=False))
             await self.index.apply(wid, received.batch)
 
     async def on_reset(self, worker_id: str, seq: int) -> None:
@@ -292,9 +294,11 @@ class ReplayIngest:
 
     async def on_resync_needed(self, worker_id: str, reason: str) -> None:
         """Batches were lost for good: drop the worker's entries."""
-        await self._resync(await self._writable(worker_id))
+        await self._rebuild(await self._writable(worker_id), OFFLINE_RULES.after_loss())
 
-    async def _resync(self, wid: WorkerId) -> None:
+    async def _rebuild(self, wid: WorkerId, how: Rebuild) -> None:
+        """Clear the worker; offline its history is gone, so keep only what comes next."""
+        assert how is Rebuild.KEEP_FROM_NOW, f"offline rules chose {how}"
         await self.index.clear_worker(wid)
         self.index.bridge(wid).tolerate_orphans = True
 
