@@ -126,6 +126,11 @@ class KeyLayout:
         return f"{self.prefix}indexed"
 
     @property
+    def routers(self) -> str:
+        """Sorted set of live router ids, scored by when their heartbeat lapses (ms)."""
+        return f"{self.prefix}routers"
+
+    @property
     def registry(self) -> str:
         """Hash worker id -> JSON registration (endpoints, kind, block size)."""
         return f"{self.prefix}registry"

@@ -7,33 +7,59 @@
   so a router holding an old epoch cannot write (fencing).
 * The holder renews the lease while the worker's stream is alive; when it lapses, any
   router replica's :meth:`WorkerRegistry.reap` removes the worker's entries.
+* Router replicas share the ingest: each renews a heartbeat (:meth:`WorkerRegistry.heartbeat`)
+  and :func:`owner_of` assigns every worker to one live replica by rendezvous hashing, so
+  N replicas ingest about 1/N of the workers each and a change of membership moves only
+  the workers of the replica that joined or left.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import msgspec
+import xxhash
 
 from events.curve import Z85_KEY_LEN, load_public_key
 from router.errors import PrefixIndexError
 from router.index.base import WorkerId
 from router.index.layout import KeyLayout, check_name
 from router.index.redis_index import RedisPrefixIndex
-from router.index.scripts import ACQUIRE, RELEASE, RENEW, Script
+from router.index.scripts import ACQUIRE, HEARTBEAT, RELEASE, RENEW, Script
 from router.redis_conn import RedisClient, reply_bytes
 
-__all__ = ["Lease", "WorkerRecord", "WorkerRegistry", "load_records", "parse_worker_spec"]
+__all__ = [
+    "Lease",
+    "WorkerRecord",
+    "WorkerRegistry",
+    "load_records",
+    "owner_of",
+    "parse_worker_spec",
+]
 
 log = logging.getLogger(__name__)
 
 _acquire = Script(ACQUIRE)
 _renew = Script(RENEW)
 _release = Script(RELEASE)
+_heartbeat = Script(HEARTBEAT)
+
+
+def owner_of(worker_id: str, routers: Sequence[str]) -> str | None:
+    """The live router that should ingest a worker (rendezvous hashing), or None if none.
+
+    Every replica computes the same answer from the same membership; when a router joins
+    or leaves, only the workers it wins or held change owner.
+    """
+    if not routers:
+        return None
+    weight = xxhash.xxh3_64_intdigest
+    return max(routers, key=lambda router: weight(f"{router}\0{worker_id}".encode()))
 
 
 class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -207,6 +233,17 @@ class WorkerRegistry:
     async def release(self, lease: Lease) -> None:
         """Give a lease up now (its entries stay until reaped or cleared)."""
         await _release(self.client, [self.layout.lease(lease.worker_id)], [lease.token])
+
+    async def heartbeat(self) -> list[str]:
+        """Renew this router's membership for one lease TTL; returns the live routers."""
+        live = await _heartbeat(
+            self.client, [self.layout.routers], [self.owner, self.lease_ttl_ms]
+        )
+        return sorted(reply_bytes(r).decode() for r in live)
+
+    async def leave(self) -> None:
+        """Withdraw this router's membership (on shutdown), so others take its workers."""
+        await self.client.zrem(self.layout.routers, self.owner)
 
     async def holder(self, worker_id: WorkerId) -> str | None:
         """The current lease token of a worker, or None when nobody holds it."""

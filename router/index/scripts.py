@@ -31,6 +31,7 @@ __all__ = [
     "CLEAR_FAMILIES",
     "FENCED_ERROR",
     "FORGET_FAMILIES",
+    "HEARTBEAT",
     "LOOKUP",
     "RELEASE",
     "RENEW",
@@ -286,6 +287,19 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
+"""
+
+HEARTBEAT: Final = """
+-- KEYS: routers   ARGV: router id ('' to only read), ttl_ms
+-- Drops lapsed routers, renews the caller's heartbeat, returns the live router ids.
+-- Scores are the server's clock, so replicas' clocks never need to agree.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if ARGV[1] ~= '' then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+end
+return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
 
 RELEASE: Final = """

@@ -20,6 +20,7 @@ from router.index.registry import (
     WorkerRecord,
     WorkerRegistry,
     load_records,
+    owner_of,
     parse_worker_spec,
 )
 from router.index.scripts import StaleLeaseError
@@ -211,3 +212,34 @@ def test_stats_of_an_empty_namespace(redis_target: str, namespace: str) -> None:
         assert stats == IndexStats(0, 0, 0, stats.memory_bytes)
 
     run(redis_target, namespace, body)
+
+
+def test_router_heartbeats_track_live_replicas(redis_target: str, namespace: str) -> None:
+    async def body(client: RedisClient, layout: KeyLayout) -> None:
+        a = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=60_000)
+        b = WorkerRegistry(client, layout, owner="router-b", lease_ttl_ms=300)
+        assert await a.heartbeat() == ["router-a"]
+        assert await b.heartbeat() == ["router-a", "router-b"]
+        deadline = time.monotonic() + 20.0
+        while await a.heartbeat() != ["router-a"]:  # b stopped renewing: it lapses
+            assert time.monotonic() < deadline, "a silent router never left"
+            await asyncio.sleep(0.02)  # polling a TTL expiry with a deadline
+        assert await b.heartbeat() == ["router-a", "router-b"]  # back again
+        await b.leave()
+        assert await a.heartbeat() == ["router-a"]
+
+    run(redis_target, namespace, body)
+
+
+def test_owner_of_spreads_workers_and_moves_few_on_membership_change() -> None:
+    workers = [f"worker-{i:03d}" for i in range(300)]
+    two = {w: owner_of(w, ["r0", "r1"]) for w in workers}
+    assert owner_of("w", []) is None
+    assert {w: owner_of(w, ["r1", "r0"]) for w in workers} == two  # order does not matter
+    assert 100 <= sum(1 for o in two.values() if o == "r0") <= 200
+    three = {w: owner_of(w, ["r0", "r1", "r2"]) for w in workers}
+    moved = [w for w in workers if three[w] != two[w]]
+    assert moved and all(three[w] == "r2" for w in moved)  # only to the newcomer
+    one = {w: owner_of(w, ["r0"]) for w in workers}
+    assert all(one[w] == "r0" for w in workers)
+    assert [w for w in workers if two[w] != one[w]] == [w for w in workers if two[w] == "r1"]
