@@ -20,6 +20,12 @@
 * a lost lease or a Redis failure (e.g. Redis restarted empty) marks the worker for a
   rebuild, which the maintenance pass or the next batch performs.
 
+Router replicas share the ingest: every maintenance pass renews this router's heartbeat,
+and a worker is ingested by its owner among the live routers (rendezvous hashing,
+:func:`router.index.registry.owner_of`). A router hands the lease of a worker it holds
+but does not own to the owner (the owner rebuilds it, as after any takeover), and takes
+a worker it does not own only when the owner left it unclaimed for a whole lease TTL.
+
 Registrations persist in Redis (:class:`router.index.registry.WorkerRegistry`), so a
 restarted router resumes the same workers; a maintenance pass also reaps workers whose
 lease lapsed (their router died).
@@ -35,6 +41,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,7 +59,7 @@ from events.subscriber import (
 from router.errors import PrefixIndexError
 from router.index.base import WorkerId
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRecord, WorkerRegistry
+from router.index.registry import WorkerRecord, WorkerRegistry, owner_of
 from router.index.scripts import StaleLeaseError
 from router.lifetime import LifetimeTracker
 from router.metrics import IngestMetrics, StreamCollector
@@ -125,6 +132,11 @@ class IndexIngest:
         self._lifetimes: LifetimeTracker | None = None
         self._services: IngestServices | None = None
         self._maintainer: asyncio.Task[None] | None = None
+        # NOTE: the live routers as of this router's last heartbeat (empty before the
+        # first: then every worker counts as its own); per worker it does not own, when
+        # it first found the lease free (cleared once anyone holds it).
+        self._routers: list[str] = []
+        self._unclaimed_since: dict[str, float] = {}
 
     @property
     def owned_workers(self) -> list[WorkerId]:
@@ -157,6 +169,8 @@ class IndexIngest:
             self._maintainer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._maintainer
+        with contextlib.suppress(RedisError):
+            await self.registry.leave()  # the others own our workers from their next pass
         if self._subscriber is not None:
             await self._subscriber.close()
         with contextlib.suppress(RedisError, PrefixIndexError):
@@ -185,7 +199,7 @@ class IndexIngest:
             if worker is None:
                 await self._subscribe(record)
                 worker = self._workers[record.worker_id]
-        if worker.lease is None:
+        if worker.lease is None and self._owns(worker.worker_id):
             await self._take_over(worker)
 
     async def remove_worker(self, worker_id: WorkerId) -> None:
@@ -279,6 +293,7 @@ class IndexIngest:
         Redis errors are logged and counted; the next pass retries.
         """
         try:
+            self._routers = await self.registry.heartbeat()
             async with self._membership:
                 await self._sync_registry()
             for worker in list(self._workers.values()):
@@ -313,8 +328,13 @@ class IndexIngest:
             log.warning("worker %s: lease lapsed or taken; retaking it", worker.worker_id)
             worker.lease = None
             self.index.forget_lease(worker.worker_id)
+        owner = owner_of(worker.worker_id, self._routers)
+        if worker.lease is not None and owner not in (None, self.registry.owner):
+            await self._hand_over(worker, str(owner))
+            return
         if worker.lease is None:
-            await self._take_over(worker)
+            if owner in (None, self.registry.owner) or await self._unclaimed(worker):
+                await self._take_over(worker)
             return
         async with worker.lock.hold():
             try:  # surfaces a failed queued write of an idle worker
@@ -324,10 +344,38 @@ class IndexIngest:
             if worker.needs_rebuild and worker.record.has_snapshot:
                 await self._guarded_rebuild(worker)
 
+    def _owns(self, worker_id: str) -> bool:
+        return owner_of(worker_id, self._routers) in (None, self.registry.owner)
+
+    async def _unclaimed(self, worker: WorkerIngest) -> bool:
+        """True once the worker's lease has been free for a whole TTL (its owner is not
+        taking it: stalled, or its ingest broken): then any router may."""
+        wid = worker.worker_id
+        if await self.registry.holder(WorkerId(wid)) is not None:
+            self._unclaimed_since.pop(wid, None)
+            return False
+        since = self._unclaimed_since.setdefault(wid, time.monotonic())
+        return time.monotonic() - since >= self.registry.lease_ttl_ms / 1000
+
+    async def _hand_over(self, worker: WorkerIngest, owner: str) -> None:
+        """Give the lease of a worker another live router owns to that router."""
+        async with worker.lock.hold():
+            lease = worker.lease
+            if lease is None:
+                return
+            with contextlib.suppress(RedisError, StaleLeaseError, PrefixIndexError):
+                await self.index.flush(worker.worker_id)  # its queued writes land first
+            worker.lease = None
+            self.index.forget_lease(worker.worker_id)
+            await self.registry.release(lease)
+        self.metrics.handovers.labels(worker.worker_id).inc()
+        log.info("worker %s: lease handed over to router %s (its owner)", worker.worker_id, owner)
+
     async def _take_over(self, worker: WorkerIngest) -> None:
         lease = await self.registry.acquire(worker.worker_id)
         if lease is None:
             return  # another router replica ingests this worker
+        self._unclaimed_since.pop(worker.worker_id, None)
         async with worker.lock.hold():
             if self._workers.get(worker.record.worker_id) is not worker:
                 await self.registry.release(lease)  # removed while the lease was acquired

@@ -133,6 +133,13 @@ class IngestMetrics:
             ["worker"],
             registry=r,
         )
+        self.handovers = Counter(
+            "kvroute_ingest_handovers",
+            "Leases this router gave to the replica that owns the worker by rendezvous "
+            "hashing (router replicas joined or left).",
+            ["worker"],
+            registry=r,
+        )
         self.reaped = Counter(
             "kvroute_ingest_reaped_workers",
             "Workers whose lease lapsed and whose entries this router removed.",

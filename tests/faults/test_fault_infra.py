@@ -81,10 +81,10 @@ def test_router_replica_killed_with_in_flight_load(tmp_path: Path) -> None:
         lease = ("--lease-ttl", str(LEASE_TTL_S))
         r0 = cluster.start_router("r0", specs, *lease)
         cluster.wait_healthy([*(w.url for w in cluster.workers), r0])
-        r1 = cluster.start_router("r1", specs, *lease)  # r0 holds both leases first
+        assert metric(scrape(r0), "kvroute_ingest_owned_workers") == 2  # alone, it owns both
+        r1 = cluster.start_router("r1", specs, *lease)  # the replicas now share the workers
         cluster.wait_healthy([r1])
         targets = [(w.worker_id, w.url) for w in cluster.workers]
-        assert metric(scrape(r0), "kvroute_ingest_owned_workers") == 2
         with Load([r0, r1], clients=4) as load:
             load.wait_for(20)
             cluster.kill("r0")
