@@ -330,7 +330,8 @@ class RouterService:
         keys: Sequence[BlockKey],
         cache_salt: str | None,
     ) -> Mapping[WorkerId, PrefixMatch]:
-        """Index matches in units of ``records[0].block_size`` blocks; {} while degraded."""
+        """Index matches in units of ``records[0].block_size`` blocks (possibly also of
+        holders that are not among ``records``); {} while degraded."""
         now = time.monotonic()
         if not self._index_live and now < self._next_probe:
             return {}
@@ -347,8 +348,12 @@ class RouterService:
                     else self.keyer.keys(token_ids, size, cache_salt=cache_salt)
                 )
                 # Bounded by the fast client's socket timeout (lookup_timeout_s); no
-                # wait_for, which would cost a task per decision.
-                found = await self._lookup_index.lookup(group_keys, members)
+                # wait_for, which would cost a task per decision. With one block size
+                # the family's holders are read instead of sending every candidate's id
+                # (fewer bytes, no HMGET); holders that are not candidates are ignored
+                # by build_candidates.
+                asked = None if len(groups) == 1 else members
+                found = await self._lookup_index.lookup(group_keys, asked)
                 for wid, match in found.items():
                     out[wid] = match if size == base else _rescale(match, size, base)
         except Exception as exc:  # whatever the index does, it never causes a 5xx
