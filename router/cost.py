@@ -172,10 +172,15 @@ def candidate_score(
 def _terms(
     num_prompt_tokens: int, cached_tokens: float, replicated_tokens: float
 ) -> tuple[float, float, float]:
-    """Cached, prefill and replicated tokens, each clamped to what the prompt allows."""
-    cached = min(max(cached_tokens, 0.0), float(max(num_prompt_tokens - 1, 0)))
+    """Cached, prefill and replicated tokens, each clamped to what the prompt allows.
+
+    (Conditionals, not ``min``/``max`` calls: this runs per candidate per decision.)
+    """
+    top = num_prompt_tokens - 1 if num_prompt_tokens > 1 else 0
+    cached = 0.0 if cached_tokens < 0 else float(top if cached_tokens > top else cached_tokens)
     prefill = num_prompt_tokens - cached
-    return cached, prefill, min(max(replicated_tokens, 0.0), prefill)
+    replicated = 0.0 if replicated_tokens < 0 else min(float(replicated_tokens), prefill)
+    return cached, prefill, replicated
 
 
 def _weighted(weights: CostWeights, prefill: float, replicated: float, load: WorkerLoad) -> float:

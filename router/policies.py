@@ -211,23 +211,26 @@ def build_candidates(
     ]
 
 
-def _tokens(num_blocks: int, request: RouteRequest) -> int:
-    return min(num_blocks * request.block_size, request.num_prompt_tokens)
-
-
 def _explain(
     request: RouteRequest, candidates: Sequence[Candidate], scores: Sequence[float]
 ) -> tuple[CandidateScore, ...]:
-    return tuple(
-        CandidateScore(
-            worker_id=c.worker_id,
-            matched_tokens=_tokens(c.match.num_blocks, request),
-            predicted_tokens=_tokens(max(c.match.num_blocks, c.num_predicted_blocks), request),
-            load=c.load,
-            score=s,
+    bs, limit = request.block_size, request.num_prompt_tokens
+    explained = []
+    for c, s in zip(candidates, scores, strict=True):
+        matched = c.match.num_blocks * bs
+        predicted = c.num_predicted_blocks * bs
+        if predicted < matched:
+            predicted = matched
+        explained.append(
+            CandidateScore(
+                c.worker_id,
+                matched if matched < limit else limit,
+                predicted if predicted < limit else limit,
+                c.load,
+                s,
+            )
         )
-        for c, s in zip(candidates, scores, strict=True)
-    )
+    return tuple(explained)
 
 
 def _decision(
