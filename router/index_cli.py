@@ -28,7 +28,7 @@ from router.index.bridge import WorkerBridge
 from router.index.changes import Changes
 from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRegistry, load_records, parse_worker_spec
+from router.index.registry import WorkerRegistry, load_records, owner_of, parse_worker_spec
 from router.index.snapshot import fetch_snapshot, snapshot_events
 from router.redis_conn import RedisOptions, connect, redact_url
 
@@ -167,8 +167,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "workers",
         parents=[common],
-        help="list registered workers and their lease holders",
-        description="List the registered workers, their endpoints and lease holders.",
+        help="list registered workers, their lease holders and owners",
+        description="List the registered workers, their endpoints, lease holders (token "
+        "'<epoch>:<router>') and owners (the live router that should ingest each one, by "
+        "rendezvous hashing over the routers' heartbeats).",
     )
     return parser
 
@@ -249,18 +251,20 @@ async def _registry_action(args: argparse.Namespace, registry: WorkerRegistry) -
             print(f"kvroute index: worker {worker_id!r} was not registered", file=sys.stderr)
         return 1 if missing else 0
     records = await registry.records()
+    routers = await registry.live_routers()
+    rows = [msgspec.to_builtins(r) for r in records]
+    for row in rows:
+        row["lease"] = await registry.holder(WorkerId(row["worker_id"]))
+        row["owner"] = owner_of(row["worker_id"], routers)
     if args.json:
-        rows = [msgspec.to_builtins(r) for r in records]
-        for row in rows:
-            row["lease"] = await registry.holder(WorkerId(row["worker_id"]))
         print(json.dumps(rows))
         return 0
-    for record in records:
-        holder = await registry.holder(WorkerId(record.worker_id)) or "-"
+    for record, row in zip(records, rows, strict=True):
         print(
             f"{record.worker_id:<20} {record.kind:<8} events={record.events_endpoint} "
             f"replay={record.replay_endpoint or '-'} http={record.http_url or '-'} "
-            f"block_size={record.block_size} lease={holder}"
+            f"block_size={record.block_size} lease={row['lease'] or '-'} "
+            f"owner={row['owner'] or '-'}"
         )
     return 0
 

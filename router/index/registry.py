@@ -236,9 +236,14 @@ class WorkerRegistry:
 
     async def heartbeat(self) -> list[str]:
         """Renew this router's membership for one lease TTL; returns the live routers."""
-        live = await _heartbeat(
-            self.client, [self.layout.routers], [self.owner, self.lease_ttl_ms]
-        )
+        return await self._routers(self.owner)
+
+    async def live_routers(self) -> list[str]:
+        """The live routers, without joining them (for tools)."""
+        return await self._routers("")
+
+    async def _routers(self, joining: str) -> list[str]:
+        live = await _heartbeat(self.client, [self.layout.routers], [joining, self.lease_ttl_ms])
         return sorted(reply_bytes(r).decode() for r in live)
 
     async def leave(self) -> None:

@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from router.cli import main as kvroute_main
+from router.index.layout import KeyLayout
+from router.index.registry import WorkerRegistry
+from router.redis_conn import connect
 from tests.router.test_ingest_helpers import (
     FakeWorker,
     eventually,
@@ -80,18 +83,28 @@ def test_register_list_unregister(
     assert "registered 2 worker(s)" in capsys.readouterr().out
     assert kvroute_main(["index", "workers", *common, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["worker_id"], r["kind"], r["lease"]) for r in rows] == [
-        ("k1", "kvroute", None),
-        ("v1", "vllm", None),
+    assert [(r["worker_id"], r["kind"], r["lease"], r["owner"]) for r in rows] == [
+        ("k1", "kvroute", None, None),  # no router alive: nobody owns them
+        ("v1", "vllm", None, None),
     ]
     assert rows[0]["replay_endpoint"] == "tcp://127.0.0.1:5002"
     assert kvroute_main(["index", "unregister", *common, "v1"]) == 0
     assert kvroute_main(["index", "unregister", *common, "v1"]) == 1
     assert "was not registered" in capsys.readouterr().err
+    asyncio.run(_join(redis_url, namespace, "r9"))  # a live router: it owns every worker
     assert kvroute_main(["index", "workers", *common]) == 0
     listing = capsys.readouterr().out
-    assert "k1" in listing and "v1" not in listing
+    assert "k1" in listing and "v1" not in listing and "owner=r9" in listing
     assert kvroute_main(["index", "register", *common, "--worker", "bad"]) == 2
     assert kvroute_main(["index", "register", *common]) == 2
     assert "nothing to register" in capsys.readouterr().err
     assert kvroute_main(["index", "unregister", *common, "k1"]) == 0
+
+
+async def _join(url: str, namespace: str, router: str) -> None:
+    """Heartbeat once as router ``router`` (a live router for a lease TTL)."""
+    client = await connect(url)
+    try:
+        await WorkerRegistry(client, KeyLayout(namespace), owner=router).heartbeat()
+    finally:
+        await client.aclose()
