@@ -12,7 +12,8 @@ the candidates, then, per candidate holding the family, a binary search of its m
 depth with ``SISMEMBER`` (the bridge keeps each chain's entries prefix-closed), plus one
 ``SMISMEMBER`` for the tier split when the worker has CPU-tier entries there. A write is
 one ``EVALSHA`` on a single node, for any number of workers (group commit sends every
-worker's pending changes together, each fenced by its own lease); on a cluster, per
+worker's pending changes together, each fenced by its own lease; a burst is split between
+families every ``_MAX_WRITE_ARGS`` arguments); on a cluster, per
 worker, one call to the worker's shard (fencing + bookkeeping) followed by one call per
 family shard, all sent concurrently.
 
