@@ -15,6 +15,10 @@ The receiver's clock starts when the sender announces its first measured seq and
 when the last one is delivered. High-water marks are unlimited, so nothing is dropped.
 Each figure is the median over repeats of block events/s; ratio = figure / raw baseline.
 
+A second table gives the CPU cost per message of each step either side pays (pyzmq's
+multipart calls beside :func:`events.framing.send_frames` / ``recv_frames``, encode,
+decode), timed in one process over inproc PUB/SUB (no I/O thread involved).
+
 Run: ``python -m benchmarks.bench_events`` (``--quick`` for a seconds-long smoke run).
 """
 
@@ -38,7 +42,7 @@ from typing import IO, Final
 import zmq
 
 from events.endpoints import Endpoint
-from events.framing import pack_seq, unpack_seq
+from events.framing import pack_seq, recv_frames, send_frames, unpack_seq
 from events.publisher import EventPublisher, PublisherConfig
 from events.schema import BlockStored, KVEventBatch, decode_batch, encode_batch
 from events.subscriber import EventSubscriber, ReceivedBatch, SubscriberConfig, WorkerStream
@@ -49,6 +53,7 @@ BLOCK_SIZE: Final = 16
 TIMEOUT_S: Final = 120.0
 TARGET_EVENTS_PER_S: Final = 100_000
 TARGET_RATIO: Final = 0.5
+STEP_CHUNK: Final = 1_000
 
 
 def make_batch(n: int, num_blocks: int) -> KVEventBatch:
@@ -272,6 +277,94 @@ def measure(pairing: Pairing, num_blocks: int, count: int) -> float:
     return count * num_blocks / elapsed
 
 
+def measure_steps(num_blocks: int, count: int) -> dict[str, float]:
+    """µs per message of each send/receive step over inproc in this process.
+
+    Messages go in chunks of :data:`STEP_CHUNK` (a receive step finds a chunk queued, a
+    send step's chunk is received untimed after it); best of 5 passes of ``count``.
+    """
+    batch = make_batch(0, num_blocks)
+    payload = encode_batch(batch)
+    chunk = [(b"", pack_seq(seq), payload) for seq in range(STEP_CHUNK)]
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub, sub = ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    pub.sndhwm = sub.rcvhwm = 0
+    sub.subscribe(b"")
+    pub.bind("inproc://steps")
+    sub.connect("inproc://steps")
+
+    def timed(
+        step: Callable[[], object],
+        before: Callable[[], object] | None = None,
+        after: Callable[[], object] | None = None,
+    ) -> float:
+        best = float("inf")
+        for _ in range(5):
+            elapsed = 0.0
+            for _ in range(max(1, count // STEP_CHUNK)):
+                if before is not None:
+                    before()
+                began = time.perf_counter()
+                step()
+                elapsed += time.perf_counter() - began
+                if after is not None:
+                    after()
+            best = min(best, elapsed)
+        return best / max(1, count // STEP_CHUNK) / STEP_CHUNK * 1e6
+
+    def send_multipart() -> None:
+        for frames in chunk:
+            pub.send_multipart(frames)
+
+    def send() -> None:
+        for frames in chunk:
+            send_frames(pub, frames)
+
+    def recv_multipart() -> None:
+        for _ in chunk:
+            sub.recv_multipart(zmq.NOBLOCK)
+
+    def recv() -> None:
+        for _ in chunk:
+            recv_frames(sub, zmq.NOBLOCK)
+
+    def encode() -> None:
+        for _ in chunk:
+            encode_batch(batch)
+
+    def decode() -> None:
+        for _ in chunk:
+            decode_batch(payload)
+
+    try:
+        while not sub.poll(10):  # a subscription takes effect on a later send
+            send_frames(pub, chunk[0])
+        while sub.poll(0):
+            recv_frames(sub)
+        return {
+            "send_multipart (pyzmq)": timed(send_multipart, after=recv),
+            "send_frames": timed(send, after=recv),
+            "recv_multipart (pyzmq)": timed(recv_multipart, before=send),
+            "recv_frames": timed(recv, before=send),
+            "encode_batch": timed(encode),
+            "decode_batch": timed(decode),
+        }
+    finally:
+        pub.close(linger=0)
+        sub.close(linger=0)
+        ctx.term()
+
+
+def print_steps(counts: dict[int, int]) -> None:
+    """Print :func:`measure_steps` for each batch size, as a markdown table."""
+    steps = {num_blocks: measure_steps(num_blocks, count) for num_blocks, count in counts.items()}
+    print("\nCPU per 3-frame message of each step, inproc PUB/SUB in one process:")
+    print(f"| {'step':<22} |" + "".join(f" µs, {n:>2}-block |" for n in steps))
+    print(f"|{'-' * 24}|" + "".join(f"{'-' * 13}:|" for _ in steps))
+    for name in steps[next(iter(steps))]:
+        print(f"| {name:<22} |" + "".join(f" {costs[name]:>12.2f} |" for costs in steps.values()))
+
+
 def _versions() -> str:
     parts = [f"CPython {platform.python_version()}", platform.machine(), f"{os.cpu_count()} CPUs"]
     parts.append(f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()})")
@@ -336,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if missed:
         print(f"targets missed for: {', '.join(missed)}")
+
+    print_steps(counts)
     return 0
 
 

@@ -28,7 +28,7 @@ import zmq
 from events.curve import CurveServerConfig, EventAuthenticator, configure_server
 from events.endpoints import Endpoint
 from events.errors import EventsError, FramingError
-from events.framing import END_OF_REPLAY_SEQ, pack_seq, unpack_seq
+from events.framing import END_OF_REPLAY_SEQ, pack_seq, recv_frames, send_frames, unpack_seq
 from events.schema import KVEventBatch, encode_batch
 
 __all__ = ["EventPublisher", "PublisherClosedError", "PublisherConfig"]
@@ -275,6 +275,7 @@ class EventPublisher:
     def _send_queued(self) -> None:
         assert self._pub is not None
         pub, topic, ring, queue = self._pub, self._config.topic, self._ring, self._queue
+        skip_live_seqs, replay = self._skip_live_seqs, self._replay
         while queue:
             seq, batch = queue.popleft()
             try:
@@ -285,17 +286,17 @@ class EventPublisher:
                 _log.error("dropped batch seq %d: it cannot be encoded (%s)", seq, exc)
                 continue
             ring.append((seq, payload))
-            if seq not in self._skip_live_seqs:
-                pub.send_multipart((topic, pack_seq(seq), payload))
+            if seq not in skip_live_seqs:
+                send_frames(pub, (topic, pack_seq(seq), payload))
             self._num_published += 1
-            if self._replay is not None and self._num_published % 256 == 0:
+            if replay is not None and self._num_published % 256 == 0:
                 self._serve_replays()
 
     def _serve_replays(self) -> None:
         assert self._replay is not None
         while True:
             try:
-                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+                frames = recv_frames(self._replay, zmq.NOBLOCK)
             except zmq.Again:
                 return
             self._serve_replay(frames)
@@ -316,10 +317,10 @@ class EventPublisher:
         begin = bisect.bisect_left(self._ring, start, key=lambda entry: entry[0])
         try:
             for seq, payload in itertools.islice(self._ring, begin, None):
-                self._replay.send_multipart(
-                    (identity, b"", topic, pack_seq(seq), payload), zmq.NOBLOCK
+                send_frames(
+                    self._replay, (identity, b"", topic, pack_seq(seq), payload), zmq.NOBLOCK
                 )
-            self._replay.send_multipart([identity, *_END_OF_REPLAY], zmq.NOBLOCK)
+            send_frames(self._replay, (identity, *_END_OF_REPLAY), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             # The requester left (EHOSTUNREACH) or stopped reading past the HWM (EAGAIN):
             # it times out and resyncs; the publisher never blocks on it.

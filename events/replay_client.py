@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from events.curve import CurveClientConfig, configure_client
 from events.errors import EventDecodeError, FramingError
-from events.framing import END_OF_REPLAY_SEQ, pack_seq, unpack_seq
+from events.framing import END_OF_REPLAY_SEQ, pack_seq, recv_frames, unpack_seq
 
 __all__ = ["ReplayClient"]
 
@@ -117,7 +117,7 @@ class ReplayClient:
             # Drain what is queued without a future per message.
             while True:
                 try:
-                    frames = drain.recv_multipart(zmq.NOBLOCK)
+                    frames = recv_frames(drain, zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 yield frames

@@ -17,9 +17,11 @@ here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final
@@ -30,7 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from events.curve import configure_client
 from events.errors import EventDecodeError, FramingError
-from events.framing import Frame, parse_message
+from events.framing import parse_message, recv_frames
 from events.rate_limited_log import RateLimitedLog
 from events.replay_client import ReplayClient
 from events.schema import decode_batch
@@ -69,6 +71,8 @@ class _Worker:
     sock: zmq.asyncio.Socket
     drain: zmq.Socket[bytes]
     monitor: zmq.asyncio.Socket
+    # NOTE: decode_batch's on_unknown for this worker, bound once rather than per batch.
+    on_unknown: Callable[[str], None] = field(init=False)
     counters: WorkerCounters = field(default_factory=WorkerCounters)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -135,6 +139,7 @@ class EventSubscriber:
         sock.subscribe(stream.topic)
         sock.connect(stream.endpoint)
         worker = _Worker(stream, sock, zmq.Socket.shadow(sock.underlying), monitor)
+        worker.on_unknown = functools.partial(self._unknown_event, worker)
         self._workers[stream.worker_id] = worker
         for coro in (self._read(worker), self._watch_handshakes(worker)):
             task = asyncio.create_task(coro, name=f"kv-events[{stream.worker_id}]")
@@ -235,7 +240,7 @@ class EventSubscriber:
                 # Drain what is already queued without a future per message.
                 for _ in range(max_drain):
                     try:
-                        frames = drain.recv_multipart(zmq.NOBLOCK)
+                        frames = recv_frames(drain, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     await self._on_live(worker, frames)
@@ -262,35 +267,45 @@ class EventSubscriber:
             self._malformed(worker, exc)
             return
         last = worker.last_seq
-        if last is not None:
-            if seq <= last:
-                if worker.live_seq is None or seq > worker.live_seq:
-                    worker.live_seq = seq
-                    worker.counters.num_duplicates += 1
-                    return
-                await self._reset(worker, seq, "seq went back")
-                last = worker.last_seq = -1
-            elif seq > last + 1 and await self._restarted(worker):
-                await self._reset(worker, seq, "restart probe: new publisher lifetime")
-                last = worker.last_seq = -1
-            worker.live_seq = seq
-            if seq > last + 1:
-                await self._gap(worker, last + 1, seq)
-                delivered = worker.last_seq
-                assert delivered is not None
-                if seq <= delivered:  # the replay delivered it
-                    worker.counters.num_duplicates += 1
-                    return
+        if last is not None and seq != last + 1 and not await self._out_of_order(worker, seq):
+            return
         worker.live_seq = seq
         await self._deliver(worker, seq, payload, recv_ts, replayed=False)
 
+    async def _out_of_order(self, worker: _Worker, seq: int) -> bool:
+        """Handle a live ``seq`` other than the next one; ``True``: deliver it now.
+
+        A duplicate is counted, a restart reset, and a gap before ``seq`` replayed.
+        """
+        last = worker.last_seq
+        assert last is not None
+        if seq <= last:
+            if worker.live_seq is None or seq > worker.live_seq:
+                worker.live_seq = seq
+                worker.counters.num_duplicates += 1
+                return False
+            await self._reset(worker, seq, "seq went back")
+            last = worker.last_seq = -1
+        elif await self._restarted(worker):
+            await self._reset(worker, seq, "restart probe: new publisher lifetime")
+            last = worker.last_seq = -1
+        worker.live_seq = seq
+        if seq > last + 1:
+            await self._gap(worker, last + 1, seq)
+            delivered = worker.last_seq
+            assert delivered is not None
+            if seq <= delivered:  # the replay delivered it
+                worker.counters.num_duplicates += 1
+                return False
+        return True
+
     async def _deliver(
-        self, worker: _Worker, seq: int, payload: Frame, recv_ts: float, *, replayed: bool
+        self, worker: _Worker, seq: int, payload: bytes, recv_ts: float, *, replayed: bool
     ) -> None:
         if worker.last_seq is None or seq > worker.last_seq:
             worker.last_seq = seq
         try:
-            batch = decode_batch(payload, lambda what: self._unknown_event(worker, what))
+            batch = decode_batch(payload, worker.on_unknown)
         except EventDecodeError as exc:
             # The seq was valid, so this batch's events are lost for good: a skipped
             # BlockRemoved would leave the index claiming blocks the worker no longer has.
@@ -301,7 +316,7 @@ class EventSubscriber:
         counters.num_batches += 1
         counters.num_replayed += replayed
         await self._sink.on_batch(
-            ReceivedBatch(worker.stream.worker_id, seq, batch, bytes(payload), recv_ts, replayed)
+            ReceivedBatch(worker.stream.worker_id, seq, batch, payload, recv_ts, replayed)
         )
 
     async def _restarted(self, worker: _Worker) -> bool:
