@@ -6,11 +6,9 @@ in-flight load with the other replicas (:mod:`router.shared_load`), decides rout
 policy (:mod:`router.policies`) and forwards requests (:mod:`router.proxy`) behind the
 HTTP API of :mod:`router.http_api`.
 
-Degraded mode: when the index lookup fails (Redis unreachable or slow), the decision is
-made without cached prefixes, i.e. on load (and predicted entries) alone, ``/health``
-says ``"index": "degraded"`` and the ``kvroute_router_index_live`` gauge drops to 0. A
-lookup is retried at most once per ``probe_interval_s`` until one succeeds; the ingest
-rebuilds the index by itself when Redis is back. The index never causes a 5xx.
+When the index lookup fails, routing degrades to load alone (:mod:`router.lookup`): the
+index never causes a 5xx. Each forwarded request's load is accounted by
+:mod:`router.load_accounting`.
 """
 
 from __future__ import annotations
@@ -21,23 +19,24 @@ import logging
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Final
+from typing import IO
 
 import aiohttp
 import msgspec
 from aiohttp import web
-from redis.exceptions import RedisError
 
 from events.hashing import BlockKey, RouterKeyer
 from events.tokenizer import Tokenizer, load_tokenizer
 from router.chat import ChatTemplate, load_chat_template
-from router.errors import PrefixIndexError, RouterError
+from router.errors import RouterError
 from router.index.base import PrefixMatch, WorkerId
 from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRecord, WorkerRegistry
 from router.ingest import IndexIngest, IngestConfig
 from router.load import finished, prefilled, routed
+from router.load_accounting import LoadAccounting
+from router.lookup import INDEX_ERRORS, IndexLookup
 from router.metrics import IngestMetrics
 from router.policies import (
     Decision,
@@ -52,11 +51,9 @@ from router.service_config import RouterConfig
 from router.service_metrics import RouterMetrics
 from router.shared_load import RedisLoadTracker, SharedLoadConfig, WorkerReportPoller
 
-__all__ = ["LoadAccounting", "NoWorkersError", "Routed", "RouterService"]
+__all__ = ["NoWorkersError", "Routed", "RouterService"]
 
 logger = logging.getLogger(__name__)
-
-_INDEX_ERRORS: Final = (RedisError, OSError, PrefixIndexError, asyncio.TimeoutError)
 
 
 class NoWorkersError(RouterError):
@@ -113,8 +110,6 @@ class RouterService:
         self._dead: dict[WorkerId, WorkerRecord] = {}
         self._unreachable_since: dict[WorkerId, float] = {}
         self._suspect_until: dict[WorkerId, float] = {}
-        self._index_live = True
-        self._next_probe = 0.0
         self._decision_log: IO[bytes] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._holds: set[asyncio.TimerHandle] = set()
@@ -140,7 +135,12 @@ class RouterService:
         self._fast_client: RedisClient = await connect(
             cfg.redis_url, RedisOptions(socket_timeout_s=cfg.lookup_timeout_s, retries=0)
         )
-        self._lookup_index = RedisPrefixIndex(self._fast_client, layout, self.keyer)
+        self._lookup = IndexLookup(
+            RedisPrefixIndex(self._fast_client, layout, self.keyer),
+            self.keyer,
+            self.metrics,
+            cfg.probe_interval_s,
+        )
         self.registry = WorkerRegistry(
             self._client, layout, lease_ttl_ms=int(cfg.lease_ttl_s * 1000)
         )
@@ -201,7 +201,7 @@ class RouterService:
     @property
     def index_live(self) -> bool:
         """False while routing is degraded to load only."""
-        return self._index_live
+        return self._lookup.live
 
     # -- workers -------------------------------------------------------------------------
 
@@ -302,7 +302,7 @@ class RouterService:
         workers = [WorkerId(r.worker_id) for r in records]
         matches: Mapping[WorkerId, PrefixMatch] = {}
         if self.policy.uses_index:
-            matches = await self._lookup(token_ids, records, keys, cache_salt)
+            matches = await self._lookup.matches(token_ids, records, keys, cache_salt)
         now = time.monotonic()
         predicted = (
             self._predicted.lookup(keys, workers, now) if self._predicted is not None else None
@@ -323,59 +323,6 @@ class RouterService:
         self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
         return routed_
 
-    async def _lookup(
-        self,
-        token_ids: Sequence[int],
-        records: Sequence[WorkerRecord],
-        keys: Sequence[BlockKey],
-        cache_salt: str | None,
-    ) -> Mapping[WorkerId, PrefixMatch]:
-        """Index matches in units of ``records[0].block_size`` blocks (possibly also of
-        holders that are not among ``records``); {} while degraded."""
-        now = time.monotonic()
-        if not self._index_live and now < self._next_probe:
-            return {}
-        base = records[0].block_size
-        groups: dict[int, list[WorkerId]] = {}
-        for r in records:
-            groups.setdefault(r.block_size, []).append(WorkerId(r.worker_id))
-        out: dict[WorkerId, PrefixMatch] = {}
-        try:
-            for size, members in groups.items():
-                group_keys = (
-                    keys
-                    if size == base
-                    else self.keyer.keys(token_ids, size, cache_salt=cache_salt)
-                )
-                # Bounded by the fast client's socket timeout (lookup_timeout_s); no
-                # wait_for, which would cost a task per decision. With one block size
-                # the family's holders are read instead of sending every candidate's id
-                # (fewer bytes, no HMGET); holders that are not candidates are ignored
-                # by build_candidates.
-                asked = None if len(groups) == 1 else members
-                found = await self._lookup_index.lookup(group_keys, asked)
-                for wid, match in found.items():
-                    out[wid] = match if size == base else _rescale(match, size, base)
-        except Exception as exc:  # whatever the index does, it never causes a 5xx
-            self.metrics.index_errors.labels("lookup").inc()
-            self._next_probe = now + self.config.probe_interval_s
-            if not isinstance(exc, _INDEX_ERRORS):
-                logger.exception("index lookup raised unexpectedly; routing on load only")
-            elif self._index_live:
-                logger.warning(
-                    "index lookup failed (%s); routing on load only until it answers", exc
-                )
-            self._set_index_live(False)
-            return {}
-        if not self._index_live:
-            logger.info("index lookup answers again; cache-aware routing resumed")
-        self._set_index_live(True)
-        return out
-
-    def _set_index_live(self, live: bool) -> None:
-        self._index_live = live
-        self.metrics.index_live.set(1 if live else 0)
-
     def _record(self, decision: Decision, num_prompt_tokens: int) -> None:
         chosen = decision.chosen
         self.metrics.decisions.labels(decision.worker_id, decision.policy).inc()
@@ -388,7 +335,7 @@ class RouterService:
                     "worker_id": decision.worker_id,
                     "policy": decision.policy,
                     "num_prompt_tokens": num_prompt_tokens,
-                    "index_live": self._index_live,
+                    "index_live": self._lookup.live,
                     "candidates": decision.candidates,
                 }
             )
@@ -445,7 +392,7 @@ class RouterService:
     async def maintain_once(self) -> None:
         """Sync the worker set, retire dead workers, revive returning ones."""
         self.metrics.shared_load_live.set(1 if self.load.is_shared else 0)
-        with contextlib.suppress(*_INDEX_ERRORS):
+        with contextlib.suppress(*INDEX_ERRORS):
             await self._sync_workers()
         dead_after = self.config.dead_after_s or self.config.lease_ttl_s
         now = time.monotonic()
@@ -455,14 +402,14 @@ class RouterService:
             elif now - self._unreachable_since.setdefault(wid, now) >= dead_after:
                 record = self._records[wid]
                 logger.warning("worker %s unreachable for %.0fs: dropping it", wid, dead_after)
-                with contextlib.suppress(*_INDEX_ERRORS):
+                with contextlib.suppress(*INDEX_ERRORS):
                     await self.remove_worker(wid)
                     self._dead[wid] = record
                     self._unreachable_since.pop(wid, None)
         for wid, record in list(self._dead.items()):
             if record.http_url and await self.poller.probe(record.http_url):
                 logger.info("worker %s answers again: registering it", wid)
-                with contextlib.suppress(*_INDEX_ERRORS):
+                with contextlib.suppress(*INDEX_ERRORS):
                     await self.add_worker(record)  # takes it out of _dead
 
     def credit(self, worker_id: WorkerId, keys: Sequence[BlockKey]) -> None:
@@ -473,54 +420,3 @@ class RouterService:
     def mark_suspect(self, worker_id: WorkerId) -> None:
         """Skip a worker that just failed a forwarded request for ``suspect_s``."""
         self._suspect_until[worker_id] = time.monotonic() + self.config.suspect_s
-
-
-class LoadAccounting:
-    """Accounts one forwarded request's load on each worker it is sent to.
-
-    Routed load is added when an attempt starts, its prefill leaves the queue at the first
-    byte of the answer, and the rest when the attempt ends (a failed attempt leaves no
-    load behind). Local figures change at once; Redis hears of it without delaying the
-    request. Implements :class:`router.proxy.AttemptObserver`.
-    """
-
-    def __init__(self, service: RouterService, routed_: Routed) -> None:
-        self._service = service
-        self._routed = routed_
-        self._prefilled: set[WorkerId] = set()
-
-    async def attempt_started(self, target: ProxyTarget) -> None:
-        """Add the request's load to ``target`` (a retry also moves the prefix credit)."""
-        if target.worker_id != self._routed.decision.worker_id:
-            self._service.credit(target.worker_id, self._routed.keys)
-        prefill = self._routed.prefill_of(target.worker_id)
-        self._service.load.add_nowait(
-            target.worker_id, routed(prefill, self._routed.num_output_tokens)
-        )
-
-    async def first_byte(self, target: ProxyTarget) -> None:
-        """The prefill is done: it leaves ``target``'s queue."""
-        self._prefilled.add(target.worker_id)
-        self._service.load.add_nowait(
-            target.worker_id, prefilled(self._routed.prefill_of(target.worker_id))
-        )
-
-    async def attempt_ended(self, target: ProxyTarget, ok: bool) -> None:
-        """Remove the rest of the request's load; a failing worker becomes suspect."""
-        wid = target.worker_id
-        delta = finished(self._routed.num_output_tokens)
-        if wid not in self._prefilled:
-            delta = delta + prefilled(self._routed.prefill_of(wid))
-        self._service.load.add_nowait(wid, delta)
-        self._service.metrics.proxy_attempts.labels(wid, "ok" if ok else "failed").inc()
-        if not ok:
-            self._service.mark_suspect(wid)
-
-
-def _rescale(match: PrefixMatch, size: int, base: int) -> PrefixMatch:
-    """A match in blocks of ``size`` tokens expressed in (whole) blocks of ``base`` tokens."""
-    return PrefixMatch(
-        match.num_blocks * size // base,
-        match.num_gpu_blocks * size // base,
-        match.num_cpu_blocks * size // base,
-    )
