@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
@@ -141,8 +142,11 @@ class RouterService:
             self.metrics,
             cfg.probe_interval_s,
         )
+        # One id names this replica everywhere: its leases ("<epoch>:<id>"), its ingest
+        # heartbeat (kvroute index workers' owners) and its shared-load hash.
+        replica_id = cfg.replica_id or uuid.uuid4().hex[:12]
         self.registry = WorkerRegistry(
-            self._client, layout, lease_ttl_ms=int(cfg.lease_ttl_s * 1000)
+            self._client, layout, owner=replica_id, lease_ttl_ms=int(cfg.lease_ttl_s * 1000)
         )
         self.ingest = IndexIngest(
             RedisPrefixIndex(self._client, layout, self.keyer),
@@ -152,7 +156,7 @@ class RouterService:
         )
         self.load = RedisLoadTracker(
             self._fast_client,
-            SharedLoadConfig(cfg.namespace, cfg.replica_id, cfg.lease_ttl_s, cfg.load_refresh_s),
+            SharedLoadConfig(cfg.namespace, replica_id, cfg.lease_ttl_s, cfg.load_refresh_s),
         )
         self._session = aiohttp.ClientSession()
         self.proxy = WorkerProxy(self._session, cfg.proxy)

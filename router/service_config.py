@@ -67,7 +67,8 @@ class RouterConfig:
             forgotten early, which only costs possible cache misses.
         load_refresh_s: How often other replicas' load is re-read.
         health_poll_s: How often workers' own load reports are polled.
-        replica_id: This replica's id (random by default).
+        replica_id: This replica's id (random by default); it names the replica's leases,
+            its ingest heartbeat and its shared-load hash.
         client_keys: The router's CURVE key pair for workers registered with a
             ``server_key`` (a fresh one by default).
     """

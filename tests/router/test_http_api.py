@@ -19,6 +19,7 @@ from aiohttp import web
 
 from events.curve import CurveKeyPair
 from router.explain import read_decisions
+from router.index.base import WorkerId
 from router.index.registry import WorkerRecord
 from router.policies import POLICY_NAMES
 from router.redis_server import RedisServer
@@ -285,6 +286,8 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
         async with client.get("/v1/workers") as resp:
             listed = (await resp.json())["workers"]
         assert [w["worker_id"] for w in listed] == ["w0"]
+        # One id names the replica: the lease it holds and its shared load.
+        assert await svc.registry.holder(WorkerId("w0")) == f"1:{svc.load.replica_id}"
         assert sorted(listed[0]) == [
             "block_size",
             "events",
