@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import select
 import statistics
 import subprocess
@@ -36,11 +34,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from importlib import metadata
 from typing import IO, Final
 
 import zmq
 
+from benchmarks.environment import describe
 from events.endpoints import Endpoint
 from events.framing import pack_seq, recv_frames, send_frames, unpack_seq
 from events.publisher import EventPublisher, PublisherConfig
@@ -365,13 +363,6 @@ def print_steps(counts: dict[int, int]) -> None:
         print(f"| {name:<22} |" + "".join(f" {costs[name]:>12.2f} |" for costs in steps.values()))
 
 
-def _versions() -> str:
-    parts = [f"CPython {platform.python_version()}", platform.machine(), f"{os.cpu_count()} CPUs"]
-    parts.append(f"pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()})")
-    parts.append(f"msgspec {metadata.version('msgspec')}")
-    return ", ".join(parts)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (or, with ``--sender``, be its sender child)."""
     parser = argparse.ArgumentParser(
@@ -395,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     counts = {1: 10_000, 32: 2_000} if args.quick else {1: 100_000, 32: 20_000}
 
-    print(f"bench_events: {_versions()}")
+    print("bench_events:", describe(("pyzmq", "msgspec"), extra=f"libzmq {zmq.zmq_version()}"))
     print(
         f"tcp loopback, sender and receiver in two processes, median of {repeats} runs"
         f"{' (--quick)' if args.quick else ''}"

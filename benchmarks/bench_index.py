@@ -32,8 +32,6 @@ import argparse
 import asyncio
 import gc
 import multiprocessing
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -41,9 +39,9 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any, Final
 
+from benchmarks.environment import describe
 from events.hashing import BlockKey, RouterKeyer
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
 from router.index.base import WorkerId
@@ -416,15 +414,6 @@ def _async(fn: object) -> object:
     return call
 
 
-def _versions(binary: str) -> str:
-    server = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
-    return (
-        f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs; "
-        f"redis-py {metadata.version('redis')}, hiredis {metadata.version('hiredis')}; "
-        f"{server.split(' sha=')[0].strip()}"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--quick", action="store_true", help="small sizes, seconds-long")
@@ -439,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     args.solo_prompts = 4 if args.quick else 40
     args.churn_prompts = 4 if args.quick else 20
     binary = find_redis_server()
-    print(_versions(binary))
+    print(describe(("redis", "hiredis"), redis_server=binary))
     with RedisServer(binary=binary) as server:
         rows = asyncio.run(run(args, server.port))
     print("| row | figure | ratio to baseline | note |")

@@ -25,15 +25,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 
+from benchmarks.environment import describe
 from events.hashing import (
     hash_block_sha256_cbor,
     none_hash,
@@ -223,18 +221,6 @@ def median_us_per_block(row: Row, calls: int, repeats: int) -> tuple[float, floa
     return statistics.median(samples), min(samples)
 
 
-def _versions() -> str:
-    parts = [f"CPython {platform.python_version()}", f"{platform.machine()}"]
-    parts.append(f"{os.cpu_count()} CPUs")
-    for name in ("msgspec", "cbor2", "xxhash"):
-        try:
-            parts.append(f"{name} {metadata.version(name)}")
-        except metadata.PackageNotFoundError:
-            parts.append(f"{name} ?")
-    processor = platform.processor() or platform.uname().machine
-    return f"{', '.join(parts)}; {processor}"
-
-
 def build_rows() -> list[Row]:
     """The benchmark rows, set up (pools filled, hashes computed) and ready to time."""
     num_requests = (NUM_BLOCKS // BATCH) * 5 // 4  # 25 % more blocks than the pool holds
@@ -287,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     target_s = 0.01 if args.quick else 0.2  # wall time of one repeat
 
-    print(f"bench_pool: {_versions()}")
+    print("bench_pool:", describe(("msgspec", "cbor2", "xxhash")))
     print(
         f"pool of {NUM_BLOCKS} blocks, batches of {BATCH} blocks of {BLOCK_SIZE} tokens, "
         f"median of {repeats} repeats{' (--quick)' if args.quick else ''}"

@@ -32,18 +32,16 @@ import argparse
 import asyncio
 import gc
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from importlib import metadata
 from typing import Final
 
 import aiohttp
 from aiohttp import web
 
+from benchmarks.environment import describe
 from events.schema import BlockStored, KVEventBatch
 from router.index.base import WorkerId
 from router.index.layout import KeyLayout
@@ -208,15 +206,6 @@ async def measure(redis_url: str, num_workers: int, requests: int) -> dict[str, 
             await runner.cleanup()
 
 
-def _versions(binary: str) -> str:
-    server = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
-    return (
-        f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs; "
-        f"aiohttp {metadata.version('aiohttp')}, redis-py {metadata.version('redis')}, "
-        f"hiredis {metadata.version('hiredis')}; {server.split(' sha=')[0].strip()}"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--quick", action="store_true", help="few requests, seconds-long")
@@ -224,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     requests = 40 if args.quick else args.requests
     binary = find_redis_server()
-    print(_versions(binary))
+    print(describe(("aiohttp", "redis", "hiredis"), redis_server=binary))
     print(
         f"prompt {PROMPT_TOKENS} tokens (text, {PROMPT_TOKENS // BLOCK_SIZE} blocks), "
         f"{requests} sequential requests per row, echo workers (router overhead only)"

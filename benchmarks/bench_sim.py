@@ -14,11 +14,9 @@ Run: ``python -m benchmarks.bench_sim`` (``--quick``: the first 600 requests onl
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
-from importlib import metadata
 
+from benchmarks.environment import describe
 from router.policies import POLICY_NAMES
 from router.sim.cli import pool_cache_factory, run_policies
 from router.sim.engine import SimConfig
@@ -34,14 +32,6 @@ TARGET_LOAD_IMBALANCE = 1.25
 TARGET_CPU_S = 60.0  # "under a minute": wall time of this single-threaded run when idle
 
 
-def _machine() -> str:
-    versions = ", ".join(f"{name} {metadata.version(name)}" for name in ("msgspec", "xxhash"))
-    return (
-        f"CPython {platform.python_version()} on {platform.machine()}, "
-        f"{os.cpu_count()} CPUs, {platform.system()} {platform.release()}; {versions}"
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its table; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_sim", description=__doc__)
@@ -52,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     requests = load_trace(args.trace, QUICK_REQUESTS if args.quick else None)
     config = SimConfig(speed=args.speed)
-    print(f"bench_sim: {_machine()}")
+    print("bench_sim:", describe(("msgspec", "xxhash")))
     print(
         f"{len(requests)} requests of {args.trace}; {config.num_workers} workers x "
         f"{config.capacity_blocks} blocks of {config.block_size} tokens; speed {config.speed}; "

@@ -31,7 +31,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from benchmarks.bench_throughput import LocalStack, versions
+from benchmarks.bench_throughput import LocalStack
+from benchmarks.environment import describe
 from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
 from router.redis_conn import connect
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     log_dir = Path(args.log_dir or f"/tmp/kvroute-bench-soak-{tag}")
     capacity = args.workers * (args.num_blocks - 1)
-    print(f"bench_soak: {versions()}")
+    print("bench_soak:", describe(("aiohttp", "redis", "msgspec")))
     print(f"{args.workers} workers x {args.num_blocks} blocks of {args.block_size} tokens "
           f"(capacity {capacity} entries), {args.clients} clients, unique "
           f"{args.prompt_tokens}-token prompts, {seconds:.0f} s; logs in {log_dir}")  # fmt: skip

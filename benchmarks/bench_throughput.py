@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import os
-import platform
 import random
 import statistics
 import sys
@@ -26,7 +24,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -34,6 +31,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from benchmarks.environment import describe
 from router.cluster import ProcessGroup, wait_healthy
 from router.cluster_report import percentile
 from router.redis_server import RedisServer, free_port
@@ -231,14 +229,6 @@ def measure(
     )
 
 
-def versions() -> str:
-    """Interpreter, machine and library versions, for the report."""
-    libs = ", ".join(f"{n} {metadata.version(n)}" for n in ("aiohttp", "redis", "msgspec"))
-    return (
-        f"CPython {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, {libs}"
-    )
-
-
 def print_table(rows: list[Row], baseline: Row) -> None:
     print(f"{'target':<38} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} "
           f"{'rps ratio':>9} {'p99 ratio':>9}")  # fmt: skip
@@ -278,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     clients = min(args.clients, 8) if args.quick else args.clients
     prompts = make_prompts(64, args.prompt_tokens)
     log_dir = Path(args.log_dir or f"/tmp/kvroute-bench-throughput-{uuid.uuid4().hex[:8]}")
-    print(f"bench_throughput: {versions()}")
+    print("bench_throughput:", describe(("aiohttp", "redis", "msgspec")))
     print(f"{args.workers} workers, {clients} closed-loop clients, {seconds:.0f} s per row, "
           f"{args.prompt_tokens}-token prompts, max_tokens 1; logs in {log_dir}")  # fmt: skip
     with LocalStack(log_dir, num_workers=args.workers) as stack:

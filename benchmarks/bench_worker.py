@@ -21,16 +21,15 @@ Run: ``python -m benchmarks.bench_worker`` (``--quick`` for a seconds-long smoke
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from importlib import metadata
 
 import torch
 
+from benchmarks.environment import describe
 from pool.engine import Engine, EngineConfig, SamplingParams
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.model import DecoderModel, ModelConfig
@@ -131,15 +130,9 @@ def _stats(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), min(samples)
 
 
-def _versions(device: torch.device) -> str:
-    names = ("torch", "msgspec", "cbor2")
-    libs = ", ".join(f"{n} {metadata.version(n)}" for n in names)
+def _device_text(device: torch.device) -> str:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    return (
-        f"Python {platform.python_version()} ({sys.implementation.name}), {libs}; "
-        f"{platform.machine()} {where or 'cpu'}, {os.cpu_count()} CPUs, "
-        f"torch threads {torch.get_num_threads()}, device {device}"
-    )
+    return f"{where or 'cpu'}, torch threads {torch.get_num_threads()}, device {device}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     num_blocks = 1 + max(2 * blocks_per_prompt, 2 * args.batch * blocks_per_decode)
     bench = _Bench(model, num_blocks, args.block_size, args.clock)
 
-    print(f"bench_worker: {_versions(device)}")
+    print("bench_worker:", describe(("torch", "msgspec", "cbor2"), extra=_device_text(device)))
     print(
         f"model: {config.num_layers} layers, hidden {config.hidden_size}, {config.num_heads} "
         f"heads, {config.dtype}; {num_blocks} blocks of {args.block_size} tokens; "
