@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from http_post import REPLY_TIMEOUT_S, post
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from json_strategies import json_values
@@ -31,23 +32,7 @@ pytest.importorskip("torch")
 
 MAX_BODY_BYTES = 64 * 1024
 MAX_PROMPT_TOKENS = 200
-REPLY_TIMEOUT_S = 60.0
 ENDPOINTS = ("/v1/completions", "/v1/route", "/v1/chat/completions")
-
-
-def post(port: int, path: str, body: bytes) -> tuple[int, Any]:
-    """POST raw bytes; returns the status and the parsed JSON (or text) body."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REPLY_TIMEOUT_S)
-    try:
-        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        raw = response.read()
-    finally:
-        conn.close()
-    try:
-        return response.status, json.loads(raw)
-    except ValueError:
-        return response.status, raw.decode(errors="replace")
 
 
 def error_message(body: Any) -> str:

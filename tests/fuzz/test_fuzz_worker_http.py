@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from http_post import REPLY_TIMEOUT_S, post
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from json_strategies import json_values
@@ -32,24 +33,8 @@ NUM_BLOCKS = 32
 BLOCK_SIZE = 8
 MAX_REQUEST_TOKENS = (NUM_BLOCKS - 1) * BLOCK_SIZE
 """What the worker's KV cache can ever hold for one request (the null block excluded)."""
-REPLY_TIMEOUT_S = 60.0
 BODY_LIMIT_BYTES = 1024**2
 """The worker's ``--max-body-bytes`` in these tests."""
-
-
-def post(port: int, path: str, body: bytes, content_type: str = "application/json") -> Any:
-    """POST raw bytes; returns ``(status, parsed body or text)`` (a hang fails the test)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=REPLY_TIMEOUT_S)
-    try:
-        conn.request("POST", path, body=body, headers={"Content-Type": content_type})
-        response = conn.getresponse()
-        raw = response.read()
-    finally:
-        conn.close()
-    try:
-        return response.status, json.loads(raw)
-    except ValueError:
-        return response.status, raw.decode(errors="replace")
 
 
 def error_message(body: Any) -> str:
