@@ -236,7 +236,7 @@ class WorkerBridge:
             return False
         one = 1 << tier
         indexed = parent is None or bool(all_keys[parent] & _INDEXED)
-        base = one | tag << 64 | (_INDEXED if indexed else 0)
+        base = _key_word(tag, 0, indexed) | one  # each key's parent is OR-ed in below
         had_copies, had_keys = len(all_copies), len(all_keys)
         all_copies.update(zip(hashes, [one | key << 64 for key in keys], strict=True))
         parents = [_NONE if parent is None else parent, *keys[:-1]]
