@@ -23,6 +23,11 @@ One private ``redis-server`` (127.0.0.1, no persistence) serves every row, in on
 3. Memory: the server's ``used_memory`` growth per indexed (key, worker) entry, beside the
    growth per plain ``SET`` key of a similar name (the baseline).
 
+Also: a lease handoff (:mod:`router.index.handoff`) of one populated worker, encoded and
+decoded, beside its baseline, the rebuild a handoff saves: re-applying all the worker's
+events into an empty namespace (what a replay from seq 0 costs when the engine still has
+them all; a vLLM engine's ring usually does not, and then nothing can rebuild them).
+
 Run: ``python -m benchmarks.bench_index`` (``--quick`` for a seconds-long smoke run).
 """
 
@@ -45,6 +50,7 @@ from benchmarks.environment import describe
 from events.hashing import BlockKey, RouterKeyer
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
 from router.index.base import WorkerId
+from router.index.handoff import decode_handoff, encode_handoff
 from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import WorkerRegistry, owner_of
@@ -308,6 +314,7 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
     )
 
     rows.append(await shared_ingest(client, port, args.entries, set_per_s))
+    rows.extend(await handoff_rows(client, index, workers[0], plan[workers[0]]))
 
     # --- 2. lookups ------------------------------------------------------------------------
     tokens = prompt_tokens(TARGET)
@@ -356,6 +363,31 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
     )
     await client.aclose()
     return rows
+
+
+async def handoff_rows(
+    client: RedisClient, index: RedisPrefixIndex, worker: WorkerId, batches: list[KVEventBatch]
+) -> list[Row]:
+    """A lease handoff of one populated worker beside the rebuild it saves (see the module
+    docstring)."""
+    state = index.bridge(worker).state()
+    start = time.perf_counter()
+    data = encode_handoff(1, len(batches) - 1, 0.0, None, state)
+    encoded = time.perf_counter()
+    decode_handoff(data, KEYER)
+    handoff_ms = (time.perf_counter() - start) * 1000
+    rebuild = await writers(client, "bench-rebuild", [worker])
+    ingested = await apply_all(rebuild, {worker: batches})
+    rebuild_ms = ingested.seconds * 1000
+    blocks = len(state.copies)
+    note = (
+        f"{blocks:,} blocks, {len(data) / blocks:.1f} bytes/block; encode "
+        f"{(encoded - start) * 1000:.1f} ms"
+    )
+    return [
+        Row("rebuild one worker from all its events (baseline)", rebuild_ms, "ms", rebuild_ms),
+        Row("lease handoff of that worker (encode + decode)", handoff_ms, "ms", rebuild_ms, note),
+    ]
 
 
 async def shared_ingest(client: RedisClient, port: int, entries: int, set_per_s: float) -> Row:

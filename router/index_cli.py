@@ -169,7 +169,8 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="list registered workers, their lease holders and owners",
         description="List the registered workers, their endpoints, lease holders (token "
-        "'<epoch>:<router>') and owners (the live router that should ingest each one, by "
+        "'<epoch>:<router>'; '<epoch>:' when a router that shut down parked it for whichever "
+        "router takes it next) and owners (the live router that should ingest each one, by "
         "rendezvous hashing over the routers' heartbeats).",
     )
     return parser

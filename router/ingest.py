@@ -23,8 +23,15 @@
 Router replicas share the ingest: every maintenance pass renews this router's heartbeat,
 and a worker is ingested by its owner among the live routers (rendezvous hashing,
 :func:`router.index.registry.owner_of`). A router hands the lease of a worker it holds
-but does not own to the owner (the owner rebuilds it, as after any takeover), and takes
-a worker it does not own only when the owner left it unclaimed for a whole lease TTL.
+but does not own to the owner, and takes a worker it does not own only when the owner
+left it unclaimed for a whole lease TTL. A lease given up on purpose (a handover, a
+shutdown) carries the router's state of the worker (:mod:`router.index.handoff`): the
+next holder continues the stream where it stopped and the worker's entries stay; only a
+lease that lapsed or was taken in between (a crashed router) means a rebuild. A router
+keeps the batches (and publisher restarts) it receives for a worker it owns but does not
+hold yet, so the ones published while the lease moves are applied too, even from a vLLM
+engine without a replay endpoint; a router subscribes before its first heartbeat
+announces it, so they reach it.
 
 Registrations persist in Redis (:class:`router.index.registry.WorkerRegistry`), so a
 restarted router resumes the same workers; a maintenance pass also reaps workers whose
@@ -42,7 +49,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -63,6 +70,7 @@ from router.index.registry import WorkerRecord, WorkerRegistry, owner_of
 from router.index.scripts import StaleLeaseError
 from router.lifetime import LifetimeTracker
 from router.metrics import IngestMetrics, StreamCollector
+from router.periodic import Periodic
 from router.worker_ingest import IngestServices, WorkerIngest
 
 __all__ = ["IndexIngest", "IngestConfig"]
@@ -131,7 +139,7 @@ class IndexIngest:
         self._session: aiohttp.ClientSession | None = None
         self._lifetimes: LifetimeTracker | None = None
         self._services: IngestServices | None = None
-        self._maintainer: asyncio.Task[None] | None = None
+        self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
         # NOTE: the live routers as of this router's last heartbeat (empty before the
         # first: then every worker counts as its own); per worker it does not own, when
         # it first found the lease free (cleared once anyone holds it).
@@ -160,26 +168,31 @@ class IndexIngest:
         self.metrics.registry.register(StreamCollector(self._stream_counters))
         for record in records:
             await self.registry.register(record)
+        # Subscribe before the first heartbeat announces this router: the others hand
+        # it their workers from then on, and what they publish meanwhile must arrive.
+        async with self._membership:
+            await self._sync_registry()
         await self.maintain_once()
-        self._maintainer = asyncio.create_task(self._maintain_forever(), name="kvroute-ingest")
+        self._maintainer.start("kvroute-ingest", wait_first=True)
 
     async def close(self) -> None:
-        """Stop maintenance and the subscriber and release held leases (entries stay)."""
-        if self._maintainer is not None:
-            self._maintainer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintainer
+        """Stop maintenance and the subscriber; hand every held lease on (entries stay).
+
+        Each worker goes, with this router's state of it, to its owner among the other
+        live routers, or is parked for whichever router starts next when none is left
+        (so a restarted router resumes it without a rebuild).
+        """
+        await self._maintainer.stop()
+        others = [router for router in self._routers if router != self.registry.owner]
         with contextlib.suppress(RedisError):
             await self.registry.leave()  # the others own our workers from their next pass
         if self._subscriber is not None:
             await self._subscriber.close()
-        with contextlib.suppress(RedisError, PrefixIndexError):
-            await self.index.flush()
-        await self.index.close()
         for worker in self._workers.values():
-            if worker.lease is not None:
+            async with worker.lock.hold():
                 with contextlib.suppress(RedisError):
-                    await self.registry.release(worker.lease)
+                    await self._pass_on(worker, owner_of(worker.worker_id, others) or "")
+        await self.index.close()
         if self._session is not None:
             await self._session.close()
 
@@ -250,10 +263,10 @@ class IndexIngest:
         worker = self._workers.get(worker_id)
         if worker is None:
             return
-        self.metrics.resets.labels(worker_id).inc()
         async with worker.lock.hold():
-            if worker.lease is None:
-                return
+            if worker.note_restart(seq) or worker.lease is None:
+                return  # in order with the batches kept for a handoff, or not ours
+            self.metrics.resets.labels(worker_id).inc()
             try:
                 await worker.clear(applied_through=-1)
             except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
@@ -294,6 +307,12 @@ class IndexIngest:
         """
         try:
             self._routers = await self.registry.heartbeat()
+            for worker in self._workers.values():
+                # A worker this router owns but does not hold is being handed to it (or
+                # will be taken): keep its batches from now on, as the lease may come with
+                # the previous holder's state, which they continue.
+                if worker.lease is None:
+                    worker.keep_batches(self._owns(worker.worker_id))
             async with self._membership:
                 await self._sync_registry()
             for worker in list(self._workers.values()):
@@ -342,7 +361,7 @@ class IndexIngest:
             except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
                 worker.failed(exc)
             if worker.needs_rebuild and worker.record.has_snapshot:
-                await self._guarded_rebuild(worker)
+                await self._guarded(worker, worker.rebuild)
 
     def _owns(self, worker_id: str) -> bool:
         return owner_of(worker_id, self._routers) in (None, self.registry.owner)
@@ -360,16 +379,30 @@ class IndexIngest:
     async def _hand_over(self, worker: WorkerIngest, owner: str) -> None:
         """Give the lease of a worker another live router owns to that router."""
         async with worker.lock.hold():
-            lease = worker.lease
-            if lease is None:
+            if worker.lease is None:
                 return
-            with contextlib.suppress(RedisError, StaleLeaseError, PrefixIndexError):
-                await self.index.flush(worker.worker_id)  # its queued writes land first
-            worker.lease = None
-            self.index.forget_lease(worker.worker_id)
-            await self.registry.release(lease)
+            await self._pass_on(worker, owner)
         self.metrics.handovers.labels(worker.worker_id).inc()
         log.info("worker %s: lease handed over to router %s (its owner)", worker.worker_id, owner)
+
+    async def _pass_on(self, worker: WorkerIngest, next_owner: str) -> None:
+        """Give up a held lease (callers hold the worker's lock): to ``next_owner`` with
+        this router's state of the worker once its queued writes landed, or plainly when
+        they did not (the next holder then rebuilds the worker)."""
+        lease = worker.lease
+        if lease is None:
+            return
+        try:
+            await self.index.flush(worker.worker_id)  # its queued writes land first
+            state = worker.handoff()
+        except (RedisError, StaleLeaseError, PrefixIndexError):
+            state = None
+        worker.lease = None
+        self.index.forget_lease(worker.worker_id)
+        if state is None:
+            await self.registry.release(lease)
+        elif await self.registry.hand_off(lease, next_owner, state):
+            self.metrics.handoffs.labels(worker.worker_id, "sent").inc()
 
     async def _take_over(self, worker: WorkerIngest) -> None:
         lease = await self.registry.acquire(worker.worker_id)
@@ -383,30 +416,27 @@ class IndexIngest:
             log.info("worker %s: lease acquired (epoch %d)", worker.worker_id, lease.epoch)
             worker.lease = lease
             self.index.use_lease(worker.worker_id, lease.token)
+            try:
+                handed = await self.registry.take_handoff(worker.worker_id)
+            except RedisError:
+                handed = None  # rebuilt below (which meets the same Redis trouble)
+            if worker.resume(lease, handed):
+                await self._guarded(worker, worker.catch_up)
+                return
             worker.needs_rebuild = True
             # Snapshot workers are rebuilt now (also when idle); others at their next batch,
             # where a replay can be requested.
             if worker.record.has_snapshot:
-                await self._guarded_rebuild(worker)
+                await self._guarded(worker, worker.rebuild)
             else:
-                await self._guarded_clear(worker)
+                await self._guarded(worker, functools.partial(worker.clear, applied_through=-1))
 
-    async def _guarded_rebuild(self, worker: WorkerIngest) -> None:
+    async def _guarded(self, worker: WorkerIngest, step: Callable[[], Awaitable[None]]) -> None:
+        """Run a step of ``worker``'s recovery; a failure marks it for a rebuild."""
         try:
-            await worker.rebuild()
+            await step()
         except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
             worker.failed(exc)
-
-    async def _guarded_clear(self, worker: WorkerIngest) -> None:
-        try:
-            await worker.clear(applied_through=-1)
-        except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
-            worker.failed(exc)
-
-    async def _maintain_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.maintain_interval_s)  # a period, not a sync
-            await self.maintain_once()
 
     async def _subscribe(self, record: WorkerRecord) -> None:
         assert self._subscriber is not None and self._services is not None

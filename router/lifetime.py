@@ -72,6 +72,13 @@ class LifetimeTracker:
         recorded = self._recorded.setdefault(record.worker_id, current)
         return current != recorded
 
+    def adopt(self, worker_id: str, lifetime_id: str | None) -> None:
+        """Take the id another router recorded (handed over with the worker's lease)."""
+        if lifetime_id is None:
+            self._recorded.pop(worker_id, None)
+        else:
+            self._recorded[worker_id] = lifetime_id
+
     def forget(self, worker_id: str) -> None:
         """Drop what was recorded for a worker no longer ingested."""
         self._recorded.pop(worker_id, None)

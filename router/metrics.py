@@ -140,6 +140,15 @@ class IngestMetrics:
             ["worker"],
             registry=r,
         )
+        self.handoffs = Counter(
+            "kvroute_ingest_handoffs",
+            "Lease handoffs carrying a worker's state, by outcome: sent (this router passed "
+            "a lease on with its state), resumed (took one over and continued the stream), "
+            "stale (someone held the lease in between: rebuilt instead), invalid "
+            "(unreadable: rebuilt instead).",
+            ["worker", "outcome"],
+            registry=r,
+        )
         self.reaped = Counter(
             "kvroute_ingest_reaped_workers",
             "Workers whose lease lapsed and whose entries this router removed.",

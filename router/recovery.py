@@ -81,11 +81,25 @@ class StreamPosition:
         applied_through: The highest seq whose effect the index holds. NOTE: -1 after a
             clear (the next lifetime starts at 0); ``None`` when unknown (history given
             up: the next batch is accepted whatever its seq).
+        applied_ts: The timestamp of batch ``applied_through`` (``None``: unknown, e.g.
+            after a snapshot).
         replaying: A replay asked for by the ingest is being delivered.
     """
 
     applied_through: int | None = -1
+    applied_ts: float | None = None
     replaying: bool = False
+
+    def restarted(self, seq: int, ts: float) -> bool:
+        """Whether batch ``(seq, ts)`` belongs to a newer publisher lifetime than the index.
+
+        Within one lifetime seq and timestamp grow together, so a batch the index would
+        count as covered (``seq <= applied_through``) but stamped later than the last
+        applied one is another batch under a reused seq: the publisher restarted, and the
+        restart itself was not seen here (it happened while another router held the
+        worker's lease, say).
+        """
+        return self.covers(seq) and self.applied_ts is not None and ts > self.applied_ts
 
     def first_missing(self, seq: int) -> int | None:
         """The first seq never applied when ``seq`` jumps past it (a gap or a restart).

@@ -31,7 +31,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
 from router.cost_flags import add_cost_arguments, cost_weights_from
-from router.errors import RouterError
+from router.errors import PrefixIndexError, RouterError
+from router.index.layout import check_name
 from router.index.registry import WorkerRecord
 from router.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig
 from router.proxy import ProxyConfig
@@ -157,6 +158,9 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          "dropped after it (default: 10)"),
         ("--route-hold", float, "seconds a POST /v1/route decision counts as load on its worker "
          "(the gateway sends the request itself; default: 2)"),
+        ("--replica-id", str, "this replica's id, naming its leases, heartbeat and shared "
+         "load in Redis and metrics ([A-Za-z0-9_.:@-]; default: $KVROUTE_REPLICA_ID, else a "
+         "random one)"),
         ("--client-key", str, "the router's CURVE secret key file (NAME.key_secret from `kvroute "
          "keys`), presented to workers registered with server_key= (default: "
          "$KVROUTE_CLIENT_KEY, else a fresh key pair, admitted only by workers without "
@@ -242,7 +246,18 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         ),
         route_hold_s=float(pick("route_hold", 2.0)),
         client_keys=_client_keys(pick("client_key", None, "KVROUTE_CLIENT_KEY")),
+        replica_id=_replica_id(pick("replica_id", None, "KVROUTE_REPLICA_ID")),
     )
+
+
+def _replica_id(value: str | None) -> str | None:
+    """A valid ``--replica-id`` (it appears in key names and lease tokens), or None."""
+    if value is None:
+        return None
+    try:
+        return check_name("--replica-id", str(value))
+    except PrefixIndexError as exc:
+        raise RouterCliError(str(exc)) from None
 
 
 def _client_keys(path: str | None) -> CurveKeyPair:

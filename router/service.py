@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -39,6 +39,7 @@ from router.load import finished, prefilled, routed
 from router.load_accounting import LoadAccounting
 from router.lookup import INDEX_ERRORS, IndexLookup
 from router.metrics import IngestMetrics
+from router.periodic import Periodic
 from router.policies import (
     Decision,
     RouteRequest,
@@ -112,9 +113,8 @@ class RouterService:
         self._unreachable_since: dict[WorkerId, float] = {}
         self._suspect_until: dict[WorkerId, float] = {}
         self._decision_log: IO[bytes] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._holds: set[asyncio.TimerHandle] = set()
-        self._closing = asyncio.Event()
+        self._maintainer = Periodic(self.maintain_once, min(1.0, config.lease_ttl_s / 3))
         self.port = config.port
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -167,7 +167,7 @@ class RouterService:
         await self.ingest.start(cfg.workers)
         await self._sync_workers()
         self.poller.start()
-        self._spawn(self._maintain_forever(), "router-maintenance")
+        self._maintainer.start("router-maintenance", wait_first=True)
         self._runner = web.AppRunner(make_app(self), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.host, cfg.port)
@@ -179,15 +179,11 @@ class RouterService:
 
     async def close(self) -> None:
         """Stop serving and release everything (leases, load, connections)."""
-        self._closing.set()
+        await self._maintainer.stop()
         if hasattr(self, "_runner"):
             await self._runner.cleanup()
         for handle in self._holds:
             handle.cancel()  # the tracker's close withdraws this replica's load anyway
-        for task in list(self._tasks):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         await self.poller.close()
         await self.ingest.close()
         await self.load.close()
@@ -377,21 +373,6 @@ class RouterService:
             self.metrics.actual_hit_tokens.labels(worker_id).inc(cached)
 
     # -- background ----------------------------------------------------------------------
-
-    def _spawn(self, coro: Coroutine[object, object, None], name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _maintain_forever(self) -> None:
-        interval = min(1.0, self.config.lease_ttl_s / 3)
-        while not self._closing.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._closing.wait(), interval)
-            try:
-                await self.maintain_once()
-            except Exception:  # keep maintaining: a dead loop would freeze the worker set
-                logger.exception("router maintenance failed; retrying")
 
     async def maintain_once(self) -> None:
         """Sync the worker set, retire dead workers, revive returning ones."""

@@ -25,9 +25,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -35,7 +35,9 @@ from redis.exceptions import RedisError
 
 from router.errors import RouterError
 from router.index.base import WorkerId
+from router.index.registry import live_members
 from router.load import WorkerLoad
+from router.periodic import Periodic
 from router.redis_conn import RedisClient
 
 __all__ = [
@@ -111,7 +113,7 @@ class RedisLoadTracker:
         self._reported: dict[WorkerId, WorkerLoad] = {}
         self._is_shared = False
         self._next_heartbeat = 0.0
-        self._loop = _Periodic(self.refresh, self.config.refresh_interval_s)
+        self._loop = Periodic(self.refresh, self.config.refresh_interval_s)
         self.num_errors = 0
         """Redis operations that failed (each also logged)."""
 
@@ -223,18 +225,19 @@ class RedisLoadTracker:
             for name, value in zip(_FIELDS, _values(load), strict=True):
                 if value:
                     mapping[f"{name}:{w}"] = value
-        now_ms = int(time.time() * 1000)
         pipe = self._client.pipeline(transaction=True)
         pipe.delete(self._own_key)
         if mapping:
             pipe.hset(self._own_key, mapping=mapping)  # type: ignore[arg-type]
             pipe.pexpire(self._own_key, ttl_ms)
-        pipe.zadd(self._replicas_key, {self.replica_id: now_ms + ttl_ms})
-        pipe.zremrangebyscore(self._replicas_key, "-inf", now_ms)
-        pipe.pexpire(self._replicas_key, ttl_ms)
+
+        async def write() -> None:
+            await pipe.execute()
+            await live_members(self._client, self._replicas_key, self.replica_id, ttl_ms)
+
         was_shared = self._is_shared
         self._is_shared = True
-        if await self._guard(pipe.execute(), "heartbeat"):
+        if await self._guard(write(), "heartbeat"):
             self._next_heartbeat = time.monotonic() + self.config.ttl_s / 3
             if not was_shared:
                 logger.info(
@@ -242,11 +245,10 @@ class RedisLoadTracker:
                 )
 
     async def _read_remote(self) -> None:
-        now_ms = int(time.time() * 1000)
-        ids = cast(
-            list[bytes], await self._client.zrangebyscore(self._replicas_key, now_ms, "+inf")
+        live = await live_members(
+            self._client, self._replicas_key, "", int(self.config.ttl_s * 1000)
         )
-        others = [rid for rid in (i.decode() for i in ids) if rid != self.replica_id]
+        others = [rid for rid in live if rid != self.replica_id]
         pipe = self._client.pipeline(transaction=False)
         for rid in others:
             pipe.hgetall(f"{self._base}:r:{rid}")
@@ -276,44 +278,6 @@ class RedisLoadTracker:
             self._next_heartbeat = time.monotonic() + min(1.0, self.config.ttl_s / 3)
             return False
         return True
-
-
-class _Periodic:
-    """Runs ``step`` every ``interval_s`` in a background task until stopped.
-
-    NOTE: stopping sets an event instead of cancelling the task, because a client
-    library may swallow a cancellation that lands inside one of its calls and leave the
-    task running forever.
-    """
-
-    def __init__(self, step: Callable[[], Awaitable[None]], interval_s: float) -> None:
-        self._step = step
-        self._interval_s = interval_s
-        self._stopping = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self, name: str) -> None:
-        self._stopping.clear()
-        self._task = asyncio.create_task(self._run(), name=name)
-
-    async def stop(self) -> None:
-        if self._task is None:
-            return
-        self._stopping.set()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout=10.0)
-        except asyncio.TimeoutError:
-            self._task.cancel()
-        self._task = None
-
-    async def _run(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                await self._step()
-            except Exception:  # a loop that dies silently would freeze load figures
-                logger.exception("periodic task %s failed; retrying", self._step)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
 
 
 def _values(load: WorkerLoad) -> tuple[int, int, int]:
@@ -400,7 +364,7 @@ class WorkerReportPoller:
         self._urls: dict[WorkerId, str] = {}
         # NOTE: a worker is reachable until a poll of it fails (never polled: reachable).
         self._unreachable: set[WorkerId] = set()
-        self._loop = _Periodic(self.poll_once, interval_s)
+        self._loop = Periodic(self.poll_once, interval_s)
 
     def set_worker(self, worker_id: WorkerId, url: str | None) -> None:
         """Start (``url``) or stop (``None``) polling a worker."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -22,6 +22,7 @@ from events.subscriber import EventSubscriber, ReceivedBatch
 from router.errors import OrphanParentError, PrefixIndexError
 from router.index.base import WorkerId
 from router.index.bridge import BridgeCounters
+from router.index.handoff import HandoffError, decode_handoff, encode_handoff
 from router.index.redis_index import RedisPrefixIndex
 from router.index.registry import Lease, WorkerRecord
 from router.index.scripts import StaleLeaseError
@@ -34,6 +35,16 @@ from router.task_lock import TaskLock
 __all__ = ["IngestServices", "WorkerIngest"]
 
 log = logging.getLogger(__name__)
+
+@dataclass(frozen=True, slots=True)
+class _Restart:
+    """A publisher restart (seq drop to ``seq``) seen without the lease, in the kept stream."""
+
+    seq: int
+
+
+_KEPT_BATCHES = 4096
+"""Most batches kept while a handoff is on its way (the oldest go first: a gap then)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +91,9 @@ class WorkerIngest:
         self.lock = TaskLock()
         self._services = services
         self._seen = BridgeCounters()
+        # NOTE: batches delivered without the lease while a handoff is expected (see
+        # keep_batches), applied before the next batch once the lease is held.
+        self._kept: deque[ReceivedBatch | _Restart] | None = None
 
     @property
     def worker_id(self) -> WorkerId:
@@ -88,16 +102,68 @@ class WorkerIngest:
 
     # -- batch path ----------------------------------------------------------------------
 
+    def keep_batches(self, keep: bool) -> None:
+        """Keep (or stop keeping) the batches delivered while this router does not hold the
+        lease: set while a handoff to this router is expected, so the batches the previous
+        holder did not apply are applied from here, not lost."""
+        if not keep:
+            self._kept = None
+        elif self._kept is None:
+            self._kept = deque(maxlen=_KEPT_BATCHES)
+
+    def note_restart(self, seq: int) -> bool:
+        """The subscriber saw the publisher restart (a seq drop to ``seq``): if batches
+        are being kept, it joins them in order (applied there) and True is returned."""
+        if self._kept is None:
+            return False
+        self._kept.append(_Restart(seq))
+        return True
+
     async def apply_batch(self, received: ReceivedBatch) -> None:
-        """Apply one delivered batch (see :mod:`router.ingest` for the recovery paths)."""
+        """Apply one delivered batch (see :mod:`router.ingest` for the recovery paths),
+        after any batches kept while the lease was on its way."""
+        if self.lease is None:
+            if self._kept is not None:
+                self._kept.append(received)
+            self._services.metrics.batches.labels(self.worker_id, "not_owner").inc()
+            return
+        await self._apply_kept(in_batch=True)
+        await self._apply_one(received, in_batch=True)
+
+    async def catch_up(self) -> None:
+        """Apply the batches kept while the lease was on its way, from the maintenance
+        pass that took the lease: up to the first that needs a replay (only the batch
+        path may ask for one); the rest go in before the next delivered batch."""
+        await self._apply_kept(in_batch=False)
+
+    async def _apply_kept(self, *, in_batch: bool) -> None:
+        kept = self._kept
+        while kept:
+            item = kept[0]
+            if isinstance(item, _Restart):
+                await self._restarted_unseen(item.seq)
+            elif not await self._apply_one(item, in_batch=in_batch):
+                return
+            kept.popleft()
+        self._kept = None
+
+    async def _apply_one(self, received: ReceivedBatch, *, in_batch: bool) -> bool:
+        """Apply one batch; False (nothing more done) where it needs a replay and
+        ``in_batch`` is False: outside the subscriber's delivery, asking for one could
+        deadlock with it."""
         wid, index, metrics = self.worker_id, self._services.index, self._services.metrics
         if self.lease is None:
-            metrics.batches.labels(wid, "not_owner").inc()
-            return
+            return True  # lost while applying the batches kept before this one
         if self.needs_rebuild:
+            if not in_batch:
+                return False
             await self.rebuild()
+        if self.position.restarted(received.seq, received.batch.ts):
+            await self._restarted_unseen(received.seq)
         first_missing = self.position.first_missing(received.seq)
         if first_missing is not None:
+            if not in_batch:
+                return False
             if await self._services.lifetimes.changed(self.record):
                 await self._reset_lifetime(received.seq)
             else:
@@ -106,20 +172,24 @@ class WorkerIngest:
                 # this one too.
                 await self._replay(first_missing, clear=False)
         if self._covered(received):
-            return
+            return True
         try:
             await index.apply(wid, received.batch)
         except OrphanParentError as exc:
             metrics.orphans.labels(wid).inc()
             self._sync_counters()
             how = self.rules.after_orphan(replaying=self.position.replaying)
+            if how is Rebuild.REPLAY_FROM_START and not in_batch:
+                log.warning("%s; worker %s will be rebuilt at its next batch", exc, wid)
+                self.needs_rebuild = True
+                return False
             if how is Rebuild.REPLAY_FROM_START:
                 log.warning("%s; replaying worker %s from seq 0", exc, wid)
             else:
                 log.warning("%s; resyncing worker %s", exc, wid)
             await self._rebuild_as(how, "orphan_parent")
             if self._covered(received):
-                return
+                return True
             # Rebuilt without this batch (tolerant mode now, or a snapshot older than
             # it): apply it once more; an orphan left now is claimed by nobody (safe).
             try:
@@ -127,6 +197,7 @@ class WorkerIngest:
             except OrphanParentError:
                 metrics.orphans.labels(wid).inc()
         self._applied(received)
+        return True
 
     def _covered(self, received: ReceivedBatch) -> bool:
         """True (and counted) when the index already holds the batch's effect."""
@@ -138,6 +209,7 @@ class WorkerIngest:
     def _applied(self, received: ReceivedBatch) -> None:
         wid, metrics = self.worker_id, self._services.metrics
         self.position.applied_through = received.seq
+        self.position.applied_ts = received.batch.ts
         metrics.batches.labels(wid, "applied").inc()
         types = Counter(type(e).__name__ for e in received.batch.events)
         for name, count in types.items():
@@ -152,6 +224,79 @@ class WorkerIngest:
             if delta > 0:
                 self._services.metrics.skipped.labels(self.worker_id, reason).inc(delta)
         self._seen = replace(now)
+
+    # -- lease handoff -------------------------------------------------------------------
+
+    def handoff(self) -> bytes | None:
+        """This router's state of the worker, for the next holder of its lease.
+
+        ``None`` when the state is not known to match the worker's entries (a rebuild is
+        pending, or a replay is being delivered); call it after the worker's queued writes
+        landed.
+        """
+        if self.lease is None or self.needs_rebuild or self.position.replaying:
+            return None
+        return encode_handoff(
+            self.lease.epoch,
+            self.position.applied_through,
+            self.position.applied_ts,
+            self._services.lifetimes.recorded(self.worker_id),
+            self._services.index.bridge(self.worker_id).state(),
+        )
+
+    def resume(self, lease: Lease, data: bytes | None) -> bool:
+        """Continue from the state the lease's previous holder handed over (``data``).
+
+        True when it was taken: the bridge, the stream position and the lifetime id are
+        the previous holder's, and the worker's entries stay as they are; the kept
+        batches the previous holder did not apply (and restarts seen since) follow, from
+        :meth:`catch_up` or the next batch. False (counted and logged) when there was
+        none, it is unreadable, or it is stale; then the caller rebuilds the worker.
+        """
+        wid, services = self.worker_id, self._services
+        if data is None:
+            return False
+        try:
+            handoff = decode_handoff(data, services.index.keyer)
+        except HandoffError as exc:
+            services.metrics.handoffs.labels(wid, "invalid").inc()
+            log.error("worker %s: %s; rebuilding it instead", wid, exc)
+            return False
+        if handoff.epoch + 1 != lease.epoch:
+            services.metrics.handoffs.labels(wid, "stale").inc()
+            log.warning(
+                "worker %s: handoff of epoch %d is stale (lease epoch %d: it was held in "
+                "between); rebuilding it instead",
+                wid,
+                handoff.epoch,
+                lease.epoch,
+            )
+            return False
+        services.index.adopt_bridge(wid, handoff.bridge)
+        services.lifetimes.adopt(wid, handoff.lifetime_id)
+        self.position.applied_through = handoff.applied_through
+        self.position.applied_ts = handoff.applied_ts
+        self.needs_rebuild = False
+        self._seen = BridgeCounters()
+        services.metrics.handoffs.labels(wid, "resumed").inc()
+        log.info(
+            "worker %s: resumed from the handed-over state (through seq %s); entries kept",
+            wid,
+            handoff.applied_through,
+        )
+        kept = self._kept or deque()
+        last = next(
+            (
+                i
+                for i, item in enumerate(kept)
+                if isinstance(item, ReceivedBatch)
+                and (item.seq, item.batch.ts) == (handoff.applied_through, handoff.applied_ts)
+            ),
+            -1,
+        )
+        for _ in range(last + 1):  # what the previous holder applied, restarts included
+            kept.popleft()
+        return True
 
     # -- recovery ------------------------------------------------------------------------
 
@@ -170,6 +315,7 @@ class WorkerIngest:
         await index.clear_worker(self.worker_id)
         index.bridge(self.worker_id).tolerate_orphans = False
         self.position.applied_through = applied_through
+        self.position.applied_ts = None
 
     def failed(self, exc: Exception) -> None:
         """A write failed (``exc``): drop a lost lease, rebuild the worker later."""
@@ -205,6 +351,20 @@ class WorkerIngest:
             self.position.replaying = False
         self._services.metrics.replays.labels(self.worker_id, "ok" if ok else "failed").inc()
         # On failure the subscriber has already called on_resync_needed.
+
+    async def _restarted_unseen(self, seq: int) -> None:
+        """The publisher restarted while another router held the lease (a seq drop seen
+        meanwhile, or a batch that reuses a seq the index holds, stamped later): the
+        worker's entries are of the old lifetime."""
+        self._services.metrics.resets.labels(self.worker_id).inc()
+        log.warning(
+            "worker %s: its publisher restarted (at seq %d) while the lease moved; "
+            "clearing it",
+            self.worker_id,
+            seq,
+        )
+        await self.clear(applied_through=-1)
+        await self._services.lifetimes.record(self.record)
 
     async def _reset_lifetime(self, seq: int) -> None:
         """A kvroute worker restarted and its new lifetime's first batches were lost."""
@@ -250,6 +410,7 @@ class WorkerIngest:
             bridge.tolerate_orphans = False
         await services.index.flush(wid)  # the snapshot is in Redis before the stream resumes
         self.position.applied_through = snapshot.next_seq - 1
+        self.position.applied_ts = None
         services.metrics.snapshots.labels(wid, "ok").inc()
         self._sync_counters()
         log.info(

@@ -26,7 +26,10 @@ from router.errors import OrphanParentError
 from router.index.changes import CPU_MASK, GPU_MASK, Changes
 
 __all__ = [
+    "COPY_LANES",
+    "KEY_LANES",
     "BridgeCounters",
+    "BridgeState",
     "WorkerBridge",
     "cache_salt_of",
     "fold_batch",
@@ -86,6 +89,28 @@ _INDEXED: Final = 1 << 192
 # So along any chain the index holds a prefix, and a lookup may binary-search it.
 
 
+COPY_LANES: Final = 2
+"""64-bit lanes of a copy word (counts, router key)."""
+KEY_LANES: Final = 4
+"""64-bit lanes of a key word (counts, tag, parent, indexed bit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BridgeState:
+    """A bridge's maps as plain data: what one router hands the next holder of a lease.
+
+    Attributes:
+        copies: Engine hash -> copy word.
+        keys: Router key -> key word (both words as described above; the children map
+            is derived from the keys' parents).
+        tolerate_orphans: The bridge's flag.
+    """
+
+    copies: dict[WireHash, int]
+    keys: dict[BlockKey, int]
+    tolerate_orphans: bool
+
+
 def _mask(word: int) -> int:
     """Tier mask of a copy or key word."""
     return (GPU_MASK if word & _COUNT else 0) | (CPU_MASK if (word >> _CPU) & _COUNT else 0)
@@ -135,6 +160,47 @@ class WorkerBridge:
     # NOTE: parent key -> its held child keys (whether or not the parent is held): one
     # key, or several packed in one int when the chain branches (see _pack_kids).
     _children: dict[BlockKey, int] = field(default_factory=dict)
+
+    def state(self) -> BridgeState:
+        """A copy of the maps (see :meth:`from_state`)."""
+        return BridgeState(dict(self._copies), dict(self._keys), self.tolerate_orphans)
+
+    @classmethod
+    def from_state(cls, keyer: RouterKeyer, state: BridgeState) -> WorkerBridge:
+        """A bridge holding ``state`` (from :meth:`state`, possibly of another router).
+
+        Raises:
+            ValueError: ``state`` breaks an invariant of the words (a copy naming a key
+                that is not held, a key's counts not the sum of its copies', a key its
+                own parent or in another family than its held parent, a field out of
+                range): it was not made by :meth:`state`, and folding into it could fail
+                at any later event.
+        """
+        sums: dict[int, int] = {}
+        for block_hash, copies in state.copies.items():
+            key = _key_of(copies)
+            if not copies & _COUNTS or key > _NONE or (key == _NONE) != (key not in state.keys):
+                raise ValueError(f"bad copy word of engine hash {block_hash!r}")
+            if key != _NONE:
+                sums[key] = sums.get(key, 0) + (copies & _COUNTS)
+        for key, word in state.keys.items():
+            parent = _parent_of(word)
+            if (
+                word >> 193
+                or not 0 <= key < _NONE
+                or sums.get(key) != word & _COUNTS
+                or parent == key
+                or (parent in state.keys and _tag_of(state.keys[parent]) != _tag_of(word))
+            ):
+                raise ValueError(f"bad key word of router key {key}")
+        bridge = cls(keyer, state.tolerate_orphans)
+        bridge._copies.update(state.copies)
+        bridge._keys.update(state.keys)
+        for key, word in state.keys.items():
+            parent = _parent_of(word)
+            if parent is not None:
+                bridge._link(parent, key)
+        return bridge
 
     def entries(self) -> dict[BlockKey, tuple[BlockKey, int]]:
         """Every indexed router key with its family tag and tier mask."""

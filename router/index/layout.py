@@ -9,8 +9,8 @@ family's holders hash counts each worker's entries, so a lookup finds its candid
 one command. Keys that one script touches together share a hash tag:
 
 * a family's sets and holders hash (``{<tag>}``): a lookup is one script on one shard;
-* a worker's lease, state hash and family list (``{w:<worker>}``): the fencing check and
-  the bookkeeping are one atomic script.
+* a worker's lease, handoff, state hash and family list (``{w:<worker>}``): the fencing
+  check and the bookkeeping are one atomic script.
 
 ``<ns>`` is *not* a hash tag: namespaces keep clusters and tests apart, tags spread
 families over shards.
@@ -111,6 +111,11 @@ class KeyLayout:
     def lease(self, worker_id: WorkerId) -> str:
         """String ``"<epoch>:<owner>"`` with a TTL: the worker's single-writer lease."""
         return f"{self.prefix}lease:{{w:{worker_id}}}"
+
+    def handoff(self, worker_id: WorkerId) -> str:
+        """String with a TTL: the state the lease's previous holder handed over with it
+        (:mod:`router.index.handoff`)."""
+        return f"{self.prefix}handoff:{{w:{worker_id}}}"
 
     def worker(self, worker_id: WorkerId) -> str:
         """Hash of a worker's index state: ``epoch`` counter and ``entries`` count."""

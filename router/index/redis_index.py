@@ -177,6 +177,11 @@ class RedisPrefixIndex:
             found = self._bridges[worker_id] = WorkerBridge(self.keyer)
         return found
 
+    def adopt_bridge(self, worker_id: WorkerId, bridge: WorkerBridge) -> None:
+        """Make ``bridge`` the worker's (one handed over with its lease, matching the
+        worker's entries in Redis)."""
+        self._bridges[worker_id] = bridge
+
     def _token(self, worker_id: WorkerId) -> str:
         token = self._tokens.get(worker_id)
         if token is None:

@@ -30,13 +30,14 @@ from router.errors import PrefixIndexError
 from router.index.base import WorkerId
 from router.index.layout import KeyLayout, check_name
 from router.index.redis_index import RedisPrefixIndex
-from router.index.scripts import ACQUIRE, HEARTBEAT, RELEASE, RENEW, Script
+from router.index.scripts import ACQUIRE, HAND_OFF, HEARTBEAT, RELEASE, RENEW, Script
 from router.redis_conn import RedisClient, reply_bytes
 
 __all__ = [
     "Lease",
     "WorkerRecord",
     "WorkerRegistry",
+    "live_members",
     "load_records",
     "owner_of",
     "parse_worker_spec",
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 _acquire = Script(ACQUIRE)
 _renew = Script(RENEW)
 _release = Script(RELEASE)
+_hand_off = Script(HAND_OFF)
 _heartbeat = Script(HEARTBEAT)
 
 
@@ -148,6 +150,17 @@ def load_records(path: str | Path) -> list[WorkerRecord]:
         raise PrefixIndexError(f"worker config {str(path)!r}: {exc}") from exc
 
 
+async def live_members(client: RedisClient, key: str, member: str, ttl_ms: int) -> list[str]:
+    """Renew ``member``'s heartbeat in the sorted set ``key`` for ``ttl_ms`` (``""``: only
+    read) and return the live members, sorted.
+
+    Heartbeats are scored by the Redis server's clock, so members' clocks never need to
+    agree; lapsed members are dropped on every call.
+    """
+    live = await _heartbeat(client, [key], [member, ttl_ms])
+    return sorted(reply_bytes(r).decode() for r in live)
+
+
 @dataclass(frozen=True, slots=True)
 class Lease:
     """A held lease: the right to write one worker's entries.
@@ -190,6 +203,9 @@ class WorkerRegistry:
         self.layout = layout if layout is not None else KeyLayout()
         self.owner = owner if owner is not None else uuid.uuid4().hex[:16]
         self.lease_ttl_ms = lease_ttl_ms
+        # A restarting router may take longer than a lease TTL to come back for the state
+        # it handed itself; the epoch check still tells whether anyone came in between.
+        self.handoff_ttl_ms = 6 * lease_ttl_ms
 
     async def register(self, record: WorkerRecord) -> None:
         """Add or replace a worker's registration."""
@@ -234,6 +250,31 @@ class WorkerRegistry:
         """Give a lease up now (its entries stay until reaped or cleared)."""
         await _release(self.client, [self.layout.lease(lease.worker_id)], [lease.token])
 
+    async def hand_off(self, lease: Lease, next_owner: str, state: bytes) -> bool:
+        """Pass a held lease to ``next_owner`` with this router's ``state`` of the worker.
+
+        The lease stays taken in the next owner's name (``""``: parked, free for any
+        router) until it is acquired, or for one TTL, so the worker is not reaped in
+        between; ``state`` is kept for :attr:`handoff_ttl_ms`. False when this router no
+        longer held the lease.
+        """
+        lay = self.layout
+        done = await _hand_off(
+            self.client,
+            [lay.lease(lease.worker_id), lay.handoff(lease.worker_id)],
+            [lease.token, next_owner, self.lease_ttl_ms, self.handoff_ttl_ms, state],
+        )
+        return bool(done)
+
+    async def take_handoff(self, worker_id: WorkerId) -> bytes | None:
+        """Remove and return the state handed over with the worker's lease (None: none).
+
+        Call it right after :meth:`acquire`; whether the state is still valid is for the
+        caller to check against the acquired epoch (:mod:`router.index.handoff`).
+        """
+        state = await self.client.getdel(self.layout.handoff(worker_id))
+        return None if state is None else reply_bytes(state)
+
     async def heartbeat(self) -> list[str]:
         """Renew this router's membership for one lease TTL; returns the live routers."""
         return await self._routers(self.owner)
@@ -243,8 +284,7 @@ class WorkerRegistry:
         return await self._routers("")
 
     async def _routers(self, joining: str) -> list[str]:
-        live = await _heartbeat(self.client, [self.layout.routers], [joining, self.lease_ttl_ms])
-        return sorted(reply_bytes(r).decode() for r in live)
+        return await live_members(self.client, self.layout.routers, joining, self.lease_ttl_ms)
 
     async def leave(self) -> None:
         """Withdraw this router's membership (on shutdown), so others take its workers."""

@@ -31,6 +31,7 @@ __all__ = [
     "CLEAR_FAMILIES",
     "FENCED_ERROR",
     "FORGET_FAMILIES",
+    "HAND_OFF",
     "HEARTBEAT",
     "LOOKUP",
     "RELEASE",
@@ -271,10 +272,14 @@ return out
 
 ACQUIRE: Final = """
 -- KEYS: lease, worker   ARGV: owner, ttl_ms
--- Returns the new epoch, or nil when another owner holds the lease.
+-- Returns the new epoch, or nil when another owner holds the lease. A lease handed off
+-- to nobody in particular ('<epoch>:', see HAND_OFF) is free for any owner.
 local current = redis.call('GET', KEYS[1])
-if current and string.match(current, '^%d+:(.*)$') ~= ARGV[1] then
-  return nil
+if current then
+  local holder = string.match(current, '^%d+:(.*)$')
+  if holder ~= '' and holder ~= ARGV[1] then
+    return nil
+  end
 end
 local epoch = redis.call('HINCRBY', KEYS[2], 'epoch', 1)
 redis.call('SET', KEYS[1], epoch .. ':' .. ARGV[1], 'PX', ARGV[2])
@@ -300,6 +305,22 @@ if ARGV[1] ~= '' then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 end
 return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+
+HAND_OFF: Final = """
+-- KEYS: lease, handoff   ARGV: token, next owner ('' for any), lease ttl_ms,
+--       handoff ttl_ms, state
+-- Passes a held lease to the next owner with the holder's state of the worker. The
+-- lease stays taken (epoch unchanged, now in the next owner's name), so no reaper
+-- clears the worker meanwhile; the next owner's ACQUIRE bumps the epoch as usual.
+-- Returns 1, or 0 when the caller's token is not current (nothing is written).
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+local epoch = string.match(ARGV[1], '^(%d+):')
+redis.call('SET', KEYS[1], epoch .. ':' .. ARGV[2], 'PX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[5], 'PX', ARGV[4])
+return 1
 """
 
 RELEASE: Final = """

@@ -22,6 +22,8 @@ from fault_helpers import (
     wait_converged,
 )
 
+from router.index.registry import owner_of
+
 pytest.importorskip("torch")
 
 LEASE_TTL_S = 3.0
@@ -75,18 +77,24 @@ def test_redis_stopped_and_restarted_empty(tmp_path: Path) -> None:
 
 
 def test_router_replica_killed_with_in_flight_load(tmp_path: Path) -> None:
+    # Replica ids chosen so that each replica owns one worker (rendezvous hashing).
+    assert {w: owner_of(w, ["r0", "r3"]) for w in ("w0", "w1")} == {"w0": "r0", "w1": "r3"}
     with Cluster(tmp_path) as cluster:
         cluster.start_workers()
         specs = [w.spec() for w in cluster.workers]
         lease = ("--lease-ttl", str(LEASE_TTL_S))
-        r0 = cluster.start_router("r0", specs, *lease)
+        r0 = cluster.start_router("r0", specs, *lease, "--replica-id", "r0")
         cluster.wait_healthy([*(w.url for w in cluster.workers), r0])
         assert metric(scrape(r0), "kvroute_ingest_owned_workers") == 2  # alone, it owns both
-        r1 = cluster.start_router("r1", specs, *lease)  # the replicas now share the workers
+        r1 = cluster.start_router("r1", specs, *lease, "--replica-id", "r3")
         cluster.wait_healthy([r1])
         targets = [(w.worker_id, w.url) for w in cluster.workers]
         with Load([r0, r1], clients=4) as load:
             load.wait_for(20)
+            joined_at = time.monotonic()
+            while metric(scrape(r1), "kvroute_ingest_owned_workers") < 1:  # r0 hands w1 over
+                assert time.monotonic() - joined_at < REPLICA_BOUND_S, "no handover"
+                time.sleep(0.2)  # polling another process's metrics
             cluster.kill("r0")
             killed_at = time.monotonic()
             load.wait_for(30)  # r1 keeps answering
@@ -104,5 +112,7 @@ def test_router_replica_killed_with_in_flight_load(tmp_path: Path) -> None:
     assert set(outcomes) <= {"200", "connection"}, dict(outcomes)
     assert outcomes["connection"] >= 1
     assert metric(samples, "kvroute_ingest_owned_workers") == 2
-    for w in ("w0", "w1"):
-        assert metric(samples, "kvroute_ingest_snapshots_total", worker=w, outcome="ok") >= 1
+    # w1 came over with r0's state of it (entries kept); w0, which r0 held when it was
+    # killed, was rebuilt from its snapshot.
+    assert metric(samples, "kvroute_ingest_handoffs_total", worker="w1", outcome="resumed") == 1
+    assert metric(samples, "kvroute_ingest_snapshots_total", worker="w0", outcome="ok") >= 1

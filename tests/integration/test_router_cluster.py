@@ -432,6 +432,11 @@ def test_foreign_publishers_in_map_and_legacy_array_shapes(redis_url: str, names
             sock.close(linger=0)
 
 
+LONG = 512
+"""Tokens of a request that must still be running when its worker is killed (at 64, one
+could finish between the health poll that saw it and the kill on a loaded machine)."""
+
+
 async def _running(s: aiohttp.ClientSession, url: str) -> bool:
     async with s.get(f"{url}/health") as resp:
         body = await resp.json()
@@ -459,7 +464,8 @@ def test_killed_worker_requests_retried_and_entries_leave(
             await until(lambda: _holds(s, svc.url, prefix + "1", doomed, 256), "the prefix indexed")
             # In flight on the doomed worker (its prefix attracts them), then it dies.
             inflight = [
-                asyncio.ensure_future(complete(s, svc.url, prefix + f"r{i}", 64)) for i in range(3)
+                asyncio.ensure_future(complete(s, svc.url, prefix + f"r{i}", LONG))
+                for i in range(3)
             ]
             await until(lambda: _running(s, victim.http), "requests running on the victim")
             victim.kill()

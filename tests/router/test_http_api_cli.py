@@ -122,6 +122,23 @@ def test_config_file_toml_and_json_with_flags_winning(tmp_path: Path) -> None:
         config_from_args(build_parser().parse_args(["--config", str(negative)]), "redis://x")
 
 
+def test_replica_id_from_flag_environment_or_config_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def replica_id(*argv: str) -> str | None:
+        return config_from_args(build_parser().parse_args(list(argv)), "redis://x").replica_id
+
+    assert replica_id() is None  # a random one per start
+    config = tmp_path / "router.json"
+    config.write_text(json.dumps({"replica_id": "from-file"}))
+    assert replica_id("--config", str(config)) == "from-file"
+    monkeypatch.setenv("KVROUTE_REPLICA_ID", "router-1")
+    assert replica_id("--config", str(config)) == "router-1"
+    assert replica_id("--replica-id", "eu-west.2") == "eu-west.2"
+    with pytest.raises(RouterCliError, match="--replica-id 'a b' is not valid"):
+        replica_id("--replica-id", "a b")
+
+
 def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert COMMANDS["router"].module == "router.router_cli"
     with pytest.raises(SystemExit) as info:

@@ -81,6 +81,8 @@ class FakeWorker:
         kind: ``"kvroute"`` serves ``/v1/snapshot``; ``"vllm"`` only publishes.
         replay: Open a replay endpoint.
         skip_live_seqs: Seqs buffered for replay but never sent live (loss injection).
+        buffer_steps: Batches its replay endpoint keeps (a vLLM engine's ring reaches
+            back only so far).
     """
 
     def __init__(
@@ -90,8 +92,10 @@ class FakeWorker:
         kind: Literal["kvroute", "vllm"] = "kvroute",
         replay: bool = True,
         skip_live_seqs: set[int] | None = None,
+        buffer_steps: int = 10_000,
     ) -> None:
         self.worker_id = worker_id
+        self.buffer_steps = buffer_steps
         self.kind = kind
         self.chains = CachedChains(BS)
         self.skip_live_seqs = skip_live_seqs if skip_live_seqs is not None else set()
@@ -107,6 +111,7 @@ class FakeWorker:
             PublisherConfig(
                 endpoint=Endpoint.binding(address),
                 replay_endpoint=Endpoint.binding(replay_address) if replay_address else None,
+                buffer_steps=self.buffer_steps,
             ),
             skip_live_seqs=self.skip_live_seqs,
         )
@@ -218,6 +223,16 @@ class Stack:
         """A counter's value (0 when never incremented)."""
         value = self.metrics.registry.get_sample_value(f"kvroute_ingest_{name}_total", labels)
         return 0.0 if value is None else value
+
+    def total(self, name: str, **labels: str) -> float:
+        """A counter's sum over the label values not given (e.g. every reason)."""
+        return sum(
+            sample.value
+            for family in self.metrics.registry.collect()
+            for sample in family.samples
+            if sample.name == f"kvroute_ingest_{name}_total"
+            and labels.items() <= sample.labels.items()
+        )
 
 
 @asynccontextmanager

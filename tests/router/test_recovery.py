@@ -61,3 +61,12 @@ def test_position_sees_no_jump_while_unknown_or_replaying() -> None:
     assert StreamPosition(applied_through=None).first_missing(100) is None
     assert not StreamPosition(applied_through=None).covers(0)
     assert StreamPosition(applied_through=5, replaying=True).first_missing(100) is None
+
+
+def test_position_tells_a_reused_seq_of_a_newer_lifetime() -> None:
+    position = StreamPosition(applied_through=5, applied_ts=100.0)
+    assert not position.restarted(5, 100.0)  # the same batch again (a duplicate, a replay)
+    assert not position.restarted(3, 99.0)  # an earlier batch of the same lifetime
+    assert position.restarted(3, 101.0)  # seq 3 again, stamped later: a new lifetime
+    assert not position.restarted(6, 101.0)  # not covered: the next batch
+    assert not StreamPosition(applied_through=5).restarted(3, 101.0)  # no stamp known

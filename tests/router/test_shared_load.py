@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import pytest
 import redis.asyncio as aioredis
 from aiohttp import ClientSession, web
 from hypothesis import HealthCheck, given, settings
@@ -94,6 +95,31 @@ def test_add_nowait_changes_local_load_at_once_and_reaches_redis(
         await b.refresh()
         assert await b.snapshot([W1, W2]) == {W1: WorkerLoad(), W2: WorkerLoad()}
         await b.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_with_a_skewed_clock_is_still_seen(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Liveness is judged by the Redis server's clock: a replica whose own clock is an hour
+    behind (its heartbeat would read as long lapsed) still shares its load."""
+
+    async def scenario() -> None:
+        behind = RedisLoadTracker(_client(redis_url), SharedLoadConfig(namespace, "behind"))
+        other = RedisLoadTracker(_client(redis_url), SharedLoadConfig(namespace, "other"))
+        real_time = time.time
+        with monkeypatch.context() as skewed:
+            skewed.setattr(time, "time", lambda: real_time() - 3600)
+            await behind.start()
+            await behind.add(W1, routed(64, 8))
+        await other.start()
+        try:
+            await other.refresh()
+            assert (await other.snapshot([W1]))[W1] == WorkerLoad(1, 64, 8)
+        finally:
+            await behind.close()
+            await other.close()
 
     asyncio.run(scenario())
 

@@ -1,0 +1,281 @@
+"""A lease given up on purpose carries the router's state of the worker: the next holder
+continues the stream and the worker's entries stay, where a rebuild would lose them.
+
+The vLLM-style workers here keep only 2 batches for replay (a real engine's ring reaches
+back only so far), so a rebuild from seq 0 cannot restore blocks stored before the
+handover: their continuation would be orphaned. Only a handed-over bridge keeps them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from router.index.base import WorkerId
+from router.index.layout import KeyLayout
+from router.index.registry import WorkerRegistry, owner_of
+from router.redis_conn import connect
+from tests.router.test_ingest_helpers import (
+    FakeWorker,
+    Stack,
+    divergent,
+    eventually,
+    fake_workers,
+    lookup_is,
+    match,
+    stack,
+    stored,
+)
+
+IDS = [f"v{i}" for i in range(6)]
+
+
+def vllm_workers() -> list[FakeWorker]:
+    return [FakeWorker(w, kind="vllm", buffer_steps=2) for w in IDS]
+
+
+def owned_by(s: Stack, expected: set[str]) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return set(s.ingest.owned_workers) == {WorkerId(w) for w in expected}
+
+    return check
+
+
+async def cache_first_blocks(s: Stack, workers: tuple[FakeWorker, ...]) -> None:
+    """Each worker caches 3 blocks of its prompt, then enough empty batches that its replay
+    ring no longer reaches them; waits until the index holds them."""
+    await s.handshake(*workers)
+    for n, worker in enumerate(workers):
+        worker.publish(stored(n + 1, 0, 3))
+        for _ in range(3):
+            worker.publish()
+    for n, worker in enumerate(workers):
+        await eventually(
+            lookup_is(s.index, n + 1, {worker.worker_id: match(3)}), what="first blocks"
+        )
+
+
+async def extend_and_check(s: Stack, workers: tuple[FakeWorker, ...]) -> None:
+    """Each worker caches blocks 3-4, children of the blocks cached before; the index must
+    hold all five (an orphaned continuation would leave the worker with none)."""
+    for n, worker in enumerate(workers):
+        worker.publish(stored(n + 1, 3, 2))
+    for n, worker in enumerate(workers):
+        await eventually(
+            lookup_is(s.index, n + 1, {worker.worker_id: match(5)}), what="continuation"
+        )
+
+
+def test_a_joining_replica_continues_the_workers_it_is_handed(
+    redis_url: str, namespace: str
+) -> None:
+    share_b = {w for w in IDS if owner_of(w, ["a", "b"]) == "b"}
+    assert share_b and share_b != set(IDS)
+
+    async def main() -> None:
+        async with (
+            fake_workers(*vllm_workers()) as workers,
+            stack(redis_url, namespace, [w.record() for w in workers], owner="a") as a,
+        ):
+            await cache_first_blocks(a, workers)
+            async with stack(redis_url, namespace, [], owner="b") as b:
+                await eventually(owned_by(b, share_b), what="b gets its share")
+                await eventually(owned_by(a, set(IDS) - share_b), what="a hands it over")
+                await b.handshake(*(w for w in workers if w.worker_id in share_b))
+                await extend_and_check(a, workers)
+                for w in share_b:
+                    assert a.count("handoffs", worker=w, outcome="sent") == 1
+                    assert b.count("handoffs", worker=w, outcome="resumed") == 1
+                    assert b.total("resyncs", worker=w) == 0
+                    assert b.total("orphan_parents", worker=w) == 0
+
+    asyncio.run(main())
+
+
+BY_HAND = {"maintain_interval_s": 3600.0, "lease_ttl_ms": 600_000}
+"""Stack settings under which a test runs the maintenance passes itself."""
+
+
+async def hand_over(a: Stack, b: Stack, workers: tuple[FakeWorker, ...]) -> set[str]:
+    """Replica b joined (both replicas' passes run by hand): once b's streams are up, a
+    hands b's share over; b has not taken it yet. Returns b's share."""
+    mine = [w for w in workers if owner_of(w.worker_id, ["a", "b"]) == "b"]
+    assert mine and len(mine) < len(workers)
+    for worker in mine:  # b receives (and drops) their batches: its streams are up
+
+        async def received(worker: FakeWorker = worker) -> bool:
+            if b.count("batches", worker=worker.worker_id, outcome="not_owner"):
+                return True
+            worker.publish()
+            return False
+
+        await eventually(received, what=f"b receives {worker.worker_id}")
+    await a.ingest.maintain_once()  # a sees b and hands its share over
+    assert b.ingest.owned_workers == []
+    return {w.worker_id for w in mine}
+
+
+async def take_over(b: Stack, share: set[str]) -> None:
+    """b's maintenance pass takes its share (with a's state of each worker)."""
+    await b.ingest.maintain_once()
+    assert set(b.ingest.owned_workers) == share
+    for wid in share:
+        assert b.count("handoffs", worker=wid, outcome="resumed") == 1
+
+
+def test_batches_between_the_handoff_and_the_takeover_are_kept(
+    redis_url: str, namespace: str
+) -> None:
+    """Without a replay endpoint (vLLM's default) a batch neither replica applied would be
+    lost for good (a resync); the joining replica keeps what it receives meanwhile."""
+
+    async def main() -> None:
+        no_replay = [FakeWorker(w, kind="vllm", replay=False) for w in IDS]
+        async with (
+            fake_workers(*no_replay) as workers,
+            stack(redis_url, namespace, [w.record() for w in workers], owner="a", **BY_HAND) as a,
+        ):
+            await cache_first_blocks(a, workers)
+            async with stack(redis_url, namespace, [], owner="b", **BY_HAND) as b:
+                share = await hand_over(a, b, workers)
+                for n, worker in enumerate(workers):
+                    worker.publish(stored(n + 1, 3, 1))  # no replica applies b's share now
+                await eventually(
+                    lambda: _kept(b, share), what="b received the batches it must keep"
+                )
+                await take_over(b, share)
+                for n, worker in enumerate(workers):  # in the index at once, idle or not
+                    await eventually(
+                        lookup_is(a.index, n + 1, {worker.worker_id: match(4)}), what="kept"
+                    )
+                for n, worker in enumerate(workers):
+                    worker.publish(stored(n + 1, 4, 1))
+                for n, worker in enumerate(workers):
+                    await eventually(
+                        lookup_is(a.index, n + 1, {worker.worker_id: match(5)}), what="exact"
+                    )
+                for wid in share:
+                    assert b.total("resyncs", worker=wid) == 0
+
+    asyncio.run(main())
+
+
+async def _reconnected(b: Stack, worker: FakeWorker) -> None:
+    """Publish empty batches until b receives one from the worker's new publisher."""
+    before = b.count("batches", worker=worker.worker_id, outcome="not_owner")
+
+    async def received() -> bool:
+        if b.count("batches", worker=worker.worker_id, outcome="not_owner") > before:
+            return True
+        worker.publish()
+        return False
+
+    await eventually(received, what=f"b reconnects to {worker.worker_id}")
+
+
+async def _kept(b: Stack, share: set[str]) -> bool:
+    return all(b.count("batches", worker=w, outcome="not_owner") >= 2 for w in share)
+
+
+def test_a_restart_while_the_lease_moves_clears_the_old_entries(
+    redis_url: str, namespace: str
+) -> None:
+    """The publisher restarts after the handoff: the new holder saw the seq drop before it
+    held the lease, kept it in order with the batches, and clears the old lifetime's
+    entries when it takes the lease."""
+
+    async def main() -> None:
+        async with (
+            fake_workers(*(FakeWorker(w) for w in IDS)) as workers,
+            stack(redis_url, namespace, [w.record() for w in workers], owner="a", **BY_HAND) as a,
+        ):
+            await cache_first_blocks(a, workers)
+            for n, worker in enumerate(workers):  # a long first lifetime: its restart shows
+                for _ in range(40):  # as a seq drop, as a real worker's does
+                    worker.publish()
+                worker.publish(stored(n + 1, 3, 1))
+            for n, worker in enumerate(workers):
+                await eventually(
+                    lookup_is(a.index, n + 1, {worker.worker_id: match(4)}), what="applied"
+                )
+            async with stack(redis_url, namespace, [], owner="b", **BY_HAND) as b:
+                share = await hand_over(a, b, workers)
+                for n, worker in enumerate(workers):
+                    worker.restart_publisher()  # a new lifetime: seq 0, cache empty
+                    await _reconnected(b, worker)
+                    worker.publish(stored(100 + n, 0, 2))
+                    worker.publish(stored(100 + n, 2, 1))
+                await take_over(b, share)
+                for wid in share:  # the old lifetime's entries left at the takeover
+                    assert b.count("resets", worker=wid) == 1
+                for worker in workers:  # the batches kept (or replayed) go in before it
+                    worker.publish()
+                await eventually(lambda: _exact(a, *workers), what="only the new lifetime")
+
+    asyncio.run(main())
+
+
+def test_a_restarted_router_resumes_its_workers(redis_url: str, namespace: str) -> None:
+    async def main() -> None:
+        kvroute = FakeWorker("k0")
+        async with fake_workers(*vllm_workers(), kvroute) as everyone:
+            workers, records = everyone[:-1], [w.record() for w in everyone]
+            async with stack(redis_url, namespace, records, owner="a") as a:
+                await cache_first_blocks(a, workers)
+                await a.handshake(kvroute)
+                kvroute.publish(stored(50, 0, 4))
+                await eventually(lambda: _exact(a, kvroute), what="kvroute worker indexed")
+            # The last router parked its leases: the next one to start (any id) resumes.
+            async with stack(redis_url, namespace, records, owner="c") as again:
+                assert set(again.ingest.owned_workers) == {w.worker_id for w in everyone}
+                await again.handshake(*everyone)
+                await extend_and_check(again, workers)
+                kvroute.publish(stored(50, 4, 2))
+                await eventually(lambda: _exact(again, kvroute), what="kvroute worker exact")
+                for worker in everyone:
+                    wid = worker.worker_id
+                    assert again.count("handoffs", worker=wid, outcome="resumed") == 1
+                    assert again.total("resyncs", worker=wid) == 0
+                assert again.total("snapshots", worker="k0") == 0  # resumed, not reloaded
+
+    asyncio.run(main())
+
+
+def test_a_stale_or_unreadable_handoff_means_a_rebuild(redis_url: str, namespace: str) -> None:
+    """A handoff is valid only for the acquisition right after it: if anyone held the lease
+    in between (here: another instance under the same id), or it cannot be read, the worker
+    is rebuilt from its snapshot instead, and the index is exact either way."""
+
+    async def main() -> None:
+        async with fake_workers(FakeWorker("k0"), FakeWorker("k1")) as workers:
+            records = [w.record() for w in workers]
+            async with stack(redis_url, namespace, records, owner="a") as a:
+                await a.handshake(*workers)
+                for n, worker in enumerate(workers):
+                    worker.publish(stored(60 + n, 0, 4))
+                await eventually(lambda: _exact(a, *workers), what="indexed")
+            client = await connect(redis_url)
+            try:
+                layout = KeyLayout(namespace)
+                between = WorkerRegistry(client, layout, owner="a")
+                lease = await between.acquire(WorkerId("k0"))
+                assert lease is not None
+                await between.release(lease)
+                await client.set(layout.handoff(WorkerId("k1")), b"\x93not a handoff")
+            finally:
+                await client.aclose()
+            async with stack(redis_url, namespace, records, owner="a") as again:
+                assert again.count("handoffs", worker="k0", outcome="stale") == 1
+                assert again.count("handoffs", worker="k1", outcome="invalid") == 1
+                assert again.count("snapshots", worker="k0", outcome="ok") == 1
+                assert again.count("snapshots", worker="k1", outcome="ok") == 1
+                await again.handshake(*workers)
+                for n, worker in enumerate(workers):
+                    worker.publish(stored(60 + n, 4, 2))
+                await eventually(lambda: _exact(again, *workers), what="exact after rebuild")
+
+    asyncio.run(main())
+
+
+async def _exact(s: Stack, *workers: FakeWorker) -> bool:
+    return await divergent(s.index, *workers) == 0
