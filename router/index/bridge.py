@@ -5,7 +5,8 @@ its own chained keys from the token ids (:func:`events.hashing.router_block_keys
 chaining from the router key of the event's parent, found in this per-worker map
 engine hash -> router key. ``BlockRemoved`` goes through the same map. Every physical
 copy is reference-counted per (engine hash, tier), and every router key per tier, so an
-entry leaves the index only when its last copy on that tier is removed.
+entry leaves the index only when its last copy on that tier is removed. The state is held
+as packed ints (:mod:`router.index.words`: their layout and invariants).
 
 The bridge is I/O-free: it produces :class:`~router.index.changes.Changes` (the
 transition of each touched router key's presence mask) that an index writes, and
@@ -18,18 +19,31 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Final
 
 from events.hashing import BlockKey, RouterKeyer, router_block_keys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
 from router.errors import OrphanParentError
 from router.index.changes import CPU_MASK, GPU_MASK, Changes
+from router.index.words import (
+    COUNT,
+    COUNTS,
+    CPU_SHIFT,
+    GPU_SHIFT,
+    INDEXED,
+    NONE,
+    BridgeState,
+    checked_links,
+    key_of,
+    key_word,
+    mask_of,
+    pack_kids,
+    parent_of,
+    tag_of,
+    unpack_kids,
+)
 
 __all__ = [
-    "COPY_LANES",
-    "KEY_LANES",
     "BridgeCounters",
-    "BridgeState",
     "WorkerBridge",
     "cache_salt_of",
     "fold_batch",
@@ -68,73 +82,6 @@ class BridgeCounters:
     ignored_groups: int = 0
 
 
-# State words. Per engine hash, a *copy word*: GPU copies (bits 0-31), CPU copies
-# (32-63), router key (64-127; _NONE: detached). Per router key, a *key word*: GPU
-# copies, CPU copies (as above), family tag (64-127), parent key (128-191; _NONE: block
-# 0), indexed (bit 192). Plain ints, never tuples: a dict holding a freshly created tuple
-# becomes tracked by CPython's cyclic garbage collector again, and every collection then
-# walks all of its entries (20-500 ms pauses at a million cached blocks); dicts of ints
-# are never tracked, so the bridge costs the collector nothing however large it grows.
-_GPU, _CPU = 0, 32  # a tier is the shift of its copy count
-_COUNT: Final = (1 << 32) - 1
-_COUNTS: Final = (1 << 64) - 1
-_NONE: Final = 1 << 63  # no key: router keys are below 2**63
-_INDEXED: Final = 1 << 192
-# NOTE: an engine hash's entry is deleted when its GPU + CPU copies reach 0; a router
-# key's counts equal the sums over the engine hashes that map to it. A detached hash
-# (key _NONE) chains from an unknown ancestor: no router key, no index entry.
-# NOTE (prefix closure): a held key is indexed iff it is block 0 or its parent key is
-# indexed. Evicting a block whose descendants stay cached unindexes them (a request
-# could not use them: its prefix stops at the gap); re-caching it indexes them again.
-# So along any chain the index holds a prefix, and a lookup may binary-search it.
-
-
-COPY_LANES: Final = 2
-"""64-bit lanes of a copy word (counts, router key)."""
-KEY_LANES: Final = 4
-"""64-bit lanes of a key word (counts, tag, parent, indexed bit)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BridgeState:
-    """A bridge's maps as plain data: what one router hands the next holder of a lease.
-
-    Attributes:
-        copies: Engine hash -> copy word.
-        keys: Router key -> key word (both words as described above; the children map
-            is derived from the keys' parents).
-        tolerate_orphans: The bridge's flag.
-    """
-
-    copies: dict[WireHash, int]
-    keys: dict[BlockKey, int]
-    tolerate_orphans: bool
-
-
-def _mask(word: int) -> int:
-    """Tier mask of a copy or key word."""
-    return (GPU_MASK if word & _COUNT else 0) | (CPU_MASK if (word >> _CPU) & _COUNT else 0)
-
-
-def _key_of(copies: int) -> int:
-    """Router key of a copy word (``_NONE``: detached)."""
-    return copies >> 64
-
-
-def _tag_of(state: int) -> BlockKey:
-    return BlockKey((state >> 64) & _COUNTS)
-
-
-def _parent_of(state: int) -> BlockKey | None:
-    parent = (state >> 128) & _COUNTS
-    return None if parent == _NONE else BlockKey(parent)
-
-
-def _key_word(tag: int, parent: int | None, indexed: bool) -> int:
-    """A key word with no copies."""
-    return tag << 64 | (_NONE if parent is None else parent) << 128 | indexed << 192
-
-
 class _Orphan(Exception):
     def __init__(self, parent: WireHash) -> None:
         super().__init__(parent)
@@ -158,7 +105,7 @@ class WorkerBridge:
     _copies: dict[WireHash, int] = field(default_factory=dict)
     _keys: dict[BlockKey, int] = field(default_factory=dict)
     # NOTE: parent key -> its held child keys (whether or not the parent is held): one
-    # key, or several packed in one int when the chain branches (see _pack_kids).
+    # key, or several packed in one int when the chain branches (see words.pack_kids).
     _children: dict[BlockKey, int] = field(default_factory=dict)
 
     def state(self) -> BridgeState:
@@ -170,52 +117,35 @@ class WorkerBridge:
         """A bridge holding ``state`` (from :meth:`state`, possibly of another router).
 
         Raises:
-            ValueError: ``state`` breaks an invariant of the words (a copy naming a key
-                that is not held, a key's counts not the sum of its copies', a key its
-                own parent or in another family than its held parent, a field out of
-                range): it was not made by :meth:`state`, and folding into it could fail
-                at any later event.
+            ValueError: ``state`` breaks an invariant of the words
+                (:func:`router.index.words.checked_links`).
         """
-        sums: dict[int, int] = {}
-        for block_hash, copies in state.copies.items():
-            key = _key_of(copies)
-            if not copies & _COUNTS or key > _NONE or (key == _NONE) != (key not in state.keys):
-                raise ValueError(f"bad copy word of engine hash {block_hash!r}")
-            if key != _NONE:
-                sums[key] = sums.get(key, 0) + (copies & _COUNTS)
-        for key, word in state.keys.items():
-            parent = _parent_of(word)
-            if (
-                word >> 193
-                or not 0 <= key < _NONE
-                or sums.get(key) != word & _COUNTS
-                or parent == key
-                or (parent in state.keys and _tag_of(state.keys[parent]) != _tag_of(word))
-            ):
-                raise ValueError(f"bad key word of router key {key}")
+        links = checked_links(state)
         bridge = cls(keyer, state.tolerate_orphans)
         bridge._copies.update(state.copies)
         bridge._keys.update(state.keys)
-        for key, word in state.keys.items():
-            parent = _parent_of(word)
-            if parent is not None:
+        children = dict(links)
+        if len(children) == len(links):  # no branches: one child per parent
+            bridge._children.update(children)
+        else:
+            for parent, key in links:
                 bridge._link(parent, key)
         return bridge
 
     def entries(self) -> dict[BlockKey, tuple[BlockKey, int]]:
         """Every indexed router key with its family tag and tier mask."""
         return {
-            key: (_tag_of(state), _mask(state))
+            key: (tag_of(state), mask_of(state))
             for key, state in self._keys.items()
-            if state & _INDEXED
+            if state & INDEXED
         }
 
     def reset(self) -> Changes:
         """Forget everything; returns the removal of every indexed entry."""
         changes = Changes()
         for key, state in self._keys.items():
-            if state & _INDEXED:
-                changes.note(_tag_of(state), key, _mask(state), 0)
+            if state & INDEXED:
+                changes.note(tag_of(state), key, mask_of(state), 0)
         self._copies.clear()
         self._keys.clear()
         self._children.clear()
@@ -247,13 +177,13 @@ class WorkerBridge:
             if parent_copies is None and not self.tolerate_orphans:
                 self.counters.orphans += 1
                 raise _Orphan(event.parent_block_hash)
-            if parent_copies is None or _key_of(parent_copies) == _NONE:
+            if parent_copies is None or key_of(parent_copies) == NONE:
                 self.counters.detached += 1
                 self._store_detached(event, changes)
                 return
-            parent = BlockKey(_key_of(parent_copies))
+            parent = BlockKey(key_of(parent_copies))
             parent_key = parent
-            tag = _tag_of(self._keys[parent])
+            tag = tag_of(self._keys[parent])
         try:
             keys = router_block_keys(event.token_ids, event.block_size, parent_key)
         except OverflowError:  # a token id outside uint32
@@ -267,11 +197,11 @@ class WorkerBridge:
                 copies = self._copies.get(block_hash)
                 if copies is None:
                     self._copies[block_hash] = key << 64
-                elif _key_of(copies) == _NONE:
+                elif key_of(copies) == NONE:
                     # Now reachable from block 0: its earlier copies are indexed too.
                     self._copies[block_hash] = key << 64
-                    for t in (_GPU, _CPU):
-                        for _ in range((copies >> t) & _COUNT):
+                    for t in (GPU_SHIFT, CPU_SHIFT):
+                        for _ in range((copies >> t) & COUNT):
                             self._add(block_hash, t, +1, tag, parent, changes)
                 # NOTE: a hash re-stored with other tokens keeps its first key: the index
                 # already holds that one and children chain from it.
@@ -301,11 +231,11 @@ class WorkerBridge:
         ):
             return False
         one = 1 << tier
-        indexed = parent is None or bool(all_keys[parent] & _INDEXED)
-        base = _key_word(tag, 0, indexed) | one  # each key's parent is OR-ed in below
+        indexed = parent is None or bool(all_keys[parent] & INDEXED)
+        base = key_word(tag, 0, indexed) | one  # each key's parent is OR-ed in below
         had_copies, had_keys = len(all_copies), len(all_keys)
         all_copies.update(zip(hashes, [one | key << 64 for key in keys], strict=True))
-        parents = [_NONE if parent is None else parent, *keys[:-1]]
+        parents = [NONE if parent is None else parent, *keys[:-1]]
         all_keys.update(zip(keys, [base | above << 128 for above in parents], strict=True))
         if len(all_copies) - had_copies != len(keys) or len(all_keys) - had_keys != len(keys):
             # A hash or key repeats within the run: undo (none was held before).
@@ -318,7 +248,7 @@ class WorkerBridge:
         if parent is not None:
             self._link(parent, keys[0])
         if indexed:
-            changes.add_new(tag, keys, GPU_MASK if tier == _GPU else CPU_MASK)
+            changes.add_new(tag, keys, GPU_MASK if tier == GPU_SHIFT else CPU_MASK)
         return True
 
     def remove(self, event: BlockRemoved, changes: Changes) -> None:
@@ -329,27 +259,27 @@ class WorkerBridge:
         tier = _tier(event.medium)
         for block_hash in event.block_hashes:
             copies = self._copies.get(block_hash)
-            if copies is None or not (copies >> tier) & _COUNT:
+            if copies is None or not (copies >> tier) & COUNT:
                 self.counters.unknown_removals += 1
                 continue
-            key = _key_of(copies)
-            if key == _NONE:
+            key = key_of(copies)
+            if key == NONE:
                 self._copies[block_hash] = copies - (1 << tier)
             else:
                 state = self._keys[BlockKey(key)]
-                self._add(block_hash, tier, -1, _tag_of(state), _parent_of(state), changes)
-            if not self._copies[block_hash] & _COUNTS:
+                self._add(block_hash, tier, -1, tag_of(state), parent_of(state), changes)
+            if not self._copies[block_hash] & COUNTS:
                 del self._copies[block_hash]
 
     def _store_detached(self, event: BlockStored, changes: Changes) -> None:
         tier = _tier(event.medium)
         for block_hash in event.block_hashes:
-            copies = self._copies.get(block_hash, _NONE << 64)
-            if _key_of(copies) == _NONE:
+            copies = self._copies.get(block_hash, NONE << 64)
+            if key_of(copies) == NONE:
                 self._copies[block_hash] = copies + (1 << tier)
             else:  # another copy of a hash already held with a key: count it there
-                state = self._keys[BlockKey(_key_of(copies))]
-                self._add(block_hash, tier, +1, _tag_of(state), _parent_of(state), changes)
+                state = self._keys[BlockKey(key_of(copies))]
+                self._add(block_hash, tier, +1, tag_of(state), parent_of(state), changes)
 
     def _add(
         self,
@@ -361,30 +291,30 @@ class WorkerBridge:
         changes: Changes,
     ) -> None:
         copies = self._copies[block_hash]
-        key = BlockKey(_key_of(copies))
+        key = BlockKey(key_of(copies))
         keys = self._keys
         state = keys.get(key)
         if state is None:
             above = None if parent is None else keys.get(parent)
-            indexed = parent is None or (above is not None and bool(above & _INDEXED))
-            state = _key_word(tag, parent, indexed)
+            indexed = parent is None or (above is not None and bool(above & INDEXED))
+            state = key_word(tag, parent, indexed)
             if parent is not None:
                 self._link(parent, key)
-        before = _mask(state)
+        before = mask_of(state)
         self._copies[block_hash] = copies + (delta << tier)
         state += delta << tier
-        after = _mask(state)
+        after = mask_of(state)
         if after == 0:
             keys.pop(key, None)
         else:
             keys[key] = state
         if after == before:
             return
-        indexed = bool(state & _INDEXED)
+        indexed = bool(state & INDEXED)
         if indexed:
-            changes.note(_tag_of(state), key, before, after)
+            changes.note(tag_of(state), key, before, after)
         if after == 0:
-            above = _parent_of(state)
+            above = parent_of(state)
             if above is not None:
                 self._unlink(above, key)
             if indexed and key in self._children:
@@ -397,17 +327,17 @@ class WorkerBridge:
         if kids is None:
             self._children[parent] = key
             return
-        held = _unpack_kids(kids)
+        held = unpack_kids(kids)
         if key not in held:
-            self._children[parent] = _pack_kids((*held, key))
+            self._children[parent] = pack_kids((*held, key))
 
     def _unlink(self, parent: BlockKey, key: BlockKey) -> None:
         kids = self._children.get(parent)
         if kids is None:
             return
-        rest = tuple(k for k in _unpack_kids(kids) if k != key)
+        rest = tuple(k for k in unpack_kids(kids) if k != key)
         if rest:
-            self._children[parent] = _pack_kids(rest)
+            self._children[parent] = pack_kids(rest)
         else:
             del self._children[parent]
 
@@ -416,37 +346,19 @@ class WorkerBridge:
         stack = [root]
         while stack:
             kids = self._children.get(stack.pop())
-            for child in () if kids is None else _unpack_kids(kids):
+            for child in () if kids is None else unpack_kids(kids):
                 state = self._keys[BlockKey(child)]
-                if bool(state & _INDEXED) == indexed:
+                if bool(state & INDEXED) == indexed:
                     continue
-                self._keys[BlockKey(child)] = state ^ _INDEXED
-                mask = _mask(state)
+                self._keys[BlockKey(child)] = state ^ INDEXED
+                mask = mask_of(state)
                 old, new = (0, mask) if indexed else (mask, 0)
-                changes.note(_tag_of(state), BlockKey(child), old, new)
+                changes.note(tag_of(state), BlockKey(child), old, new)
                 stack.append(BlockKey(child))
 
 
-def _pack_kids(keys: tuple[int, ...]) -> int:
-    """A key's children as one int: the child itself, or for a branch ``_NONE``, the
-    count and each child in its own 64 bits above (an int, not a tuple: see the state
-    words)."""
-    if len(keys) == 1:
-        return keys[0]
-    packed = _NONE | len(keys)
-    for i, key in enumerate(keys, start=1):
-        packed |= key << (64 * i)
-    return packed
-
-
-def _unpack_kids(kids: int) -> tuple[int, ...]:
-    if kids < _NONE:
-        return (kids,)
-    return tuple((kids >> (64 * i)) & _COUNTS for i in range(1, (kids & _COUNT) + 1))
-
-
 def _tier(medium: str | None) -> int:
-    return _GPU if tier_mask(medium) == GPU_MASK else _CPU
+    return GPU_SHIFT if tier_mask(medium) == GPU_MASK else CPU_SHIFT
 
 
 def _is_well_formed(event: BlockStored) -> bool:

@@ -27,12 +27,12 @@ import xxhash
 from events.hashing import BlockKey, RouterKeyer
 from events.schema import WireHash
 from router.errors import PrefixIndexError
-from router.index.bridge import COPY_LANES, KEY_LANES, BridgeState, WorkerBridge
+from router.index.bridge import WorkerBridge
+from router.index.words import COPY_LANES, KEY_LANES, BridgeState
 
 __all__ = ["Handoff", "HandoffError", "decode_handoff", "encode_handoff"]
 
 _VERSION: Final = 1
-_LANE: Final = (1 << 64) - 1
 _CHECKSUM_BYTES: Final = 8
 
 
@@ -131,11 +131,10 @@ def decode_handoff(data: bytes, keyer: RouterKeyer) -> Handoff:
 
 
 def _lanes(words: Iterable[int], lanes: int) -> bytes:
-    """Words as ``lanes`` little-endian 64-bit lanes each, lowest first."""
-    flat = array("Q", [(word >> (64 * i)) & _LANE for word in words for i in range(lanes)])
-    if sys.byteorder == "big":
-        flat.byteswap()
-    return flat.tobytes()
+    """Words as ``lanes`` little-endian 64-bit lanes each, lowest first (so a word is
+    its own little-endian bytes)."""
+    size = 8 * lanes
+    return b"".join([word.to_bytes(size, "little") for word in words])
 
 
 def _words(data: bytes, lanes: int) -> list[int]:
@@ -144,19 +143,14 @@ def _words(data: bytes, lanes: int) -> list[int]:
     Raises:
         ValueError: ``data`` is not a whole number of words.
     """
-    if len(data) % (8 * lanes):
+    size = 8 * lanes
+    if len(data) % size:
         raise ValueError(f"{len(data)} bytes is not a whole number of {lanes}-lane words")
-    flat = array("Q")
-    flat.frombytes(data)
-    if sys.byteorder == "big":
-        flat.byteswap()
-    if lanes == 1:
+    if lanes == 1:  # plain 64-bit words: one C-level conversion
+        flat = array("Q")
+        flat.frombytes(data)
+        if sys.byteorder == "big":
+            flat.byteswap()
         return flat.tolist()
-    columns = [flat[i::lanes] for i in range(lanes)]
-    out = []
-    for parts in zip(*columns, strict=True):
-        word = 0
-        for i, part in enumerate(parts):
-            word |= part << (64 * i)
-        out.append(word)
-    return out
+    view = memoryview(data)
+    return [int.from_bytes(view[i : i + size], "little") for i in range(0, len(data), size)]
