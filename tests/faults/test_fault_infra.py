@@ -35,6 +35,14 @@ REPLICA_BOUND_S = 45.0
 rebuilds the workers from their snapshots."""
 
 
+def wait_owned(router: str, count: int, bound_s: float = REPLICA_BOUND_S) -> None:
+    """Poll a router's metrics until it holds the leases of ``count`` workers."""
+    start = time.monotonic()
+    while metric(scrape(router), "kvroute_ingest_owned_workers") != count:
+        assert time.monotonic() - start < bound_s, f"{router} does not hold {count} workers"
+        time.sleep(0.2)  # polling another process's metrics
+
+
 def wait_health(router: str, index: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -91,16 +99,11 @@ def test_router_replica_killed_with_in_flight_load(tmp_path: Path) -> None:
         targets = [(w.worker_id, w.url) for w in cluster.workers]
         with Load([r0, r1], clients=4) as load:
             load.wait_for(20)
-            joined_at = time.monotonic()
-            while metric(scrape(r1), "kvroute_ingest_owned_workers") < 1:  # r0 hands w1 over
-                assert time.monotonic() - joined_at < REPLICA_BOUND_S, "no handover"
-                time.sleep(0.2)  # polling another process's metrics
+            wait_owned(r1, 1)  # r0 hands w1 over
             cluster.kill("r0")
             killed_at = time.monotonic()
             load.wait_for(30)  # r1 keeps answering
-            while metric(scrape(r1), "kvroute_ingest_owned_workers") < 2:  # r1 takes over
-                assert time.monotonic() - killed_at < REPLICA_BOUND_S, "no takeover"
-                time.sleep(0.2)  # polling another process's metrics
+            wait_owned(r1, 2)  # r1 takes over
             load.wait_for(10)  # the workers' caches moved on since r0 died
             wait_converged(cluster, targets, REPLICA_BOUND_S)
             took = time.monotonic() - killed_at
@@ -116,3 +119,37 @@ def test_router_replica_killed_with_in_flight_load(tmp_path: Path) -> None:
     # killed, was rebuilt from its snapshot.
     assert metric(samples, "kvroute_ingest_handoffs_total", worker="w1", outcome="resumed") == 1
     assert metric(samples, "kvroute_ingest_snapshots_total", worker="w0", outcome="ok") >= 1
+
+
+def test_rolling_restart_of_a_router_replica_keeps_every_entry(tmp_path: Path) -> None:
+    """A replica stopped (SIGTERM) and started again, under load: its worker goes to the
+    other replica with its state of it and comes back the same way. No worker is rebuilt
+    (no snapshot is fetched after the first), and the index stays exact."""
+    with Cluster(tmp_path) as cluster:
+        cluster.start_workers()
+        specs = [w.spec() for w in cluster.workers]
+        lease = ("--lease-ttl", str(LEASE_TTL_S))
+        r0 = cluster.start_router("r0", specs, *lease, "--replica-id", "r0")
+        cluster.wait_healthy([*(w.url for w in cluster.workers), r0])
+        r1 = cluster.start_router("r1", specs, *lease, "--replica-id", "r3")
+        cluster.wait_healthy([r1])
+        wait_owned(r1, 1)  # r0 handed w1 over
+        targets = [(w.worker_id, w.url) for w in cluster.workers]
+        with Load([r1], clients=2) as load:
+            load.wait_for(10)
+            cluster.group.stop(["r0"])  # graceful: w0 goes to r1 with r0's state of it
+            wait_owned(r1, 2)
+            load.wait_for(10)
+            r0 = cluster.start_router("r0", specs, *lease, "--replica-id", "r0")
+            cluster.wait_healthy([r0])
+            wait_owned(r0, 1)  # r1 hands w0 back
+            load.wait_for(10)
+            wait_converged(cluster, targets, REPLICA_BOUND_S)
+        assert set(load.stop()) == {"200"}
+        back, stayed = scrape(r0), scrape(r1)
+        cluster.group.check_alive()
+    for w in ("w0", "w1"):
+        assert metric(stayed, "kvroute_ingest_handoffs_total", worker=w, outcome="resumed") == 1
+        assert metric(stayed, "kvroute_ingest_snapshots_total", worker=w, outcome="ok") == 0
+    assert metric(back, "kvroute_ingest_handoffs_total", worker="w0", outcome="resumed") == 1
+    assert metric(back, "kvroute_ingest_snapshots_total", worker="w0", outcome="ok") == 0
