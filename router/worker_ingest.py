@@ -131,9 +131,13 @@ class WorkerIngest:
         await self._apply_one(received, in_batch=True)
 
     async def catch_up(self) -> None:
-        """Apply the batches kept while the lease was on its way, from the maintenance
-        pass that took the lease: up to the first that needs a replay (only the batch
-        path may ask for one); the rest go in before the next delivered batch."""
+        """After a resumed takeover, from the maintenance pass that took the lease: reset a
+        kvroute worker whose publisher lifetime is no longer the handed-over one (it
+        restarted meanwhile, quiet since), then apply the batches kept while the lease
+        was on its way, up to the first that needs a replay (only the batch path may ask
+        for one); the rest go in before the next delivered batch."""
+        if self.rules.has_snapshot and await self._services.lifetimes.changed(self.record):
+            await self._reset_lifetime("since the handoff")
         await self._apply_kept(in_batch=False)
 
     async def _apply_kept(self, *, in_batch: bool) -> None:
@@ -165,7 +169,7 @@ class WorkerIngest:
             if not in_batch:
                 return False
             if await self._services.lifetimes.changed(self.record):
-                await self._reset_lifetime(received.seq)
+                await self._reset_lifetime(f"at seq {received.seq}")
             else:
                 # Batches before this one never reached the index (a late join, a
                 # snapshot older than the stream): fetch them; the replay redelivers
@@ -366,14 +370,15 @@ class WorkerIngest:
         await self.clear(applied_through=-1)
         await self._services.lifetimes.record(self.record)
 
-    async def _reset_lifetime(self, seq: int) -> None:
-        """A kvroute worker restarted and its new lifetime's first batches were lost."""
+    async def _reset_lifetime(self, when: str) -> None:
+        """A kvroute worker restarted and its new lifetime's first batches were lost (or
+        reached another router)."""
         self._services.metrics.resets.labels(self.worker_id).inc()
         log.warning(
-            "worker %s: seq %d under a new publisher lifetime: it restarted; "
-            "resetting it from its snapshot",
+            "worker %s: a new publisher lifetime %s: it restarted; resetting it from its "
+            "snapshot",
             self.worker_id,
-            seq,
+            when,
         )
         await self._reload(self.rules.after_loss())
 

@@ -192,3 +192,28 @@ def test_jump_past_a_snapshot_under_a_new_lifetime_is_a_reset(
             assert stream_count(s, "resets", "k1") == 0  # the subscriber saw no jump
 
     asyncio.run(main())
+
+
+def test_a_restart_while_the_lease_was_parked_is_reset_at_the_takeover(
+    redis_url: str, namespace: str
+) -> None:
+    """The router stops (its lease parked with its state of the worker), the worker restarts
+    and stays quiet: the next router takes the handoff but sees the new lifetime id at once,
+    so the old lifetime's entries do not outlive the takeover."""
+
+    async def main() -> None:
+        async with fake_workers(LifetimeWorker("k1")) as (k1,):
+            async with stack(redis_url, namespace, owner="a") as a:
+                await started(a, k1)
+                await a.handshake(k1)
+                k1.publish(stored(1, 0, 4))
+                await eventually(lookup_is(a.index, 1, {"k1": match(4)}), what="indexed")
+            k1.restart_publisher()  # a new lifetime, an empty cache, no batch yet
+            async with stack(redis_url, namespace, owner="b") as b:
+                await started(b, k1)
+                assert b.count("handoffs", worker="k1", outcome="resumed") == 1
+                assert b.count("resets", worker="k1") == 1
+                assert dict(await b.index.lookup(keys(1))) == {}
+                assert await divergent(b.index, k1) == 0
+
+    asyncio.run(main())
