@@ -114,19 +114,18 @@ class WorkerBridge:
 
     @classmethod
     def from_state(cls, keyer: RouterKeyer, state: BridgeState) -> WorkerBridge:
-        """A bridge holding ``state`` (from :meth:`state`, possibly of another router).
+        """A bridge holding ``state`` (from :meth:`state`, possibly of another router);
+        it takes the state's maps over (the caller must not use them afterwards).
 
         Raises:
             ValueError: ``state`` breaks an invariant of the words
                 (:func:`router.index.words.checked_links`).
         """
         links = checked_links(state)
-        bridge = cls(keyer, state.tolerate_orphans)
-        bridge._copies.update(state.copies)
-        bridge._keys.update(state.keys)
-        children = dict(links)
+        children: dict[BlockKey, int] = dict(links)
+        bridge = cls(keyer, state.tolerate_orphans, _copies=state.copies, _keys=state.keys)
         if len(children) == len(links):  # no branches: one child per parent
-            bridge._children.update(children)
+            bridge._children = children
         else:
             for parent, key in links:
                 bridge._link(parent, key)
