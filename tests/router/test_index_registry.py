@@ -93,6 +93,33 @@ def test_lease_is_exclusive_and_epochs_grow(redis_target: str, namespace: str) -
     run(redis_target, namespace, body)
 
 
+def test_a_handed_off_lease_stays_taken_for_its_next_owner(
+    redis_target: str, namespace: str
+) -> None:
+    async def body(client: RedisClient, layout: KeyLayout) -> None:
+        a = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=60_000)
+        b = WorkerRegistry(client, layout, owner="router-b", lease_ttl_ms=60_000)
+        c = WorkerRegistry(client, layout, owner="router-c", lease_ttl_ms=60_000)
+        lease = await a.acquire(W)
+        assert lease is not None
+        assert await a.hand_off(lease, "router-b", b"state of w")
+        assert not await a.hand_off(lease, "router-b", b"again")  # no longer a's to give
+        assert await a.holder(W) == "1:router-b"  # taken: no reaper clears the worker
+        assert await c.acquire(W) is None and await a.acquire(W) is None
+        taken = await b.acquire(W)
+        assert taken is not None and taken.epoch == 2  # the handoff's epoch + 1
+        assert await b.take_handoff(W) == b"state of w"
+        assert await b.take_handoff(W) is None  # taken once
+        # Parked (no next owner, as on shutdown): any router takes it.
+        assert await b.hand_off(taken, "", b"parked")
+        assert await a.holder(W) == "2:"
+        parked = await c.acquire(W)
+        assert parked is not None and parked.epoch == 3
+        assert await c.take_handoff(W) == b"parked"
+
+    run(redis_target, namespace, body)
+
+
 def test_stale_epoch_cannot_write(redis_target: str, namespace: str) -> None:
     async def body(client: RedisClient, layout: KeyLayout) -> None:
         a = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=300)
