@@ -4,8 +4,9 @@
 :class:`events.subscriber.EventSubscriber` over all registered workers. Per worker:
 
 * it writes only while it holds the worker's lease (renewed every third of its TTL);
-  on acquiring one it drops the worker's old entries and rebuilds them: from
-  ``GET /v1/snapshot`` for kvroute workers, by replay from seq 0 for others;
+  on acquiring one it resumes from the previous holder's handoff, or drops the worker's
+  old entries and rebuilds them: from ``GET /v1/snapshot`` for kvroute workers, by replay
+  from seq 0 for others;
 * each batch is one fenced Redis script call, or shares one with the batches that arrive
   while the previous write is in flight (group commit); a batch already covered (by a
   snapshot or an earlier delivery) is skipped by seq;
@@ -20,26 +21,21 @@
 * a lost lease or a Redis failure (e.g. Redis restarted empty) marks the worker for a
   rebuild, which the maintenance pass or the next batch performs.
 
-Router replicas share the ingest: every maintenance pass renews this router's heartbeat,
-and a worker is ingested by its owner among the live routers (rendezvous hashing,
-:func:`router.index.registry.owner_of`). A router hands the lease of a worker it holds
-but does not own to the owner, and takes a worker it does not own only when the owner
-left it unclaimed for a whole lease TTL. A lease given up on purpose (a handover, a
-shutdown) carries the router's state of the worker (:mod:`router.index.handoff`): the
-next holder continues the stream where it stopped and the worker's entries stay; only a
-lease that lapsed or was taken in between (a crashed router) means a rebuild. A router
-keeps the batches (and publisher restarts) it receives for a worker it owns but does not
-hold yet, so the ones published while the lease moves are applied too, even from a vLLM
-engine without a replay endpoint; a router subscribes before its first heartbeat
+Router replicas share the ingest (:mod:`router.ownership`: which replica holds which
+worker's lease, and how leases move with the previous holder's state of the worker). A
+router keeps the batches (and publisher restarts) it receives for a worker it owns but
+does not hold yet, so the ones published while the lease moves are applied too, even from
+a vLLM engine without a replay endpoint; it subscribes before its first heartbeat
 announces it, so they reach it.
 
 Registrations persist in Redis (:class:`router.index.registry.WorkerRegistry`), so a
 restarted router resumes the same workers; a maintenance pass also reaps workers whose
 lease lapsed (their router died).
 
-This module holds the membership, the leases and the maintenance pass; each worker's batch
-and recovery paths are a :class:`router.worker_ingest.WorkerIngest`, and which rebuild
-follows which loss is decided by :mod:`router.recovery` (shared with the offline replay).
+This module holds the membership, the event sink and the maintenance pass; the leases are
+a :class:`router.ownership.LeaseKeeper`, each worker's batch and recovery paths a
+:class:`router.worker_ingest.WorkerIngest`, and which rebuild follows which loss is
+decided by :mod:`router.recovery` (shared with the offline replay).
 """
 
 from __future__ import annotations
@@ -48,8 +44,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -63,13 +58,12 @@ from events.subscriber import (
     WorkerCounters,
     WorkerStream,
 )
-from router.errors import PrefixIndexError
 from router.index.base import WorkerId
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRecord, WorkerRegistry, owner_of
-from router.index.scripts import StaleLeaseError
+from router.index.registry import WorkerRecord, WorkerRegistry
 from router.lifetime import LifetimeTracker
 from router.metrics import IngestMetrics, StreamCollector
+from router.ownership import RECOVERY_ERRORS, LeaseKeeper
 from router.periodic import Periodic
 from router.worker_ingest import IngestServices, WorkerIngest
 
@@ -140,11 +134,7 @@ class IndexIngest:
         self._lifetimes: LifetimeTracker | None = None
         self._services: IngestServices | None = None
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
-        # NOTE: the live routers as of this router's last heartbeat (empty before the
-        # first: then every worker counts as its own); per worker it does not own, when
-        # it first found the lease free (cleared once anyone holds it).
-        self._routers: list[str] = []
-        self._unclaimed_since: dict[str, float] = {}
+        self._leases = LeaseKeeper(index, registry, self.metrics)
 
     @property
     def owned_workers(self) -> list[WorkerId]:
@@ -183,7 +173,6 @@ class IndexIngest:
         (so a restarted router resumes it without a rebuild).
         """
         await self._maintainer.stop()
-        others = [router for router in self._routers if router != self.registry.owner]
         with contextlib.suppress(RedisError):
             await self.registry.leave()  # the others own our workers from their next pass
         if self._subscriber is not None:
@@ -191,7 +180,7 @@ class IndexIngest:
         for worker in self._workers.values():
             async with worker.lock.hold():
                 with contextlib.suppress(RedisError):
-                    await self._pass_on(worker, owner_of(worker.worker_id, others) or "")
+                    await self._leases.pass_on(worker, self._leases.successor(worker.worker_id))
         await self.index.close()
         if self._session is not None:
             await self._session.close()
@@ -212,8 +201,8 @@ class IndexIngest:
             if worker is None:
                 await self._subscribe(record)
                 worker = self._workers[record.worker_id]
-        if worker.lease is None and self._owns(worker.worker_id):
-            await self._take_over(worker)
+        if worker.lease is None and self._leases.owns(worker.worker_id):
+            await self._leases.take_over(worker, functools.partial(self._is_current, worker))
 
     async def remove_worker(self, worker_id: WorkerId) -> None:
         """Stop ingesting a worker, drop its entries and its registration."""
@@ -251,7 +240,7 @@ class IndexIngest:
             worker.in_batch = True
             try:
                 await worker.apply_batch(received)
-            except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
+            except RECOVERY_ERRORS as exc:
                 worker.failed(exc)
                 self.metrics.batches.labels(worker.worker_id, "failed").inc()
             finally:
@@ -269,7 +258,7 @@ class IndexIngest:
             self.metrics.resets.labels(worker_id).inc()
             try:
                 await worker.clear(applied_through=-1)
-            except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
+            except RECOVERY_ERRORS as exc:
                 worker.failed(exc)
             await self._tracker.record(worker.record)
 
@@ -283,7 +272,7 @@ class IndexIngest:
                 return
             try:
                 await worker.resync(reason)
-            except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
+            except RECOVERY_ERRORS as exc:
                 worker.failed(exc)
 
     async def _restart_probe(self, worker_id: str) -> bool:
@@ -306,17 +295,20 @@ class IndexIngest:
         Redis errors are logged and counted; the next pass retries.
         """
         try:
-            self._routers = await self.registry.heartbeat()
+            await self._leases.heartbeat()
             for worker in self._workers.values():
                 # A worker this router owns but does not hold is being handed to it (or
                 # will be taken): keep its batches from now on, as the lease may come with
                 # the previous holder's state, which they continue.
                 if worker.lease is None:
-                    worker.keep_batches(self._owns(worker.worker_id))
+                    worker.keep_batches(self._leases.owns(worker.worker_id))
             async with self._membership:
                 await self._sync_registry()
             for worker in list(self._workers.values()):
-                await self._maintain_worker(worker)
+                if self._is_current(worker):  # not removed since this pass listed it
+                    await self._leases.maintain(
+                        worker, functools.partial(self._is_current, worker)
+                    )
             reaped = await self.registry.reap(self.index)
             self.metrics.reaped.inc(len(reaped))
         except RedisError as exc:
@@ -334,109 +326,6 @@ class IndexIngest:
         for record in persisted.values():
             if record.worker_id not in self._workers:
                 await self._subscribe(record)
-
-    async def _maintain_worker(self, worker: WorkerIngest) -> None:
-        if self._workers.get(worker.record.worker_id) is not worker:
-            return  # removed since this pass listed it
-        # NOTE: the lease says which router ingests the worker, not that the worker is
-        # alive: it is renewed while the worker is registered here, quiet or not (a SUB
-        # socket cannot tell a quiet publisher from a dead one). The service drops a
-        # worker it cannot reach (remove_worker), which releases the lease.
-        if worker.lease is not None and not await self.registry.renew(worker.lease):
-            self.metrics.lease_lost.labels(worker.worker_id).inc()
-            log.warning("worker %s: lease lapsed or taken; retaking it", worker.worker_id)
-            worker.lease = None
-            self.index.forget_lease(worker.worker_id)
-        owner = owner_of(worker.worker_id, self._routers)
-        if worker.lease is not None and owner not in (None, self.registry.owner):
-            await self._hand_over(worker, str(owner))
-            return
-        if worker.lease is None:
-            if owner in (None, self.registry.owner) or await self._unclaimed(worker):
-                await self._take_over(worker)
-            return
-        async with worker.lock.hold():
-            try:  # surfaces a failed queued write of an idle worker
-                await self.index.flush(worker.worker_id)
-            except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
-                worker.failed(exc)
-            if worker.needs_rebuild and worker.record.has_snapshot:
-                await self._guarded(worker, worker.rebuild)
-
-    def _owns(self, worker_id: str) -> bool:
-        return owner_of(worker_id, self._routers) in (None, self.registry.owner)
-
-    async def _unclaimed(self, worker: WorkerIngest) -> bool:
-        """True once the worker's lease has been free for a whole TTL (its owner is not
-        taking it: stalled, or its ingest broken): then any router may."""
-        wid = worker.worker_id
-        if await self.registry.holder(WorkerId(wid)) is not None:
-            self._unclaimed_since.pop(wid, None)
-            return False
-        since = self._unclaimed_since.setdefault(wid, time.monotonic())
-        return time.monotonic() - since >= self.registry.lease_ttl_ms / 1000
-
-    async def _hand_over(self, worker: WorkerIngest, owner: str) -> None:
-        """Give the lease of a worker another live router owns to that router."""
-        async with worker.lock.hold():
-            if worker.lease is None:
-                return
-            await self._pass_on(worker, owner)
-        self.metrics.handovers.labels(worker.worker_id).inc()
-        log.info("worker %s: lease handed over to router %s (its owner)", worker.worker_id, owner)
-
-    async def _pass_on(self, worker: WorkerIngest, next_owner: str) -> None:
-        """Give up a held lease (callers hold the worker's lock): to ``next_owner`` with
-        this router's state of the worker once its queued writes landed, or plainly when
-        they did not (the next holder then rebuilds the worker)."""
-        lease = worker.lease
-        if lease is None:
-            return
-        try:
-            await self.index.flush(worker.worker_id)  # its queued writes land first
-            state = worker.handoff()
-        except (RedisError, StaleLeaseError, PrefixIndexError):
-            state = None
-        worker.lease = None
-        self.index.forget_lease(worker.worker_id)
-        if state is None:
-            await self.registry.release(lease)
-        elif await self.registry.hand_off(lease, next_owner, state):
-            self.metrics.handoffs.labels(worker.worker_id, "sent").inc()
-
-    async def _take_over(self, worker: WorkerIngest) -> None:
-        lease = await self.registry.acquire(worker.worker_id)
-        if lease is None:
-            return  # another router replica ingests this worker
-        self._unclaimed_since.pop(worker.worker_id, None)
-        async with worker.lock.hold():
-            if self._workers.get(worker.record.worker_id) is not worker:
-                await self.registry.release(lease)  # removed while the lease was acquired
-                return
-            log.info("worker %s: lease acquired (epoch %d)", worker.worker_id, lease.epoch)
-            worker.lease = lease
-            self.index.use_lease(worker.worker_id, lease.token)
-            try:
-                handed = await self.registry.take_handoff(worker.worker_id)
-            except RedisError:
-                handed = None  # rebuilt below (which meets the same Redis trouble)
-            if worker.resume(lease, handed):
-                await self._guarded(worker, worker.catch_up)
-                return
-            worker.needs_rebuild = True
-            # Snapshot workers are rebuilt now (also when idle); others at their next batch,
-            # where a replay can be requested.
-            if worker.record.has_snapshot:
-                await self._guarded(worker, worker.rebuild)
-            else:
-                await self._guarded(worker, functools.partial(worker.clear, applied_through=-1))
-
-    async def _guarded(self, worker: WorkerIngest, step: Callable[[], Awaitable[None]]) -> None:
-        """Run a step of ``worker``'s recovery; a failure marks it for a rebuild."""
-        try:
-            await step()
-        except (RedisError, StaleLeaseError, PrefixIndexError) as exc:
-            worker.failed(exc)
 
     async def _subscribe(self, record: WorkerRecord) -> None:
         assert self._subscriber is not None and self._services is not None
@@ -457,6 +346,10 @@ class IndexIngest:
         )
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _is_current(self, worker: WorkerIngest) -> bool:
+        """Whether ``worker`` is still the one ingested under its id."""
+        return self._workers.get(worker.record.worker_id) is worker
 
     def _stream_counters(self) -> dict[str, WorkerCounters]:
         subscriber = self._subscriber
