@@ -153,10 +153,20 @@ class LeaseKeeper:
             state = None
         worker.lease = None
         self.index.forget_lease(worker.worker_id)
-        if state is None:
-            await self.registry.release(lease)
-        elif await self.registry.hand_off(lease, next_owner, state):
-            self.metrics.handoffs.labels(worker.worker_id, "sent").inc()
+        if state is not None:
+            try:
+                if await self.registry.hand_off(lease, next_owner, state):
+                    self.metrics.handoffs.labels(worker.worker_id, "sent").inc()
+                return
+            except RedisError as exc:  # e.g. a state over Redis's bulk limit
+                log.warning(
+                    "worker %s: handing its state on failed (%s, %d bytes); releasing the "
+                    "lease plainly (the next holder rebuilds the worker)",
+                    worker.worker_id,
+                    exc,
+                    len(state),
+                )
+        await self.registry.release(lease)
 
     def successor(self, worker_id: str) -> str:
         """Who a leaving router hands the worker to: its owner among the other live

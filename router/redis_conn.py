@@ -9,9 +9,11 @@ argument: most of the client's time on an index write of thousands of keys).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import hiredis
@@ -27,10 +29,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from router.errors import RouterError
 
 __all__ = [
+    "FAN_OUT",
     "RedisClient",
     "RedisConnectError",
     "RedisOptions",
     "connect",
+    "gather_bounded",
     "is_cluster",
     "redact_url",
     "reply_bytes",
@@ -58,6 +62,10 @@ class RedisOptions:
         tls_verify: Verify the server certificate (turn off only for tests).
         socket_timeout_s: Timeout of every socket operation.
         retries: Retries of a command that failed on a connection error or timeout.
+        max_connections: Connections per Redis node. Past it, on a single node a command
+            waits (up to ``socket_timeout_s``) for one to come free; a cluster client
+            fails the command. Every fan-out of the index stays far below it
+            (:func:`gather_bounded`).
     """
 
     cluster: bool | None = None
@@ -65,6 +73,27 @@ class RedisOptions:
     tls_verify: bool = True
     socket_timeout_s: float = 5.0
     retries: int = 3
+    max_connections: int = 256
+
+
+T = TypeVar("T")
+
+FAN_OUT: Final = 32
+"""Most commands one index operation keeps in flight at once (far below a pool's size)."""
+
+
+async def gather_bounded(calls: Iterable[Awaitable[T]], limit: int = FAN_OUT) -> list[T]:
+    """Await ``calls`` with at most ``limit`` of them in flight; their results in order.
+
+    The first exception propagates (the calls already started finish unobserved).
+    """
+    slots = asyncio.Semaphore(limit)
+
+    async def one(call: Awaitable[T]) -> T:
+        async with slots:
+            return await call
+
+    return await asyncio.gather(*(one(call) for call in calls))
 
 
 def reply_bytes(value: object) -> bytes:
@@ -176,12 +205,15 @@ async def connect(url: str, options: RedisOptions | None = None) -> RedisClient:
                 await probe.aclose()
         client: RedisClient
         if cluster:
-            client = RedisCluster.from_url(url, **kwargs)
+            client = RedisCluster.from_url(url, max_connections=options.max_connections, **kwargs)
             await client.initialize()
         else:
-            client = aioredis.from_url(url, **kwargs)
-            pool = client.connection_pool
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=options.max_connections, timeout=options.socket_timeout_s,
+                **kwargs,
+            )  # fmt: skip
             pool.connection_class = _c_packing(pool.connection_class)
+            client = aioredis.Redis.from_pool(pool)
         await client.ping()
     except (RedisError, OSError, ValueError) as exc:
         raise RedisConnectError(

@@ -25,7 +25,6 @@ the next clear of the worker removes them.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -50,7 +49,7 @@ from router.index.scripts import (
     Script,
     StaleLeaseError,
 )
-from router.redis_conn import RedisClient, reply_bytes
+from router.redis_conn import RedisClient, gather_bounded, reply_bytes
 
 __all__ = ["RedisPrefixIndex"]
 
@@ -232,14 +231,10 @@ class RedisPrefixIndex:
             except PrefixIndexError as exc:  # the lease was dropped while queued
                 failed[worker_id] = exc
         if self.is_cluster:
-            results = await asyncio.gather(
-                *(self._send_cluster(*write) for write in fenced), return_exceptions=True
-            )
+            results = await gather_bounded(self._send_cluster(*write) for write in fenced)
             for (worker_id, _, _), result in zip(fenced, results, strict=True):
-                if isinstance(result, Exception):
+                if result is not None:
                     failed[worker_id] = result
-                elif isinstance(result, BaseException):
-                    raise result
             return failed
         for keys, args in self._single_node_calls(fenced):
             refused = await _apply_workers(self.client, keys, args)
@@ -283,7 +278,17 @@ class RedisPrefixIndex:
             calls.append((keys, args))
         return calls
 
-    async def _send_cluster(self, worker_id: WorkerId, token: str, changes: Changes) -> None:
+    async def _send_cluster(
+        self, worker_id: WorkerId, token: str, changes: Changes
+    ) -> Exception | None:
+        """Write one worker's changes on a cluster; its failure (not raised), or None."""
+        try:
+            await self._write_cluster(worker_id, token, changes)
+        except Exception as exc:  # reported per worker, as the single-node write does
+            return exc
+        return None
+
+    async def _write_cluster(self, worker_id: WorkerId, token: str, changes: Changes) -> None:
         delta = 0
         families: list[tuple[BlockKey, list[str | int]]] = []
         for tag, family in changes.families.items():
@@ -298,8 +303,8 @@ class RedisPrefixIndex:
             holders = self.layout.holders(tag)
             slot = key_slot(holders.encode())
             groups.setdefault(slot, (holders, [worker_id, prefix]))[1].extend(args)
-        await asyncio.gather(
-            *(_apply_families(self.client, [key], args) for key, args in groups.values())
+        await gather_bounded(
+            _apply_families(self.client, [key], args) for key, args in groups.values()
         )
 
     async def lookup(
@@ -348,8 +353,8 @@ class RedisPrefixIndex:
                 holders = self.layout.holders(BlockKey(int(tag, 16)))
                 slot = key_slot(holders.encode())
                 groups.setdefault(slot, (holders, [worker_id, prefix]))[1].append(tag)
-            await asyncio.gather(
-                *(_clear_families(self.client, [key], args) for key, args in groups.values())
+            await gather_bounded(
+                _clear_families(self.client, [key], args) for key, args in groups.values()
             )
             await _forget_families(self.client, worker_keys, [token, *tags])
 
@@ -375,9 +380,7 @@ class RedisPrefixIndex:
         lay = self.layout
         indexed = await self.client.smembers(lay.indexed)
         workers = [WorkerId(reply_bytes(w).decode()) for w in indexed]
-        counts = await asyncio.gather(
-            *(self.client.hget(lay.worker(w), "entries") for w in workers)
-        )
+        counts = await gather_bounded(self.client.hget(lay.worker(w), "entries") for w in workers)
         entries = [int(c) for c in counts if c is not None]
         keys: set[BlockKey] = set()
         for worker in workers:

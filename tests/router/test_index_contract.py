@@ -140,6 +140,26 @@ def test_all_blocks_cleared_and_clear_worker(open_index: OpenIndex) -> None:
     run(open_index, body)
 
 
+def test_a_worker_of_thousands_of_families_is_cleared(open_index: OpenIndex) -> None:
+    """A clear fans out over the worker's families (per shard on a cluster): bounded, so a
+    worker holding far more families than a connection pool has connections is cleared."""
+
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        roots = [
+            stored([10_000 + i], None, 0, tokens=[i, i + 1, i + 2, i + 3]) for i in range(2_000)
+        ]
+        await idx.apply(W1, batch(*roots))
+        await idx.apply(W2, batch(stored([1, 2], None, 0)))
+        assert (await idx.stats()).num_entries == 2_002
+        await idx.clear_worker(W1)
+        assert await idx.worker_entries(W1) == {}
+        assert await idx.stats() == _stats(env, entries=2, keys=2, workers=1)
+        assert await idx.lookup(KEYS) == {W2: m(2)}
+
+    run(open_index, body)
+
+
 def test_orphan_parent_applies_the_events_before_it(open_index: OpenIndex) -> None:
     async def body(env: IndexEnv) -> None:
         idx = env.index

@@ -15,6 +15,7 @@ from router.index.base import WorkerId
 from router.index.layout import KeyLayout
 from router.index.registry import WorkerRegistry, owner_of
 from router.redis_conn import connect
+from router.redis_server import RedisServer
 from tests.router.test_ingest_helpers import (
     FakeWorker,
     Stack,
@@ -279,3 +280,27 @@ def test_a_stale_or_unreadable_handoff_means_a_rebuild(redis_url: str, namespace
 
 async def _exact(s: Stack, *workers: FakeWorker) -> bool:
     return await divergent(s.index, *workers) == 0
+
+
+def test_a_state_too_large_for_redis_falls_back_to_a_rebuild(
+    private_redis: RedisServer, namespace: str
+) -> None:
+    """Handing the state on fails (here: over Redis's 1 MB bulk limit): the lease is
+    released plainly and the next router rebuilds the worker from its snapshot, exactly."""
+
+    async def main() -> None:
+        client = await connect(private_redis.url)
+        await client.config_set("proto-max-bulk-len", 1024 * 1024)
+        await client.aclose()
+        async with fake_workers(FakeWorker("k0")) as (k0,):
+            async with stack(private_redis.url, namespace, [k0.record()], owner="a") as a:
+                await a.handshake(k0)
+                for first in range(1, 2001, 100):  # 2,000 prompts x 12 blocks
+                    k0.publish(*(stored(p, 0, 12) for p in range(first, first + 100)))
+                await eventually(lambda: _exact(a, k0), what="24,000 blocks indexed")
+            assert a.count("handoffs", worker="k0", outcome="sent") == 0
+            async with stack(private_redis.url, namespace, [k0.record()], owner="b") as b:
+                assert b.count("snapshots", worker="k0", outcome="ok") == 1
+                assert await divergent(b.index, k0) == 0
+
+    asyncio.run(main())
