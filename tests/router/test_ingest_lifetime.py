@@ -119,6 +119,9 @@ def test_gap_is_replayed_and_entries_kept(
             k1.publish(stored(1, 0, 4))
             await started(s, k1)
             await s.handshake(k1)
+            # Counted from here: probes the handshake lost to the slow joiner may have
+            # cost a replay already on a loaded machine.
+            gaps, replays = stream_count(s, "gaps", "k1"), stream_count(s, "replays", "k1")
             skip.add(k1.publish(stored(2, 0, 3)) + 1)  # the next batch is lost live
             k1.publish(stored(3, 0, 2))
             k1.publish()  # reveals the gap
@@ -126,8 +129,8 @@ def test_gap_is_replayed_and_entries_kept(
             assert dict(await s.index.lookup(keys(1))) == {WorkerId("k1"): match(4)}
             assert dict(await s.index.lookup(keys(2))) == {WorkerId("k1"): match(3)}
             assert await divergent(s.index, k1) == 0
-            assert stream_count(s, "gaps", "k1") == 1
-            assert stream_count(s, "replays", "k1") == 1
+            assert stream_count(s, "gaps", "k1") == gaps + 1
+            assert stream_count(s, "replays", "k1") == replays + 1
             assert stream_count(s, "resets", "k1") == 0
             assert s.count("resets", worker="k1") == 0
             assert s.count("snapshots", worker="k1", outcome="ok") == 1  # at start only
