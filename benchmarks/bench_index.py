@@ -370,16 +370,16 @@ async def handoff_rows(
 ) -> list[Row]:
     """A lease handoff of one populated worker beside the rebuild it saves (see the module
     docstring)."""
-    state = index.bridge(worker).state()
+    bridge = index.bridge(worker)
     start = time.perf_counter()
-    data = encode_handoff(1, len(batches) - 1, 0.0, None, state)
+    data = encode_handoff(bridge, 1, len(batches) - 1, 0.0, None)
     encoded = time.perf_counter()
     decode_handoff(data, KEYER)
     handoff_ms = (time.perf_counter() - start) * 1000
     rebuild = await writers(client, "bench-rebuild", [worker])
     ingested = await apply_all(rebuild, {worker: batches})
     rebuild_ms = ingested.seconds * 1000
-    blocks = len(state.copies)
+    blocks = len(bridge.state().copies)
     note = (
         f"{blocks:,} blocks, {len(data) / blocks:.1f} bytes/block; encode "
         f"{(encoded - start) * 1000:.1f} ms"

@@ -241,11 +241,11 @@ class WorkerIngest:
         if self.lease is None or self.needs_rebuild or self.position.replaying:
             return None
         return encode_handoff(
+            self._services.index.bridge(self.worker_id),
             self.lease.epoch,
             self.position.applied_through,
             self.position.applied_ts,
             self._services.lifetimes.recorded(self.worker_id),
-            self._services.index.bridge(self.worker_id).state(),
         )
 
     def resume(self, lease: Lease, data: bytes | None) -> bool:

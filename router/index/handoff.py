@@ -42,6 +42,7 @@ class HandoffError(PrefixIndexError):
 
 class _Wire(msgspec.Struct, array_like=True, frozen=True):
     version: int
+    root: int  # the router key of an empty prefix: tells the router key seed apart
     epoch: int
     applied_through: int | None
     applied_ts: float | None
@@ -75,16 +76,18 @@ class Handoff:
 
 
 def encode_handoff(
+    bridge: WorkerBridge,
     epoch: int,
     applied_through: int | None,
     applied_ts: float | None,
     lifetime_id: str | None,
-    state: BridgeState,
 ) -> bytes:
-    """The handoff of a bridge state, written under lease ``epoch``."""
+    """The handoff of ``bridge`` and the stream position, written under lease ``epoch``."""
+    state = bridge.state()
     payload = msgspec.msgpack.encode(
         _Wire(
             version=_VERSION,
+            root=bridge.keyer.root(),
             epoch=epoch,
             applied_through=applied_through,
             applied_ts=applied_ts,
@@ -103,8 +106,9 @@ def decode_handoff(data: bytes, keyer: RouterKeyer) -> Handoff:
     """Read a handoff back, rebuilding its bridge with ``keyer``.
 
     Raises:
-        HandoffError: ``data`` is not a handoff of this version, or its bridge breaks an
-            invariant (see :meth:`WorkerBridge.from_state`).
+        HandoffError: ``data`` is not a handoff of this version, was written with another
+            router key seed, or its bridge breaks an invariant (see
+            :meth:`WorkerBridge.from_state`).
     """
     try:
         payload, checksum = data[:-_CHECKSUM_BYTES], data[-_CHECKSUM_BYTES:]
@@ -113,6 +117,8 @@ def decode_handoff(data: bytes, keyer: RouterKeyer) -> Handoff:
         wire = msgspec.msgpack.decode(payload, type=_Wire)
         if wire.version != _VERSION:
             raise ValueError(f"version {wire.version}, expected {_VERSION}")
+        if wire.root != keyer.root():
+            raise ValueError("written by a router with another router key seed")
         copy_words = _words(wire.copy_words, COPY_LANES)
         keys = _words(wire.keys, 1)
         key_words = _words(wire.key_words, KEY_LANES)

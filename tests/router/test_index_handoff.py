@@ -52,7 +52,7 @@ def test_a_handed_over_bridge_folds_like_the_original(
         original = WorkerBridge(KEYER, tolerate_orphans=tolerant)
         for event in before:
             await fold(original, event)
-        data = encode_handoff(7, 41, 1.5, "life-1", original.state())
+        data = encode_handoff(original, 7, 41, 1.5, "life-1")
         handoff = decode_handoff(data, KEYER)
         assert (handoff.epoch, handoff.applied_through, handoff.applied_ts) == (7, 41, 1.5)
         assert handoff.lifetime_id == "life-1"
@@ -82,7 +82,7 @@ def test_engine_hashes_of_every_wire_form_survive() -> None:
     async def main() -> None:
         original = WorkerBridge(KEYER)
         await fold(original, event)
-        copy = decode_handoff(encode_handoff(1, None, None, None, original.state()), KEYER).bridge
+        copy = decode_handoff(encode_handoff(original, 1, None, None, None), KEYER).bridge
         assert copy.entries() == original.entries() and len(copy.entries()) == 3
         removal = BlockRemoved(block_hashes=hashes[::-1], medium="GPU")
         assert await fold(copy, removal) == await fold(original, removal)
@@ -94,13 +94,13 @@ def test_engine_hashes_of_every_wire_form_survive() -> None:
 def _handoff() -> bytes:
     bridge = WorkerBridge(KEYER)
     asyncio.run(fold(bridge, BlockStored([5, 6], None, list(range(8)), 4, None, "GPU", None)))
-    return encode_handoff(3, 9, 2.0, None, bridge.state())
+    return encode_handoff(bridge, 3, 9, 2.0, None)
 
 
 def _wire(**changes: Any) -> bytes:
     """A valid handoff with some wire fields replaced (and a checksum that matches)."""
     fields = list(msgspec.msgpack.decode(_handoff()[:-8]))
-    names = ["version", "epoch", "applied_through", "applied_ts", "lifetime_id"]
+    names = ["version", "root", "epoch", "applied_through", "applied_ts", "lifetime_id"]
     names += ["tolerate_orphans"]
     names += ["hashes", "copy_words", "keys", "key_words"]
     for name, value in changes.items():
@@ -122,6 +122,7 @@ def _wire(**changes: Any) -> bytes:
         (_wire(keys=lambda b: b[8:] + b[:8]), "bad key word"),  # a key its own parent
         (_wire(key_words=lambda b: b[:-8] + b"\xff" * 8), "bad key word"),
         (_wire(epoch=lambda e: "three"), "unreadable"),
+        (_wire(root=lambda r: r ^ 1), "another router key seed"),
     ],
 )
 def test_an_unreadable_handoff_is_refused(data: bytes, reason: str) -> None:
@@ -136,8 +137,9 @@ def test_a_state_that_breaks_the_invariants_is_refused() -> None:
         BridgeState({}, {5: 1}, False),  # a held key without copies
         BridgeState({1: 5 << 64}, {5: 0}, False),  # a copy word without copies
     ):
+        bridge = WorkerBridge(KEYER, False, _copies=state.copies, _keys=state.keys)
         with pytest.raises(HandoffError):
-            decode_handoff(encode_handoff(1, None, None, None, state), KEYER)
+            decode_handoff(encode_handoff(bridge, 1, None, None, None), KEYER)
 
 
 @given(st.binary(max_size=200))
