@@ -205,19 +205,25 @@ class Stack:
         )
 
     async def handshake(self, *workers: FakeWorker) -> None:
-        """Publish empty batches until the ingest saw one from each worker (slow joiner)."""
+        """Publish empty batches until the ingest took one more from each worker than it
+        had (its stream is up: a subscription's first batches can be lost, slow joiner)."""
         for worker in workers:
+            wid = worker.worker_id
+            before = self._taken(wid)
 
-            async def seen(worker: FakeWorker = worker) -> bool:
-                wid = worker.worker_id
-                if self.count("batches", worker=wid, outcome="applied") or self.count(
-                    "batches", worker=wid, outcome="covered"
-                ):
+            async def seen(worker: FakeWorker = worker, before: float = before) -> bool:
+                if self._taken(worker.worker_id) > before:
                     return True
                 worker.publish()
                 return False
 
-            await eventually(seen, what=f"handshake with {worker.worker_id}")
+            await eventually(seen, what=f"handshake with {wid}")
+
+    def _taken(self, worker_id: str) -> float:
+        """Batches of the worker applied or found covered so far."""
+        return self.count("batches", worker=worker_id, outcome="applied") + self.count(
+            "batches", worker=worker_id, outcome="covered"
+        )
 
     def count(self, name: str, **labels: str) -> float:
         """A counter's value (0 when never incremented)."""
