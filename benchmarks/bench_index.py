@@ -10,10 +10,10 @@ One private ``redis-server`` (127.0.0.1, no persistence) serves every row, in on
    removes 32 old ones). Baseline: ``redis-benchmark -P 64 -t set`` on the same server in
    the same run; ratio = block events/s / SET requests/s. Each row's note gives the
    Redis server time and the client's CPU time per block: the two sides of the cost.
-   One more row runs the population ingest in two processes, each a router replica
-   holding the leases of the workers it owns by rendezvous hashing
-   (:func:`router.index.registry.owner_of`), as two ``kvroute router`` replicas share
-   them; its figure is the aggregate rate over both.
+   One more row runs the population ingest in ``--replicas`` processes (2 by default),
+   each a router replica holding the leases of the workers it owns by rendezvous hashing
+   (:func:`router.index.registry.owner_of`), as ``kvroute router`` replicas share them;
+   its figure is the aggregate rate over all of them.
 2. Lookup: p50/p99 of ``lookup`` of a 512-block prompt across 64 workers with the index
    holding ``--entries`` block entries (1,000,000 by default); eight workers hold the
    prompt to depths 64, 128, ..., 512 blocks. Rows: all workers as candidates, an explicit
@@ -70,8 +70,8 @@ TARGET_P99_MS: Final = 3.0
 KEYER: Final = RouterKeyer()
 TARGET: Final = 10**6
 """The looked-up prompt."""
-REPLICAS: Final = ("r0", "r1")
-"""The router replicas of the shared-ingest row."""
+DEFAULT_REPLICAS: Final = 2
+"""Router replica processes of the shared-ingest row (``--replicas``)."""
 
 
 def prompt_tokens(prompt: int, num_blocks: int = PROMPT_BLOCKS) -> list[int]:
@@ -313,7 +313,7 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
         )
     )
 
-    rows.append(await shared_ingest(client, port, args.entries, set_per_s))
+    rows.append(await shared_ingest(client, port, args.entries, set_per_s, args.replicas))
     rows.extend(await handoff_rows(client, index, workers[0], plan[workers[0]]))
 
     # --- 2. lookups ------------------------------------------------------------------------
@@ -390,13 +390,16 @@ async def handoff_rows(
     ]
 
 
-async def shared_ingest(client: RedisClient, port: int, entries: int, set_per_s: float) -> Row:
-    """The population ingested by two replica processes at once (see the module docstring)."""
+async def shared_ingest(
+    client: RedisClient, port: int, entries: int, set_per_s: float, replicas: int
+) -> Row:
+    """The population ingested by ``replicas`` processes at once (see the module docstring)."""
     ctx = multiprocessing.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    names = tuple(f"r{i}" for i in range(replicas))
     procs = [
-        ctx.Process(target=replica_ingest, args=(port, r, entries, ready, go, results))
-        for r in REPLICAS
+        ctx.Process(target=replica_ingest, args=(port, names, r, entries, ready, go, results))
+        for r in names
     ]
     for proc in procs:
         proc.start()
@@ -410,13 +413,22 @@ async def shared_ingest(client: RedisClient, port: int, entries: int, set_per_s:
     blocks = sum(n for _, _, n in spans)
     seconds = max(end for _, end, _ in spans) - min(start for start, _, _ in spans)
     server = await server_us(client, reset=True) / blocks
-    note = f"{blocks:,} blocks over {len(REPLICAS)} processes; server {server:.2f} µs/block"
-    name = f"ingest, {NUM_WORKERS} workers shared by {len(REPLICAS)} router processes"
+    note = f"{blocks:,} blocks; server {server:.2f} µs/block"
+    name = f"ingest, {NUM_WORKERS} workers shared by router replica processes: {replicas}"
     return Row(name, blocks / seconds, "block events/s", set_per_s, note)
 
 
-def replica_ingest(port: int, replica: str, entries: int, ready: Any, go: Any, out: Any) -> None:
-    """One replica process: ingest the workers ``replica`` owns, when ``go`` is set."""
+def replica_ingest(
+    port: int,
+    replicas: tuple[str, ...],
+    replica: str,
+    entries: int,
+    ready: Any,
+    go: Any,
+    out: Any,
+) -> None:
+    """One replica process: ingest the workers ``replica`` owns among ``replicas``, when
+    ``go`` is set."""
 
     async def body() -> None:
         client = await connect(f"redis://127.0.0.1:{port}/0")
@@ -424,7 +436,7 @@ def replica_ingest(port: int, replica: str, entries: int, ready: Any, go: Any, o
         plan = {
             w: batches
             for w, batches in population_plan(workers, entries).items()
-            if owner_of(w, REPLICAS) == replica
+            if owner_of(w, replicas) == replica
         }
         index = await writers(client, "bench-replicas", list(plan))
         gc.freeze()
@@ -453,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         "--entries", type=int, default=1_000_000, help="indexed block entries for the lookups"
     )
     parser.add_argument("--lookups", type=int, default=2000, help="timed lookups per row")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=DEFAULT_REPLICAS,
+        help="router replica processes sharing the ingest in the shared-ingest row; give it "
+        "the cores Redis and the baseline leave free (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.entries, args.lookups = 65_536, 200
@@ -469,11 +488,11 @@ def main(argv: list[str] | None = None) -> int:
         print(row.format())
     ingest = rows[1].value / rows[0].value
     capacity = rows[2].value / rows[0].value
-    shared = next(r.value for r in rows if "router processes" in r.name) / rows[0].value
+    shared = next(r.value for r in rows if "replica processes" in r.name) / rows[0].value
     p50 = next(r.value for r in rows if r.name == "lookup 512 blocks, all workers p50")
     p99 = next(r.value for r in rows if r.name == "lookup 512 blocks, all workers p99")
     print(
-        f"targets: ingest/SET {ingest:.2f} ({len(REPLICAS)} replica processes {shared:.2f}, "
+        f"targets: ingest/SET {ingest:.2f} ({args.replicas} replica processes {shared:.2f}, "
         f"Redis-side capacity {capacity:.2f}; >= {TARGET_RATIO}), lookup p50 {p50:.2f} ms "
         f"(<= {TARGET_P50_MS}), p99 {p99:.2f} ms (<= {TARGET_P99_MS})"
     )
