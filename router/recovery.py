@@ -2,10 +2,11 @@
 
 I/O-free. :class:`RecoveryRules` answers, for one worker, which :class:`Rebuild` follows an
 orphan parent, a loss for good (a resync) or a lease (re)acquisition; :class:`StreamPosition`
-tells a batch already held from a seq jump. The router's ingest (:mod:`router.worker_ingest`)
-carries the answers out against Redis, the subscriber and the worker's snapshot; the offline
-replay (:mod:`router.replay`) against an index with the network taken out, so the index it
-rebuilds is the one the router held.
+tells a batch already held from a seq jump; :class:`KeptStream` holds what arrives for a
+worker while its lease is on its way to this router. The router's ingest
+(:mod:`router.worker_ingest`) carries the answers out against Redis, the subscriber and the
+worker's snapshot; the offline replay (:mod:`router.replay`) against an index with the
+network taken out, so the index it rebuilds is the one the router held.
 
 Every rebuild clears the worker's entries first. Claiming too little is safe, claiming too
 much misroutes: whatever cannot be rebuilt is left out, never kept from before the loss.
@@ -14,10 +15,13 @@ much misroutes: whatever cannot be rebuilt is left out, never kept from before t
 from __future__ import annotations
 
 import enum
+from collections import deque
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["OFFLINE_RULES", "Rebuild", "RecoveryRules", "StreamPosition"]
+from events.subscription import ReceivedBatch
+
+__all__ = ["OFFLINE_RULES", "KeptStream", "Rebuild", "RecoveryRules", "Restart", "StreamPosition"]
 
 
 class Rebuild(enum.Enum):
@@ -115,3 +119,53 @@ class StreamPosition:
     def covers(self, seq: int) -> bool:
         """Whether the index already holds the effect of batch ``seq``."""
         return self.applied_through is not None and seq <= self.applied_through
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """A publisher restart (a seq drop to ``seq``) seen while batches were kept."""
+
+    seq: int
+
+
+class KeptStream:
+    """What a router received for a worker it owns but does not hold yet, in order:
+    batches, and the publisher restarts seen between them.
+
+    Once the lease comes with the previous holder's state, what that holder applied is
+    dropped (:meth:`drop_through`) and the rest is applied in order. Bounded: past
+    ``capacity`` the oldest go (a gap then, repaired like any other).
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._items: deque[ReceivedBatch | Restart] = deque(maxlen=capacity)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def add(self, item: ReceivedBatch | Restart) -> None:
+        """Keep a delivered batch or a restart seen."""
+        self._items.append(item)
+
+    def first(self) -> ReceivedBatch | Restart:
+        """The oldest item kept (the stream must not be empty)."""
+        return self._items[0]
+
+    def pop(self) -> None:
+        """Drop the oldest item (once applied)."""
+        self._items.popleft()
+
+    def drop_through(self, seq: int | None, ts: float | None) -> None:
+        """Drop everything up to and including batch ``(seq, ts)``, restarts included:
+        what the previous holder applied. Nothing is dropped when that batch is not here
+        (it came before this router kept any, or fell out)."""
+        last = next(
+            (
+                i
+                for i, item in enumerate(self._items)
+                if isinstance(item, ReceivedBatch) and (item.seq, item.batch.ts) == (seq, ts)
+            ),
+            -1,
+        )
+        for _ in range(last + 1):
+            self._items.popleft()

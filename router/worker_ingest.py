@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -29,22 +29,12 @@ from router.index.scripts import StaleLeaseError
 from router.index.snapshot import fetch_snapshot, snapshot_events
 from router.lifetime import LifetimeTracker
 from router.metrics import IngestMetrics
-from router.recovery import Rebuild, RecoveryRules, StreamPosition
+from router.recovery import KeptStream, Rebuild, RecoveryRules, Restart, StreamPosition
 from router.task_lock import TaskLock
 
 __all__ = ["IngestServices", "WorkerIngest"]
 
 log = logging.getLogger(__name__)
-
-@dataclass(frozen=True, slots=True)
-class _Restart:
-    """A publisher restart (seq drop to ``seq``) seen without the lease, in the kept stream."""
-
-    seq: int
-
-
-_KEPT_BATCHES = 4096
-"""Most batches kept while a handoff is on its way (the oldest go first: a gap then)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +81,9 @@ class WorkerIngest:
         self.lock = TaskLock()
         self._services = services
         self._seen = BridgeCounters()
-        # NOTE: batches delivered without the lease while a handoff is expected (see
+        # NOTE: what is delivered without the lease while a handoff is expected (see
         # keep_batches), applied before the next batch once the lease is held.
-        self._kept: deque[ReceivedBatch | _Restart] | None = None
+        self._kept: KeptStream | None = None
 
     @property
     def worker_id(self) -> WorkerId:
@@ -109,14 +99,14 @@ class WorkerIngest:
         if not keep:
             self._kept = None
         elif self._kept is None:
-            self._kept = deque(maxlen=_KEPT_BATCHES)
+            self._kept = KeptStream()
 
     def note_restart(self, seq: int) -> bool:
         """The subscriber saw the publisher restart (a seq drop to ``seq``): if batches
         are being kept, it joins them in order (applied there) and True is returned."""
         if self._kept is None:
             return False
-        self._kept.append(_Restart(seq))
+        self._kept.add(Restart(seq))
         return True
 
     async def apply_batch(self, received: ReceivedBatch) -> None:
@@ -124,7 +114,7 @@ class WorkerIngest:
         after any batches kept while the lease was on its way."""
         if self.lease is None:
             if self._kept is not None:
-                self._kept.append(received)
+                self._kept.add(received)
             self._services.metrics.batches.labels(self.worker_id, "not_owner").inc()
             return
         await self._apply_kept(in_batch=True)
@@ -143,12 +133,12 @@ class WorkerIngest:
     async def _apply_kept(self, *, in_batch: bool) -> None:
         kept = self._kept
         while kept:
-            item = kept[0]
-            if isinstance(item, _Restart):
+            item = kept.first()
+            if isinstance(item, Restart):
                 await self._restarted_unseen(item.seq)
             elif not await self._apply_one(item, in_batch=in_batch):
                 return
-            kept.popleft()
+            kept.pop()
         self._kept = None
 
     async def _apply_one(self, received: ReceivedBatch, *, in_batch: bool) -> bool:
@@ -288,18 +278,8 @@ class WorkerIngest:
             wid,
             handoff.applied_through,
         )
-        kept = self._kept or deque()
-        last = next(
-            (
-                i
-                for i, item in enumerate(kept)
-                if isinstance(item, ReceivedBatch)
-                and (item.seq, item.batch.ts) == (handoff.applied_through, handoff.applied_ts)
-            ),
-            -1,
-        )
-        for _ in range(last + 1):  # what the previous holder applied, restarts included
-            kept.popleft()
+        if self._kept is not None:
+            self._kept.drop_through(handoff.applied_through, handoff.applied_ts)
         return True
 
     # -- recovery ------------------------------------------------------------------------

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from router.recovery import OFFLINE_RULES, Rebuild, RecoveryRules, StreamPosition
+from events.schema import KVEventBatch
+from events.subscription import ReceivedBatch
+from router.recovery import (
+    OFFLINE_RULES,
+    KeptStream,
+    Rebuild,
+    RecoveryRules,
+    Restart,
+    StreamPosition,
+)
 
 KVROUTE = RecoveryRules(has_snapshot=True, can_replay=True)
 VLLM = RecoveryRules(has_snapshot=False, can_replay=True)
@@ -70,3 +79,42 @@ def test_position_tells_a_reused_seq_of_a_newer_lifetime() -> None:
     assert position.restarted(3, 101.0)  # seq 3 again, stamped later: a new lifetime
     assert not position.restarted(6, 101.0)  # not covered: the next batch
     assert not StreamPosition(applied_through=5).restarted(3, 101.0)  # no stamp known
+
+
+def _received(seq: int, ts: float) -> ReceivedBatch:
+    return ReceivedBatch("w", seq, KVEventBatch(ts, []), b"", ts, False)
+
+
+def _drained(kept: KeptStream) -> list[object]:
+    out: list[object] = []
+    while kept:
+        item = kept.first()
+        out.append(item if isinstance(item, Restart) else (item.seq, item.batch.ts))
+        kept.pop()
+    return out
+
+
+def test_kept_stream_drops_what_the_previous_holder_applied() -> None:
+    kept = KeptStream()
+    for item in (_received(4, 4.0), Restart(0), _received(5, 5.0), _received(6, 6.0)):
+        kept.add(item)
+    kept.drop_through(5, 5.0)  # a restart before it was the previous holder's to see
+    assert _drained(kept) == [(6, 6.0)]
+
+
+def test_kept_stream_keeps_all_without_the_applied_batch() -> None:
+    kept = KeptStream()
+    for item in (_received(5, 9.0), Restart(0), _received(0, 10.0)):
+        kept.add(item)
+    kept.drop_through(5, 5.0)  # seq 5 of another lifetime (stamped 9.0) is not the one
+    assert _drained(kept) == [(5, 9.0), Restart(0), (0, 10.0)]
+    kept.add(_received(7, 7.0))
+    kept.drop_through(None, None)  # nothing was applied: nothing to drop
+    assert _drained(kept) == [(7, 7.0)]
+
+
+def test_kept_stream_is_bounded_oldest_first() -> None:
+    kept = KeptStream(capacity=3)
+    for seq in range(5):
+        kept.add(_received(seq, float(seq)))
+    assert _drained(kept) == [(2, 2.0), (3, 3.0), (4, 4.0)]
