@@ -51,7 +51,8 @@ from router.proxy import ProxyTarget, WorkerProxy
 from router.redis_conn import RedisClient, RedisOptions, connect
 from router.service_config import RouterConfig
 from router.service_metrics import RouterMetrics
-from router.shared_load import RedisLoadTracker, SharedLoadConfig, WorkerReportPoller
+from router.shared_load import RedisLoadTracker, SharedLoadConfig
+from router.worker_reports import WorkerReportPoller
 
 __all__ = ["NoWorkersError", "Routed", "RouterService"]
 

@@ -16,9 +16,8 @@ from router.index.base import WorkerId
 from router.load import WorkerLoad, finished, routed
 from router.redis_conn import connect
 from router.redis_server import RedisServer
-from router.shared_load import (
-    RedisLoadTracker,
-    SharedLoadConfig,
+from router.shared_load import RedisLoadTracker, SharedLoadConfig
+from router.worker_reports import (
     WorkerReportPoller,
     parse_health_load,
     parse_vllm_metrics_load,
