@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Final
 
 import pytest
 from fault_helpers import (
@@ -84,18 +85,33 @@ def test_redis_stopped_and_restarted_empty(tmp_path: Path) -> None:
         assert metric(samples, "kvroute_ingest_snapshots_total", worker=w, outcome="ok") >= 2
 
 
+REPLICA_IDS: Final = {"r0": "r0", "r1": "r3"}
+"""Router name -> replica id, chosen so that each replica owns one worker (rendezvous)."""
+
+
+def start_replica(cluster: Cluster, name: str, *also_healthy: str) -> str:
+    """Start router ``name`` over every worker, under its replica id; wait until it (and
+    ``also_healthy``) answer. Returns its URL."""
+    url = cluster.start_router(
+        name,
+        [w.spec() for w in cluster.workers],
+        "--lease-ttl", str(LEASE_TTL_S),
+        "--replica-id", REPLICA_IDS[name],
+    )  # fmt: skip
+    cluster.wait_healthy([*also_healthy, url])
+    return url
+
+
 def test_router_replica_killed_with_in_flight_load(tmp_path: Path) -> None:
-    # Replica ids chosen so that each replica owns one worker (rendezvous hashing).
-    assert {w: owner_of(w, ["r0", "r3"]) for w in ("w0", "w1")} == {"w0": "r0", "w1": "r3"}
+    assert {w: owner_of(w, list(REPLICA_IDS.values())) for w in ("w0", "w1")} == {
+        "w0": "r0",
+        "w1": "r3",
+    }
     with Cluster(tmp_path) as cluster:
         cluster.start_workers()
-        specs = [w.spec() for w in cluster.workers]
-        lease = ("--lease-ttl", str(LEASE_TTL_S))
-        r0 = cluster.start_router("r0", specs, *lease, "--replica-id", "r0")
-        cluster.wait_healthy([*(w.url for w in cluster.workers), r0])
+        r0 = start_replica(cluster, "r0", *(w.url for w in cluster.workers))
         assert metric(scrape(r0), "kvroute_ingest_owned_workers") == 2  # alone, it owns both
-        r1 = cluster.start_router("r1", specs, *lease, "--replica-id", "r3")
-        cluster.wait_healthy([r1])
+        r1 = start_replica(cluster, "r1")
         targets = [(w.worker_id, w.url) for w in cluster.workers]
         with Load([r0, r1], clients=4) as load:
             load.wait_for(20)
@@ -127,12 +143,8 @@ def test_rolling_restart_of_a_router_replica_keeps_every_entry(tmp_path: Path) -
     (no snapshot is fetched after the first), and the index stays exact."""
     with Cluster(tmp_path) as cluster:
         cluster.start_workers()
-        specs = [w.spec() for w in cluster.workers]
-        lease = ("--lease-ttl", str(LEASE_TTL_S))
-        r0 = cluster.start_router("r0", specs, *lease, "--replica-id", "r0")
-        cluster.wait_healthy([*(w.url for w in cluster.workers), r0])
-        r1 = cluster.start_router("r1", specs, *lease, "--replica-id", "r3")
-        cluster.wait_healthy([r1])
+        r0 = start_replica(cluster, "r0", *(w.url for w in cluster.workers))
+        r1 = start_replica(cluster, "r1")
         wait_owned(r1, 1)  # r0 handed w1 over
         targets = [(w.worker_id, w.url) for w in cluster.workers]
         with Load([r1], clients=2) as load:
@@ -140,8 +152,7 @@ def test_rolling_restart_of_a_router_replica_keeps_every_entry(tmp_path: Path) -
             cluster.group.stop(["r0"])  # graceful: w0 goes to r1 with r0's state of it
             wait_owned(r1, 2)
             load.wait_for(10)
-            r0 = cluster.start_router("r0", specs, *lease, "--replica-id", "r0")
-            cluster.wait_healthy([r0])
+            r0 = start_replica(cluster, "r0")
             wait_owned(r0, 1)  # r1 hands w0 back
             load.wait_for(10)
             wait_converged(cluster, targets, REPLICA_BOUND_S)
