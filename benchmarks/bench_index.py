@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from benchmarks.environment import describe
+from benchmarks.environment import describe, native_text
 from events.hashing import BlockKey, RouterKeyer
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
 from router.index.base import WorkerId
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     args.solo_prompts = 4 if args.quick else 40
     args.churn_prompts = 4 if args.quick else 20
     binary = find_redis_server()
-    print(describe(("redis", "hiredis"), redis_server=binary))
+    print(describe(("redis", "hiredis"), redis_server=binary, extra=native_text()))
     with RedisServer(binary=binary) as server:
         rows = asyncio.run(run(args, server.port))
     print("| row | figure | ratio to baseline | note |")

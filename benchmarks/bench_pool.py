@@ -31,10 +31,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from benchmarks.environment import describe
+from benchmarks.environment import describe, native_text
 from events.hashing import (
+    BlockKey,
     hash_block_sha256_cbor,
     none_hash,
+    python_block_keys,
     root_key,
     router_block_key,
     router_block_keys,
@@ -157,13 +159,15 @@ def router_key_block() -> Callable[[int], None]:
     return run
 
 
-def router_keys_batch() -> Callable[[int], None]:
+def router_keys_batch(
+    keys: Callable[[list[int], int, int], list[BlockKey]] = router_block_keys,
+) -> Callable[[int], None]:
     parent = root_key()
     tokens = list(range(1, BATCH * BLOCK_SIZE + 1))
 
     def run(n: int) -> None:
         for _ in range(n):
-            router_block_keys(tokens, BLOCK_SIZE, parent)
+            keys(tokens, BLOCK_SIZE, parent)
 
     return run
 
@@ -244,6 +248,7 @@ def build_rows() -> list[Row]:
         Row("sha256_cbor hash of one 16-token block", 2.61, sha256_cbor_block(), 1),
         Row("router key (XXH3) of one 16-token block", None, router_key_block(), 1),
         Row("router keys of 32 blocks in one call, per block", None, router_keys_batch(), BATCH),
+        Row("same, the Python reference", None, router_keys_batch(python_block_keys), BATCH),
         Row("KVCacheManager: 32-block hit, allocate_slots, free", None, manager_hit(), BATCH),
         Row("calibration: plain-Python loop, per element", None, calibration(), BATCH),
     ]
@@ -273,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeats must be at least 1")
     target_s = 0.01 if args.quick else 0.2  # wall time of one repeat
 
-    print("bench_pool:", describe(("msgspec", "cbor2", "xxhash")))
+    print("bench_pool:", describe(("msgspec", "cbor2", "xxhash"), extra=native_text()))
     print(
         f"pool of {NUM_BLOCKS} blocks, batches of {BATCH} blocks of {BLOCK_SIZE} tokens, "
         f"median of {repeats} repeats{' (--quick)' if args.quick else ''}"

@@ -8,7 +8,15 @@ import subprocess
 from collections.abc import Sequence
 from importlib import metadata
 
-__all__ = ["describe"]
+from events.hashing import NATIVE_KEYS
+from router.index.runs import NATIVE_RUNS
+
+__all__ = ["describe", "native_text"]
+
+
+def native_text() -> str:
+    """Whether kvroute's C modules ran (``KVROUTE_PURE_PYTHON=1`` or no compiler: off)."""
+    return f"C modules {'on' if NATIVE_KEYS and NATIVE_RUNS else 'off'}"
 
 
 def describe(

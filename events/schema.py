@@ -194,9 +194,7 @@ def _event_from_raw(item: Any) -> KVCacheEvent:
         # Extra trailing elements (fields newer than ours) are ignored.
         fields = dict(zip(names, item[1:], strict=False))
     else:
-        raise EventDecodeError(
-            "bad_event", f"expected a map or array event, got {_describe(item)}"
-        )
+        raise EventDecodeError("bad_event", f"expected a map or array event, got {_describe(item)}")
     if not isinstance(tag, str) or tag not in _EVENT_TYPES:
         raise EventDecodeError("unknown_tag", f"unknown event tag {tag!r}")
     cls = _EVENT_TYPES[tag]
@@ -216,4 +214,3 @@ def _convert(cls: type[KVCacheEvent], kwargs: dict[str, Any]) -> KVCacheEvent:
 def _describe(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
-

@@ -30,10 +30,12 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
+from events.hashing import NATIVE_KEYS
 from router.cost_flags import add_cost_arguments, cost_weights_from
 from router.errors import PrefixIndexError, RouterError
 from router.index.layout import check_name
 from router.index.registry import WorkerRecord
+from router.index.runs import NATIVE_RUNS
 from router.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig
 from router.proxy import ProxyConfig
 from router.redis_conn import redact_url
@@ -287,6 +289,12 @@ async def _serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         try:
             await service.start()
+            if not (NATIVE_KEYS and NATIVE_RUNS):
+                logger.warning(
+                    "kvroute's C modules were not built (no C compiler at install time): "
+                    "router keys and the index ingest run in Python, slower per block; "
+                    "reinstall kvroute where gcc and the Python headers are present"
+                )
             # Long-lived startup objects leave the GC's scans: collections triggered by
             # per-request garbage then stay short (bench_router: p50 at 64 workers).
             gc.freeze()

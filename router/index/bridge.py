@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from itertools import pairwise
 
 from events.hashing import BlockKey, RouterKeyer, router_block_keys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
 from router.errors import OrphanParentError
 from router.index.changes import CPU_MASK, GPU_MASK, Changes
+from router.index.runs import store_run
 from router.index.words import (
     COUNT,
     COUNTS,
@@ -191,64 +191,29 @@ class WorkerBridge:
         if tag is None:
             tag = keys[0]
         tier = _tier(event.medium)
-        if not self._store_new(event.block_hashes, keys, tag, parent, tier, changes):
-            for block_hash, key in zip(event.block_hashes, keys, strict=True):
-                copies = self._copies.get(block_hash)
-                if copies is None:
-                    self._copies[block_hash] = key << 64
-                elif key_of(copies) == NONE:
-                    # Now reachable from block 0: its earlier copies are indexed too.
-                    self._copies[block_hash] = key << 64
-                    for t in (GPU_SHIFT, CPU_SHIFT):
-                        for _ in range((copies >> t) & COUNT):
-                            self._add(block_hash, t, +1, tag, parent, changes)
-                # NOTE: a hash re-stored with other tokens keeps its first key: the index
-                # already holds that one and children chain from it.
-                self._add(block_hash, tier, +1, tag, parent, changes)
-                parent = key
-
-    def _store_new(
-        self,
-        hashes: list[WireHash],
-        keys: list[BlockKey],
-        tag: BlockKey,
-        parent: BlockKey | None,
-        tier: int,
-        changes: Changes,
-    ) -> bool:
-        """Store a run of blocks in bulk if it is the common case; False if it is not.
-
-        The common case: every hash and every key of the run is new (no copy held, no
-        key held or with held children) and distinct; then each block is a new entry,
-        indexed iff the parent is (prefix closure), with one dict update per map.
-        """
-        all_copies, all_keys, children = self._copies, self._keys, self._children
-        if not (
-            all_copies.keys().isdisjoint(hashes)
-            and all_keys.keys().isdisjoint(keys)
-            and children.keys().isdisjoint(keys)
-        ):
-            return False
-        one = 1 << tier
-        indexed = parent is None or bool(all_keys[parent] & INDEXED)
-        base = key_word(tag, 0, indexed) | one  # each key's parent is OR-ed in below
-        had_copies, had_keys = len(all_copies), len(all_keys)
-        all_copies.update(zip(hashes, [one | key << 64 for key in keys], strict=True))
-        parents = [NONE if parent is None else parent, *keys[:-1]]
-        all_keys.update(zip(keys, [base | above << 128 for above in parents], strict=True))
-        if len(all_copies) - had_copies != len(keys) or len(all_keys) - had_keys != len(keys):
-            # A hash or key repeats within the run: undo (none was held before).
-            for block_hash in hashes:
-                all_copies.pop(block_hash, None)
-            for key in keys:
-                all_keys.pop(key, None)
-            return False
-        children.update(pairwise(keys))
-        if parent is not None:
-            self._link(parent, keys[0])
-        if indexed:
-            changes.add_new(tag, keys, GPU_MASK if tier == GPU_SHIFT else CPU_MASK)
-        return True
+        hashes = event.block_hashes
+        indexed = parent is None or bool(self._keys[parent] & INDEXED)
+        maps = (self._copies, self._keys, self._children)
+        if store_run(*maps, hashes, keys, tag, parent, tier, indexed):
+            if parent is not None:
+                self._link(parent, keys[0])
+            if indexed:
+                changes.add_new(tag, keys, GPU_MASK if tier == GPU_SHIFT else CPU_MASK)
+            return
+        for block_hash, key in zip(hashes, keys, strict=True):
+            copies = self._copies.get(block_hash)
+            if copies is None:
+                self._copies[block_hash] = key << 64
+            elif key_of(copies) == NONE:
+                # Now reachable from block 0: its earlier copies are indexed too.
+                self._copies[block_hash] = key << 64
+                for t in (GPU_SHIFT, CPU_SHIFT):
+                    for _ in range((copies >> t) & COUNT):
+                        self._add(block_hash, t, +1, tag, parent, changes)
+            # NOTE: a hash re-stored with other tokens keeps its first key: the index
+            # already holds that one and children chain from it.
+            self._add(block_hash, tier, +1, tag, parent, changes)
+            parent = key
 
     def remove(self, event: BlockRemoved, changes: Changes) -> None:
         """Fold one ``BlockRemoved`` into ``changes``; unknown copies are counted."""

@@ -79,9 +79,7 @@ def _lists_of(change: Transition) -> tuple[int, ...]:
 _LISTS: Final = tuple(_lists_of(change) for change in range(16))
 
 
-def _append_family(
-    tag: BlockKey, family: dict[BlockKey, Transition], args: list[str | int]
-) -> int:
+def _append_family(tag: BlockKey, family: dict[BlockKey, Transition], args: list[str | int]) -> int:
     """Append one family's script arguments (see ``_FAMILY`` in
     :mod:`router.index.scripts`: tag, the four list lengths, the four key lists) to
     ``args``; returns the change of the worker's entry count."""

@@ -1,0 +1,187 @@
+/* The engine-hash bridge's bulk store in C: the hot path of router.index.runs.store_run.
+ *
+ * store_run(copies, keys, children, hashes, run_keys, tag, parent, tier, indexed) -> bool
+ * does exactly what the pure-Python router.index.runs.store_run_py does to the bridge's
+ * three dicts (same words, same order of checks, same undo), minus the interpreter: the
+ * words of router.index.words are built from their little-endian bytes instead of
+ * through shifts of Python ints. tests/test_native.py runs both on the same inputs.
+ *
+ * Invariant: on False the three dicts are as they were on entry.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NONE_KEY (UINT64_C(1) << 63)
+#define COPY_WORD_BYTES 16 /* counts, router key */
+#define KEY_WORD_BYTES 25  /* counts, tag, parent, indexed bit (bit 192) */
+
+static PyObject *from_le_bytes(const uint8_t *bytes, size_t n)
+{
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyLong_FromUnsignedNativeBytes(
+        bytes, (Py_ssize_t)n, Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
+#else
+    return _PyLong_FromByteArray(bytes, n, 1, 0);
+#endif
+}
+
+static inline void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* A router key (int below 2**63); (uint64_t)-1 with an exception set if it is not one. */
+static uint64_t key_value(PyObject *key)
+{
+    uint64_t value = PyLong_AsUnsignedLongLong(key);
+    if (value == (uint64_t)-1 && PyErr_Occurred())
+        return value;
+    if (value >= NONE_KEY) {
+        PyErr_SetString(PyExc_ValueError, "router key out of the 63-bit range");
+        return (uint64_t)-1;
+    }
+    return value;
+}
+
+/* Remove items[0..count) from dict (each was inserted by this call). */
+static void undo(PyObject *dict, PyObject *const *items, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (PyDict_DelItem(dict, items[i]) < 0)
+            PyErr_Clear(); /* cannot happen: the item was just inserted */
+}
+
+/* Insert items[i] -> word with lanes[i] at lane_offset, for every i, unless an item is
+ * already present (then undo and return 0); -1 on error (also undone). */
+static int insert_all(PyObject *dict, PyObject *const *items, Py_ssize_t count, uint8_t *word,
+                      size_t word_bytes, const uint64_t *lanes, size_t lane_offset)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        put64(word + lane_offset, lanes[i]);
+        PyObject *value = from_le_bytes(word, word_bytes);
+        PyObject *held = value == NULL ? NULL : PyDict_SetDefault(dict, items[i], value);
+        int repeated = held != NULL && held != value; /* the item repeats within the run */
+        Py_XDECREF(value); /* the dict holds it when it was inserted */
+        if (held == NULL || repeated) {
+            undo(dict, items, i);
+            return held == NULL ? -1 : 0;
+        }
+    }
+    return 1;
+}
+
+static int any_held(PyObject *dict, PyObject *const *items, Py_ssize_t count)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int found = PyDict_Contains(dict, items[i]);
+        if (found != 0)
+            return found;
+    }
+    return 0;
+}
+
+static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "store_run(copies, keys, children, hashes, run_keys, "
+                                         "tag, parent, tier, indexed)");
+        return NULL;
+    }
+    PyObject *copies = args[0], *key_words = args[1], *children = args[2];
+    PyObject *hashes = args[3], *run_keys = args[4];
+    if (!PyDict_CheckExact(copies) || !PyDict_CheckExact(key_words) ||
+        !PyDict_CheckExact(children) || !PyList_CheckExact(hashes) ||
+        !PyList_CheckExact(run_keys)) {
+        PyErr_SetString(PyExc_TypeError, "store_run takes three dicts and two lists");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(hashes);
+    if (n == 0 || PyList_GET_SIZE(run_keys) != n) {
+        PyErr_SetString(PyExc_ValueError, "store_run needs as many keys as hashes, at least one");
+        return NULL;
+    }
+    uint64_t tag = key_value(args[5]);
+    if (tag == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    uint64_t parent = NONE_KEY;
+    if (args[6] != Py_None) {
+        parent = key_value(args[6]);
+        if (parent == (uint64_t)-1 && PyErr_Occurred())
+            return NULL;
+    }
+    long tier = PyLong_AsLong(args[7]);
+    if (tier == -1 && PyErr_Occurred())
+        return NULL;
+    if (tier != 0 && tier != 32) {
+        PyErr_SetString(PyExc_ValueError, "tier must be 0 (GPU) or 32 (CPU)");
+        return NULL;
+    }
+    int indexed = PyObject_IsTrue(args[8]);
+    if (indexed < 0)
+        return NULL;
+
+    PyObject *const *hash_items = &PyList_GET_ITEM(hashes, 0);
+    PyObject *const *key_items = &PyList_GET_ITEM(run_keys, 0);
+    int held = any_held(copies, hash_items, n);
+    if (held == 0)
+        held = any_held(key_words, key_items, n);
+    if (held == 0)
+        held = any_held(children, key_items, n);
+    if (held < 0)
+        return NULL;
+    if (held > 0)
+        Py_RETURN_FALSE;
+
+    /* keys[i] and parents[i] (the key before it, or the run's parent) as uint64. */
+    uint64_t *keys = PyMem_Malloc((size_t)n * 2 * sizeof(uint64_t));
+    if (keys == NULL)
+        return PyErr_NoMemory();
+    uint64_t *parents = keys + n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        keys[i] = key_value(key_items[i]);
+        if (keys[i] == (uint64_t)-1 && PyErr_Occurred()) {
+            PyMem_Free(keys);
+            return NULL;
+        }
+        parents[i] = i == 0 ? parent : keys[i - 1];
+    }
+    uint8_t copy_word[COPY_WORD_BYTES] = {0};
+    uint8_t key_word[KEY_WORD_BYTES] = {0};
+    put64(copy_word, UINT64_C(1) << tier);
+    put64(key_word, UINT64_C(1) << tier);
+    put64(key_word + 8, tag);
+    key_word[24] = (uint8_t)indexed;
+
+    int done = insert_all(copies, hash_items, n, copy_word, COPY_WORD_BYTES, keys, 8);
+    if (done == 1) {
+        done = insert_all(key_words, key_items, n, key_word, KEY_WORD_BYTES, parents, 16);
+        if (done != 1)
+            undo(copies, hash_items, n);
+    }
+    PyMem_Free(keys);
+    if (done < 0)
+        return NULL;
+    if (done == 0)
+        Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i + 1 < n; i++)
+        if (PyDict_SetItem(children, key_items[i], key_items[i + 1]) < 0)
+            return NULL;
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef methods[] = {
+    {"store_run", (PyCFunction)(void (*)(void))store_run, METH_FASTCALL,
+     "store_run(copies, keys, children, hashes, run_keys, tag, parent, tier, indexed) -> bool\n\n"
+     "Store a run of new blocks in the bridge's dicts (see router.index.runs)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "router.index._runs", "The bridge's bulk store in C.", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__runs(void) { return PyModule_Create(&module_def); }

@@ -1,0 +1,253 @@
+"""The C modules against their Python references, and that they were built.
+
+``events._keys.block_keys`` must equal ``events.hashing.python_block_keys`` and
+``router.index._runs.store_run`` must equal ``router.index.runs.store_run_py`` on every
+input: same result, same errors, same dicts afterwards. A bridge folding with either
+must end in the same state with the same changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import router.index.bridge as bridge_module
+from events.hashing import NATIVE_KEYS, BlockKey, RouterKeyer, python_block_keys
+from events.native import PURE_PYTHON
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
+from router.index.bridge import WorkerBridge
+from router.index.changes import Changes
+from router.index.runs import NATIVE_RUNS, store_run_py
+from router.index.words import CPU_SHIFT, GPU_SHIFT
+
+
+def _built(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+BUILT = _built("events._keys") and _built("router.index._runs")
+needs_native = pytest.mark.skipif(not BUILT, reason="C modules not built (no C compiler)")
+
+
+def _compiler() -> str | None:
+    cc = (sysconfig.get_config_var("CC") or "").split()
+    return shutil.which(cc[0]) if cc else None
+
+
+@pytest.mark.skipif(_compiler() is None, reason="no C compiler: the Python fallback runs")
+def test_the_c_modules_are_built_and_used_where_a_compiler_exists() -> None:
+    # An install with a compiler that silently fell back to Python would be slower on
+    # the ingest's hot path: catch a broken build here.
+    assert BUILT
+    assert (not PURE_PYTHON, not PURE_PYTHON) == (NATIVE_KEYS, NATIVE_RUNS)
+
+
+def test_kvroute_pure_python_runs_the_references() -> None:
+    code = (
+        "from events.hashing import NATIVE_KEYS; from router.index.runs import NATIVE_RUNS; "
+        "print(NATIVE_KEYS, NATIVE_RUNS)"
+    )
+    env = {**os.environ, "KVROUTE_PURE_PYTHON": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return ("ok", call())
+    except Exception as exc:  # the type is what must agree, not the wording
+        return ("raises", type(exc))
+
+
+# ---- router keys -------------------------------------------------------------------------
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=400),
+    block_size=st.integers(1, 70),
+    parent=st.integers(0, 2**64 - 1),
+)
+def test_block_keys_equal_the_python_reference(
+    tokens: list[int], block_size: int, parent: int
+) -> None:
+    # Block sizes 1-70 cross every input length class of XXH3 (4..280 bytes): lengths the
+    # C module hashes itself (17-128 bytes) and those it hands to the xxhash package.
+    from events._keys import block_keys
+
+    assert block_keys(tokens, block_size, parent) == python_block_keys(tokens, block_size, parent)
+    assert block_keys(tuple(tokens), block_size, parent) == block_keys(tokens, block_size, parent)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("tokens", "block_size", "parent", "error"),
+    [
+        # Token ids outside uint32 are OverflowError: the bridge counts the event malformed.
+        ([-1] * 16, 16, 0, OverflowError),
+        ([2**32] * 16, 16, 0, OverflowError),
+        ([2**70] * 16, 16, 0, OverflowError),
+        ([1] * 16, 16, -1, OverflowError),
+        ([1] * 16, 16, 2**64, OverflowError),
+        ([1] * 15 + ["x"], 16, 0, TypeError),
+        ([1.5] * 16, 16, 0, TypeError),
+        (None, 16, 0, TypeError),
+        ([1] * 16, 0, 0, ValueError),
+        ([1] * 16, -4, 0, ValueError),
+    ],
+)
+def test_block_keys_raise_what_the_python_reference_raises(
+    tokens: Any, block_size: int, parent: int, error: type[Exception]
+) -> None:
+    from events._keys import block_keys
+
+    assert outcome(lambda: block_keys(tokens, block_size, parent)) == ("raises", error)
+    assert outcome(lambda: python_block_keys(tokens, block_size, parent)) == ("raises", error)
+
+
+# ---- the bulk store ----------------------------------------------------------------------
+
+small = st.integers(0, 12)  # a small universe, so held, repeated and chained items collide
+Maps = tuple[dict[Any, int], dict[BlockKey, int], dict[BlockKey, int]]
+
+
+@st.composite
+def maps_and_runs(draw: st.DrawFn) -> tuple[Maps, tuple[Any, ...]]:
+    copies = draw(st.dictionaries(small, st.integers(1, 2**128)))
+    keys = draw(st.dictionaries(small.map(BlockKey), st.integers(1, 2**193)))
+    children = draw(st.dictionaries(small.map(BlockKey), small))
+    length = draw(st.integers(1, 6))
+    hashes = draw(st.lists(st.one_of(small, st.binary(min_size=1, max_size=2)),
+                           min_size=length, max_size=length))  # fmt: skip
+    run_keys = draw(st.lists(small.map(BlockKey), min_size=length, max_size=length))
+    tag = draw(small.map(BlockKey))
+    parent = draw(st.none() | small.map(BlockKey))
+    tier = draw(st.sampled_from([GPU_SHIFT, CPU_SHIFT]))
+    return (copies, keys, children), (hashes, run_keys, tag, parent, tier, draw(st.booleans()))
+
+
+@needs_native
+@settings(max_examples=500, deadline=None)
+@given(case=maps_and_runs())
+def test_store_run_equals_the_python_reference(case: tuple[Maps, tuple[Any, ...]]) -> None:
+    from router.index._runs import store_run
+
+    maps, run = case
+    mine = tuple(dict(m) for m in maps)
+    theirs = tuple(dict(m) for m in maps)
+    assert store_run(*mine, *run) == store_run_py(*theirs, *run)  # type: ignore[arg-type]
+    # Same contents in the same insertion order (the handoff encodes the maps in order).
+    assert [list(m.items()) for m in mine] == [list(m.items()) for m in theirs]
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [
+        ({0: [], 3: []}, TypeError),  # a dict or list of the wrong type
+        ({4: [1, 2]}, ValueError),  # keys and hashes differ in number
+        ({3: [], 4: []}, ValueError),  # an empty run
+        ({4: [2**63]}, ValueError),  # a router key out of range
+        ({4: [-1]}, OverflowError),
+        ({5: 2**64}, OverflowError),  # the tag
+        ({7: 16}, ValueError),  # not a tier
+    ],
+)
+def test_store_run_rejects_bad_arguments_and_changes_nothing(
+    change: dict[int, Any], error: type[Exception]
+) -> None:
+    from router.index._runs import store_run
+
+    maps: list[Any] = [{1: 1 << 64}, {BlockKey(7): 1}, {BlockKey(7): 8}]
+    args: list[Any] = [*maps, [10], [BlockKey(20)], BlockKey(20), None, GPU_SHIFT, True]
+    before = [dict(m) for m in maps]
+    for position, value in change.items():
+        args[position] = value
+    with pytest.raises(error):
+        store_run(*args)
+    assert maps == before
+
+
+# ---- a whole bridge ----------------------------------------------------------------------
+
+BS = 16  # 64-byte blocks: the C module hashes them itself
+NODES = {0: None, 1: 0, 2: 1, 3: 1, 4: None, 5: 4}  # node -> parent: two families, a branch
+
+
+def tokens(node: int) -> list[int]:
+    return [node * 100 + i for i in range(BS)]
+
+
+def chain(node: int) -> list[int]:
+    out = [node]
+    while (up := NODES[out[-1]]) is not None:
+        out.append(up)
+    return out[::-1]
+
+
+@st.composite
+def events(draw: st.DrawFn) -> Any:
+    kind = draw(st.sampled_from(["store", "store", "store", "remove", "clear"]))
+    medium = draw(st.sampled_from(["GPU", "GPU", "CPU"]))
+    if kind == "clear":
+        return AllBlocksCleared()
+    path = chain(draw(st.sampled_from(sorted(NODES))))
+    first = draw(st.integers(0, len(path) - 1))
+    nodes = path[first:]
+    # Hash 50 + node, but sometimes the engine reuses one hash for two blocks.
+    hashes = [draw(st.sampled_from([50 + n, 50 + n, 77])) for n in nodes]
+    if kind == "remove":
+        return BlockRemoved(block_hashes=hashes, medium=medium)
+    parent = None if first == 0 else draw(st.sampled_from([50 + path[first - 1], 99]))
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=[t for n in nodes for t in tokens(n)],
+        block_size=BS,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def fold(events_: list[Any], monkeypatch: pytest.MonkeyPatch, store_run: Any) -> Any:
+    monkeypatch.setattr(bridge_module, "store_run", store_run)
+    bridge = WorkerBridge(RouterKeyer(seed=5), tolerate_orphans=True)
+    trace = []
+    for event in events_:
+        changes = Changes()
+        if isinstance(event, AllBlocksCleared):
+            changes = bridge.reset()
+        elif isinstance(event, BlockStored):
+            bridge.store(event, changes)
+        else:
+            bridge.remove(event, changes)
+        trace.append(changes.masks())
+    return trace, bridge.state(), bridge.counters, bridge._children
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(history=st.lists(events(), max_size=14))
+def test_a_bridge_folds_the_same_with_either_store(history: list[Any]) -> None:
+    from router.index._runs import store_run
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        native = fold(history, monkeypatch, store_run)
+        python = fold(history, monkeypatch, store_run_py)
+    assert native == python
