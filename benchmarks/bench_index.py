@@ -28,7 +28,9 @@ decoded, beside its baseline, the rebuild a handoff saves: re-applying all the w
 events into an empty namespace (what a replay from seq 0 costs when the engine still has
 them all; a vLLM engine's ring usually does not, and then nothing can rebuild them).
 
-Run: ``python -m benchmarks.bench_index`` (``--quick`` for a seconds-long smoke run).
+Run: ``python -m benchmarks.bench_index`` (``--quick`` for a seconds-long smoke run). The
+report's first line says whether kvroute's C modules ran; ``KVROUTE_PURE_PYTHON=1`` runs
+their Python references instead, the comparison that shows what they save.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 ``events._keys.block_keys`` must equal ``events.hashing.python_block_keys`` and
 ``router.index._runs.store_run`` must equal ``router.index.runs.store_run_py`` on every
 input: same result, same errors, same dicts afterwards. A bridge folding with either
-must end in the same state with the same changes.
+must end in the same state with the same changes. ``router._resp.pack_command`` must
+give hiredis's bytes for every command it packs, and decline the rest.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _built(module: str) -> bool:
     return True
 
 
-BUILT = _built("events._keys") and _built("router.index._runs")
+BUILT = all(map(_built, ("events._keys", "router.index._runs", "router._resp")))
 needs_native = pytest.mark.skipif(not BUILT, reason="C modules not built (no C compiler)")
 
 
@@ -251,3 +252,39 @@ def test_a_bridge_folds_the_same_with_either_store(history: list[Any]) -> None:
         native = fold(history, monkeypatch, store_run)
         python = fold(history, monkeypatch, store_run_py)
     assert native == python
+
+
+# ---- packing index writes ------------------------------------------------------------------
+
+simple_arg = st.one_of(
+    st.binary(max_size=30),
+    st.text(max_size=10),
+    st.integers(-(2**63), 2**63 - 1),
+    st.sampled_from([0, -1, 9, 10, 99, 100, 10**18, 2**63 - 1, -(2**63)]),
+)
+other_arg = st.one_of(
+    st.integers(2**63, 2**80), st.floats(), st.just(True), st.just(None), st.just(bytearray(b"x"))
+)
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(args=st.lists(simple_arg, max_size=40))
+def test_pack_command_equals_hiredis(args: list[Any]) -> None:
+    import hiredis
+    from router._resp import pack_command
+
+    assert pack_command(tuple(args)) == hiredis.pack_command(tuple(args))
+
+
+@needs_native
+@settings(max_examples=200, deadline=None)
+@given(args=st.lists(simple_arg, max_size=5), other=other_arg, at=st.integers(0, 5))
+def test_pack_command_declines_what_it_does_not_pack(args: list[Any], other: Any, at: int) -> None:
+    # Ints beyond 64 bits, floats, bools, None...: None, and the connection packs the
+    # command with hiredis (which also owns the errors for the types it rejects).
+    from router._resp import pack_command
+
+    args.insert(min(at, len(args)), other)
+    assert pack_command(tuple(args)) is None
+    assert pack_command(("SET", "\ud800")) is None  # no UTF-8: hiredis reports it
