@@ -243,6 +243,11 @@ class IndexIngest:
             except RECOVERY_ERRORS as exc:
                 worker.failed(exc)
                 self.metrics.batches.labels(worker.worker_id, "failed").inc()
+            except Exception as exc:  # a bug: the worker's stream must outlive it
+                log.exception("worker %s: applying seq %d failed", received.worker_id,
+                              received.seq)  # fmt: skip
+                worker.failed(exc)
+                self.metrics.batches.labels(worker.worker_id, "failed").inc()
             finally:
                 if outer:
                     worker.in_batch = False
@@ -306,9 +311,7 @@ class IndexIngest:
                 await self._sync_registry()
             for worker in list(self._workers.values()):
                 if self._is_current(worker):  # not removed since this pass listed it
-                    await self._leases.maintain(
-                        worker, functools.partial(self._is_current, worker)
-                    )
+                    await self._leases.maintain(worker, functools.partial(self._is_current, worker))
             reaped = await self.registry.reap(self.index)
             self.metrics.reaped.inc(len(reaped))
         except RedisError as exc:

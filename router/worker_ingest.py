@@ -84,6 +84,7 @@ class WorkerIngest:
         # NOTE: what is delivered without the lease while a handoff is expected (see
         # keep_batches), applied before the next batch once the lease is held.
         self._kept: KeptStream | None = None
+        self._draining = False
 
     @property
     def worker_id(self) -> WorkerId:
@@ -131,6 +132,17 @@ class WorkerIngest:
         await self._apply_kept(in_batch=False)
 
     async def _apply_kept(self, *, in_batch: bool) -> None:
+        if self._draining:
+            # A replay asked for by a kept batch is being delivered: the batches it
+            # redelivers go in on their own, and the outer drain skips what they cover.
+            return
+        self._draining = True
+        try:
+            await self._drain_kept(in_batch=in_batch)
+        finally:
+            self._draining = False
+
+    async def _drain_kept(self, *, in_batch: bool) -> None:
         kept = self._kept
         while kept:
             item = kept.first()

@@ -161,6 +161,63 @@ def test_batches_between_the_handoff_and_the_takeover_are_kept(
     asyncio.run(main())
 
 
+def test_a_replay_asked_for_by_a_kept_batch_applies_every_batch_once(
+    redis_url: str, namespace: str
+) -> None:
+    """b missed a batch before it began keeping: its first kept batch follows a gap, so
+    the next delivered batch asks for a replay, which redelivers the kept batches behind
+    it too. Each goes in once, and the worker's stream goes on (it once died there: the
+    redelivered batches drained the kept ones under the drain that asked for them)."""
+
+    async def main() -> None:
+        async with (
+            fake_workers(*(FakeWorker(w, kind="vllm") for w in IDS)) as workers,
+            stack(redis_url, namespace, [w.record() for w in workers], owner="a", **BY_HAND) as a,
+        ):
+            await cache_first_blocks(a, workers)
+            async with stack(redis_url, namespace, [], owner="b", **BY_HAND) as b:
+                share = await hand_over(a, b, workers)
+                mine = [(n, w) for n, w in enumerate(workers) if w.worker_id in share]
+                ingests = [b.ingest._workers[WorkerId(w.worker_id)] for _, w in mine]
+                for ingest in ingests:  # as if b's first pass came after the handoff
+                    ingest.keep_batches(False)
+                await _publish_unowned(b, mine, 3)
+                for ingest in ingests:  # only now: block 3's batch is missing from the kept
+                    ingest.keep_batches(True)
+                await _publish_unowned(b, mine, 4, 5)
+                await take_over(b, share)  # the kept batches wait for the batch path
+                for n, worker in mine:
+                    worker.publish(stored(n + 1, 6, 1))  # asks for the replay
+                for n, worker in mine:
+                    await eventually(
+                        lookup_is(a.index, n + 1, {worker.worker_id: match(7)}), what="replayed"
+                    )
+                    worker.publish(stored(n + 1, 7, 1))  # the stream goes on
+                for n, worker in mine:
+                    await eventually(
+                        lookup_is(a.index, n + 1, {worker.worker_id: match(8)}), what="alive"
+                    )
+                    assert b.count("batches", worker=worker.worker_id, outcome="failed") == 0
+                    assert b.total("resyncs", worker=worker.worker_id) == 0
+
+    asyncio.run(main())
+
+
+async def _publish_unowned(b: Stack, mine: list[tuple[int, FakeWorker]], *blocks: int) -> None:
+    """Each worker of ``mine`` (``n``, worker) caches ``blocks`` of prompt ``n + 1``, one
+    batch each; waits until b, which does not hold their leases, received them all."""
+    for n, worker in mine:
+        wid = worker.worker_id
+        before = b.count("batches", worker=wid, outcome="not_owner")
+        for block in blocks:
+            worker.publish(stored(n + 1, block, 1))
+
+        async def received(wid: str = wid, before: float = before) -> bool:
+            return b.count("batches", worker=wid, outcome="not_owner") >= before + len(blocks)
+
+        await eventually(received, what=f"b receives {wid}'s batches")
+
+
 async def _reconnected(b: Stack, worker: FakeWorker) -> None:
     """Publish empty batches until b receives one from the worker's new publisher."""
     before = b.count("batches", worker=worker.worker_id, outcome="not_owner")

@@ -164,3 +164,40 @@ def owns(s: Stack, worker_id: str) -> Callable[[], Awaitable[bool]]:
         return WorkerId(worker_id) in s.ingest.owned_workers
 
     return check
+
+
+def test_a_worker_stream_outlives_an_unexpected_error_while_applying(
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug while applying a batch (injected here) fails that batch alone: it is counted
+    and logged, the worker is rebuilt at its next batch, and its stream goes on (it once
+    ended the worker's event reader, and the worker's index entries froze)."""
+
+    async def main() -> None:
+        async with (
+            fake_workers(FakeWorker("v1", kind="vllm")) as (v1,),
+            stack(redis_url, namespace, [v1.record()]) as s,
+        ):
+            await s.handshake(v1)
+            v1.publish(stored(1, 0, 2))
+            await eventually(lookup_is(s.index, 1, {"v1": match(2)}), what="before")
+            worker_ingest = type(s.ingest._workers[WorkerId("v1")])
+            apply_batch = worker_ingest.apply_batch
+
+            async def fail_once(self: object, received: object) -> None:
+                monkeypatch.setattr(worker_ingest, "apply_batch", apply_batch)
+                raise RuntimeError("injected bug")
+
+            monkeypatch.setattr(worker_ingest, "apply_batch", fail_once)
+            v1.publish(stored(1, 2, 1))  # lost to the bug: the rebuild replays it
+            await eventually(
+                lambda: _counted(s, "v1", "failed"), what="the failed batch is counted"
+            )
+            v1.publish(stored(1, 3, 1))
+            await eventually(lookup_is(s.index, 1, {"v1": match(4)}), what="rebuilt, alive")
+
+    asyncio.run(main())
+
+
+async def _counted(s: Stack, worker: str, outcome: str) -> bool:
+    return s.count("batches", worker=worker, outcome=outcome) == 1
