@@ -6,8 +6,9 @@ One private ``redis-server`` (127.0.0.1, no persistence) serves every row, in on
    each, chained into 512-block prompts) through the engine-hash bridge and the fenced Lua
    write, from 64 workers applying concurrently (the router ingests workers in parallel;
    group commit sends every worker's pending changes in one script call) and from one
-   worker alone; then a steady-state churn row (each batch stores 32 new blocks and
-   removes 32 old ones). Baseline: ``redis-benchmark -P 64 -t set`` on the same server in
+   worker alone; then steady-state churn rows (each batch stores 32 new blocks and
+   removes 32 old ones, in vLLM's eviction order and in the bridge's worst order).
+   Baseline: ``redis-benchmark -P 64 -t set`` on the same server in
    the same run; ratio = block events/s / SET requests/s. Each row's note gives the
    Redis server time and the client's CPU time per block: the two sides of the cost.
    One more row runs the population ingest in ``--replicas`` processes (2 by default),
@@ -119,9 +120,15 @@ def population_plan(workers: Sequence[WorkerId], entries: int) -> Plan:
     return plan
 
 
-def churn_plan(workers: Sequence[WorkerId], prompts: int) -> Plan:
-    """Steady state: each batch stores 32 new blocks and removes the 32 stored one prompt
-    (16 batches) earlier."""
+def churn_plan(workers: Sequence[WorkerId], prompts: int, tail_first: bool = False) -> Plan:
+    """Steady state: each batch stores 32 new blocks of a prompt and removes 32 of the
+    prompt before.
+
+    Head first (the worst case for the bridge): batch ``k`` of a prompt removes batch
+    ``k`` of the previous one in chain order, so each chain's first removal unindexes
+    every block still held behind it. Tail first: vLLM's eviction order (a request's
+    blocks are freed last block first), from the previous prompt's last batch back.
+    """
     plans: Plan = {}
     for i, worker in enumerate(workers):
         seq = [b for p in range(prompts) for b in prompt_batches(2_000 + i * 100 + p)]
@@ -129,9 +136,12 @@ def churn_plan(workers: Sequence[WorkerId], prompts: int) -> Plan:
         for j, batch in enumerate(seq):
             events = list(batch.events)
             if j >= 16:
-                old = seq[j - 16].events[0]
+                k = j % 16
+                old = seq[j - 1 - 2 * k if tail_first else j - 16].events[0]
                 assert isinstance(old, BlockStored)
-                events.insert(0, BlockRemoved(block_hashes=list(old.block_hashes), medium="GPU"))
+                hashes = list(old.block_hashes)
+                removed = BlockRemoved(hashes[::-1] if tail_first else hashes, medium="GPU")
+                events.insert(0, removed)
             mixed.append(KVEventBatch(ts=batch.ts, events=events))
         plans[worker] = mixed
     return plans
@@ -260,7 +270,7 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
     plan = population_plan(workers, args.entries)
     solo_plan = {WorkerId("solo"): [b for p in range(1, args.solo_prompts + 1)
                                     for b in prompt_batches(-p)]}  # fmt: skip
-    churn_plans = churn_plan(workers[:8], args.churn_prompts)
+    churn_plans = {t: churn_plan(workers[:8], args.churn_prompts, t) for t in (True, False)}
     # The plans stand in for batches the ingest would decode and drop; frozen, the
     # collector stops re-walking their millions of token references (a real router's
     # heap holds its bridges, not its input).
@@ -301,19 +311,14 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
         per_s = ingested.blocks / ingested.seconds
         rows.append(Row(name, per_s, "block events/s", set_per_s, note))
 
-    churn = await writers(client, "bench-churn", workers[:8])
-    await server_us(client, reset=True)
-    ingested = await apply_all(churn, churn_plans)
-    note = "stores + removals; " + ingested.note(await server_us(client) / ingested.blocks)
-    rows.append(
-        Row(
-            "ingest churn, 8 workers (store 32 + remove 32)",
-            ingested.blocks / ingested.seconds,
-            "block events/s",
-            set_per_s,
-            note,
-        )
-    )
+    for order, tail_first in (("tail first, vLLM's order", True), ("head first", False)):
+        churn = await writers(client, f"bench-churn-{tail_first}", workers[:8])
+        await server_us(client, reset=True)
+        ingested = await apply_all(churn, churn_plans[tail_first])
+        note = "stores + removals; " + ingested.note(await server_us(client) / ingested.blocks)
+        per_s = ingested.blocks / ingested.seconds
+        name = f"ingest churn, 8 workers (store 32 + remove 32, {order})"
+        rows.append(Row(name, per_s, "block events/s", set_per_s, note))
 
     rows.append(await shared_ingest(client, port, args.entries, set_per_s, args.replicas))
     rows.extend(await handoff_rows(client, index, workers[0], plan[workers[0]]))

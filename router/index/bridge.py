@@ -221,19 +221,26 @@ class WorkerBridge:
             self.counters.ignored_groups += 1
             return
         tier = _tier(event.medium)
+        one = 1 << tier
+        all_copies, keys = self._copies, self._keys
         for block_hash in event.block_hashes:
-            copies = self._copies.get(block_hash)
+            copies = all_copies.get(block_hash)
             if copies is None or not (copies >> tier) & COUNT:
                 self.counters.unknown_removals += 1
                 continue
-            key = key_of(copies)
+            key = BlockKey(key_of(copies))
             if key == NONE:
-                self._copies[block_hash] = copies - (1 << tier)
+                all_copies[block_hash] = copies - one
             else:
-                state = self._keys[BlockKey(key)]
+                state = keys[key]
+                if copies & COUNTS == one and state & COUNTS == one:
+                    # The common case: the key's last copy goes, and the hash's.
+                    del all_copies[block_hash], keys[key]
+                    self._drop(key, state, changes)
+                    continue
                 self._add(block_hash, tier, -1, tag_of(state), parent_of(state), changes)
-            if not self._copies[block_hash] & COUNTS:
-                del self._copies[block_hash]
+            if not all_copies[block_hash] & COUNTS:
+                del all_copies[block_hash]
 
     def _store_detached(self, event: BlockStored, changes: Changes) -> None:
         tier = _tier(event.medium)
@@ -266,25 +273,31 @@ class WorkerBridge:
                 self._link(parent, key)
         before = mask_of(state)
         self._copies[block_hash] = copies + (delta << tier)
-        state += delta << tier
-        after = mask_of(state)
-        if after == 0:
-            keys.pop(key, None)
-        else:
-            keys[key] = state
+        after = mask_of(state + (delta << tier))
+        if after == 0:  # its last copy went (before != 0: delta is -1)
+            del keys[key]
+            self._drop(key, state, changes)
+            return
+        keys[key] = state = state + (delta << tier)
         if after == before:
             return
         indexed = bool(state & INDEXED)
         if indexed:
             changes.note(tag_of(state), key, before, after)
-        if after == 0:
-            above = parent_of(state)
-            if above is not None:
-                self._unlink(above, key)
-            if indexed and key in self._children:
-                self._cascade(key, False, changes)
-        elif before == 0 and indexed and key in self._children:
+        if before == 0 and indexed and key in self._children:
             self._cascade(key, True, changes)
+
+    def _drop(self, key: BlockKey, state: int, changes: Changes) -> None:
+        """Finish removing a key that lost its last copy (``state``: its word before, with
+        those copies still counted; the caller took it out of the maps): its entry leaves
+        the index, its held descendants are unindexed, its parent forgets it."""
+        if state & INDEXED:
+            changes.note(tag_of(state), key, mask_of(state), 0)
+        above = parent_of(state)
+        if above is not None:
+            self._unlink(above, key)
+        if state & INDEXED and key in self._children:
+            self._cascade(key, False, changes)
 
     def _link(self, parent: BlockKey, key: BlockKey) -> None:
         kids = self._children.get(parent)
@@ -299,6 +312,9 @@ class WorkerBridge:
         kids = self._children.get(parent)
         if kids is None:
             return
+        if kids == key:  # its only child (see words.pack_kids)
+            del self._children[parent]
+            return
         rest = tuple(k for k in unpack_kids(kids) if k != key)
         if rest:
             self._children[parent] = pack_kids(rest)
@@ -308,17 +324,17 @@ class WorkerBridge:
     def _cascade(self, root: BlockKey, indexed: bool, changes: Changes) -> None:
         """(Un)index the held descendants of ``root`` (iteratively: chains are long)."""
         stack = [root]
+        children, keys = self._children, self._keys
         while stack:
-            kids = self._children.get(stack.pop())
+            kids = children.get(stack.pop())
             for child in () if kids is None else unpack_kids(kids):
-                state = self._keys[BlockKey(child)]
+                state = keys[child]
                 if bool(state & INDEXED) == indexed:
                     continue
-                self._keys[BlockKey(child)] = state ^ INDEXED
+                keys[child] = state ^ INDEXED
                 mask = mask_of(state)
-                old, new = (0, mask) if indexed else (mask, 0)
-                changes.note(tag_of(state), BlockKey(child), old, new)
-                stack.append(BlockKey(child))
+                changes.note(tag_of(state), child, 0 if indexed else mask, mask if indexed else 0)
+                stack.append(child)
 
 
 def _tier(medium: str | None) -> int:

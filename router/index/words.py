@@ -20,7 +20,7 @@ chain the index holds a prefix, and a lookup may binary-search it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 from events.hashing import BlockKey
 from events.schema import WireHash
@@ -112,11 +112,14 @@ def pack_kids(keys: tuple[int, ...]) -> int:
     return packed
 
 
-def unpack_kids(kids: int) -> tuple[int, ...]:
+def unpack_kids(kids: int) -> tuple[BlockKey, ...]:
     """The inverse of :func:`pack_kids`."""
     if kids < NONE:
-        return (kids,)
-    return tuple((kids >> (64 * i)) & COUNTS for i in range(1, (kids & COUNT) + 1))
+        return cast("tuple[BlockKey, ...]", (kids,))
+    return cast(
+        "tuple[BlockKey, ...]",
+        tuple((kids >> (64 * i)) & COUNTS for i in range(1, (kids & COUNT) + 1)),
+    )
 
 
 def checked_links(state: BridgeState) -> list[tuple[BlockKey, BlockKey]]:
