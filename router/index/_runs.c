@@ -6,7 +6,9 @@
  * words of router.index.words are built from their little-endian bytes instead of
  * through shifts of Python ints. tests/test_native.py runs both on the same inputs.
  *
- * Invariant: on False the three dicts are as they were on entry.
+ * Invariant: on False the three dicts are as they were on entry. Whether an insert found
+ * its item held is read from the dict's size, never from the identity of the value
+ * returned (small ints are shared objects: a new word can be the very object held).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -54,16 +56,25 @@ static void undo(PyObject *dict, PyObject *const *items, Py_ssize_t count)
             PyErr_Clear(); /* cannot happen: the item was just inserted */
 }
 
-/* Insert items[i] -> word with lanes[i] at lane_offset, for every i, unless an item is
- * already present (then undo and return 0); -1 on error (also undone). */
+/* Insert items[i] -> value(i) for every i < count unless an item is already present
+ * (then undo and return 0); -1 on error (also undone). value(i) is a new reference:
+ * the word with lanes[i] at lane_offset, or (word NULL) values[i]. */
 static int insert_all(PyObject *dict, PyObject *const *items, Py_ssize_t count, uint8_t *word,
-                      size_t word_bytes, const uint64_t *lanes, size_t lane_offset)
+                      size_t word_bytes, const uint64_t *lanes, size_t lane_offset,
+                      PyObject *const *values)
 {
     for (Py_ssize_t i = 0; i < count; i++) {
-        put64(word + lane_offset, lanes[i]);
-        PyObject *value = from_le_bytes(word, word_bytes);
+        PyObject *value;
+        if (word != NULL) {
+            put64(word + lane_offset, lanes[i]);
+            value = from_le_bytes(word, word_bytes);
+        } else {
+            value = Py_NewRef(values[i]);
+        }
+        Py_ssize_t size = PyDict_GET_SIZE(dict);
         PyObject *held = value == NULL ? NULL : PyDict_SetDefault(dict, items[i], value);
-        int repeated = held != NULL && held != value; /* the item repeats within the run */
+        /* Held before, or earlier in the run (not identity: small ints are shared). */
+        int repeated = held != NULL && PyDict_GET_SIZE(dict) == size;
         Py_XDECREF(value); /* the dict holds it when it was inserted */
         if (held == NULL || repeated) {
             undo(dict, items, i);
@@ -71,16 +82,6 @@ static int insert_all(PyObject *dict, PyObject *const *items, Py_ssize_t count, 
         }
     }
     return 1;
-}
-
-static int any_held(PyObject *dict, PyObject *const *items, Py_ssize_t count)
-{
-    for (Py_ssize_t i = 0; i < count; i++) {
-        int found = PyDict_Contains(dict, items[i]);
-        if (found != 0)
-            return found;
-    }
-    return 0;
 }
 
 static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -126,11 +127,9 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
 
     PyObject *const *hash_items = &PyList_GET_ITEM(hashes, 0);
     PyObject *const *key_items = &PyList_GET_ITEM(run_keys, 0);
-    int held = any_held(copies, hash_items, n);
-    if (held == 0)
-        held = any_held(key_words, key_items, n);
-    if (held == 0)
-        held = any_held(children, key_items, n);
+    /* Inserting detects what is held already (then undone): the common case, all new,
+     * costs one probe per map and block. The last key is not inserted into children. */
+    int held = PyDict_Contains(children, key_items[n - 1]);
     if (held < 0)
         return NULL;
     if (held > 0)
@@ -156,9 +155,14 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
     put64(key_word + 8, tag);
     key_word[24] = (uint8_t)indexed;
 
-    int done = insert_all(copies, hash_items, n, copy_word, COPY_WORD_BYTES, keys, 8);
+    int done = insert_all(copies, hash_items, n, copy_word, COPY_WORD_BYTES, keys, 8, NULL);
     if (done == 1) {
-        done = insert_all(key_words, key_items, n, key_word, KEY_WORD_BYTES, parents, 16);
+        done = insert_all(key_words, key_items, n, key_word, KEY_WORD_BYTES, parents, 16, NULL);
+        if (done == 1) {
+            done = insert_all(children, key_items, n - 1, NULL, 0, NULL, 0, key_items + 1);
+            if (done != 1)
+                undo(key_words, key_items, n);
+        }
         if (done != 1)
             undo(copies, hash_items, n);
     }
@@ -167,9 +171,6 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
         return NULL;
     if (done == 0)
         Py_RETURN_FALSE;
-    for (Py_ssize_t i = 0; i + 1 < n; i++)
-        if (PyDict_SetItem(children, key_items[i], key_items[i + 1]) < 0)
-            return NULL;
     Py_RETURN_TRUE;
 }
 
