@@ -10,9 +10,8 @@
  * its item held is read from the dict's size, never from the identity of the value
  * returned (small ints are shared objects: a new word can be the very object held).
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+#include "_wordmap.h"
+
 #include <string.h>
 
 #define NONE_KEY (UINT64_C(1) << 63)
@@ -84,6 +83,82 @@ static int insert_all(PyObject *dict, PyObject *const *items, Py_ssize_t count, 
     return 1;
 }
 
+/* Whether a table holds a u64 key (whose object is item): in the table or its side dict. */
+static int table_holds(const WordMap *map, uint64_t key, PyObject *item)
+{
+    return wordmap_find(map, key) >= 0 ? 1 : wordmap_extra_holds(map, item);
+}
+
+/* Insert keys[i] -> lanes for i < count (lane `at` of `lanes` set to values[i]) unless a
+ * key is held or repeats (then undo, 0); -1 on error (undone). */
+static int table_insert_all(WordMap *map, PyObject *const *items, const uint64_t *keys,
+                            Py_ssize_t count, uint64_t *lanes, int at, const uint64_t *values)
+{
+    Py_ssize_t i = 0;
+    int held = 0;
+    for (; i < count; i++) {
+        held = table_holds(map, keys[i], items[i]);
+        if (held != 0)
+            break;
+        lanes[at] = values[i];
+        if (wordmap_insert_new(map, keys[i], lanes) < 0) {
+            held = -1;
+            break;
+        }
+    }
+    if (i == count)
+        return 1;
+    for (Py_ssize_t j = 0; j < i; j++)
+        wordmap_delete_at(map, wordmap_find(map, keys[j]));
+    return held < 0 ? -1 : 0;
+}
+
+static void table_undo(WordMap *map, const uint64_t *keys, Py_ssize_t count)
+{
+    for (Py_ssize_t j = 0; j < count; j++)
+        wordmap_delete_at(map, wordmap_find(map, keys[j]));
+}
+
+/* store_run on WordMaps: 1 stored, 0 not the common case (an engine hash that is not a
+ * 64-bit int is never: the caller folds such runs block by block), -1 on error.
+ * words: counts, tag, (parent), indexed: the key word's lanes. */
+static int store_in_tables(WordMap *copies, WordMap *key_words, WordMap *children,
+                           PyObject *const *hash_items, PyObject *const *key_items,
+                           const uint64_t *keys, const uint64_t *parents, Py_ssize_t n,
+                           uint64_t *words)
+{
+    uint64_t *hashes = PyMem_Malloc((size_t)n * sizeof(uint64_t));
+    if (hashes == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int done = 1;
+    for (Py_ssize_t i = 0; i < n && done == 1; i++) {
+        hashes[i] = PyLong_Check(hash_items[i]) ? PyLong_AsUnsignedLongLong(hash_items[i])
+                                                : (uint64_t)-1;
+        if (hashes[i] == (uint64_t)-1 && (PyErr_Occurred() || !PyLong_Check(hash_items[i]))) {
+            PyErr_Clear();
+            done = 0;
+        }
+    }
+    uint64_t copy_lanes[2] = {words[0], 0};
+    if (done == 1)
+        done = table_insert_all(copies, hash_items, hashes, n, copy_lanes, 1, keys);
+    if (done == 1) {
+        done = table_insert_all(key_words, key_items, keys, n, words, 2, parents);
+        if (done == 1) {
+            uint64_t child[1];
+            done = table_insert_all(children, key_items, keys, n - 1, child, 0, keys + 1);
+            if (done != 1)
+                table_undo(key_words, keys, n);
+        }
+        if (done != 1)
+            table_undo(copies, hashes, n);
+    }
+    PyMem_Free(hashes);
+    return done;
+}
+
 static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
@@ -94,10 +169,13 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
     }
     PyObject *copies = args[0], *key_words = args[1], *children = args[2];
     PyObject *hashes = args[3], *run_keys = args[4];
-    if (!PyDict_CheckExact(copies) || !PyDict_CheckExact(key_words) ||
-        !PyDict_CheckExact(children) || !PyList_CheckExact(hashes) ||
-        !PyList_CheckExact(run_keys)) {
-        PyErr_SetString(PyExc_TypeError, "store_run takes three dicts and two lists");
+    int tables = Py_IS_TYPE(copies, &WordMapType) && Py_IS_TYPE(key_words, &WordMapType) &&
+                 Py_IS_TYPE(children, &WordMapType);
+    int dicts = PyDict_CheckExact(copies) && PyDict_CheckExact(key_words) &&
+                PyDict_CheckExact(children);
+    if (!(tables || dicts) || !PyList_CheckExact(hashes) || !PyList_CheckExact(run_keys)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "store_run takes three dicts or three WordMaps, and two lists");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(hashes);
@@ -129,7 +207,7 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
     PyObject *const *key_items = &PyList_GET_ITEM(run_keys, 0);
     /* Inserting detects what is held already (then undone): the common case, all new,
      * costs one probe per map and block. The last key is not inserted into children. */
-    int held = PyDict_Contains(children, key_items[n - 1]);
+    int held = PySequence_Contains(children, key_items[n - 1]);
     if (held < 0)
         return NULL;
     if (held > 0)
@@ -147,6 +225,15 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
             return NULL;
         }
         parents[i] = i == 0 ? parent : keys[i - 1];
+    }
+    if (tables) {
+        int done = store_in_tables((WordMap *)copies, (WordMap *)key_words, (WordMap *)children,
+                                   hash_items, key_items, keys, parents, n,
+                                   (uint64_t[]){UINT64_C(1) << tier, tag, 0, (uint64_t)indexed});
+        PyMem_Free(keys);
+        if (done < 0)
+            return NULL;
+        return PyBool_FromLong(done);
     }
     uint8_t copy_word[COPY_WORD_BYTES] = {0};
     uint8_t key_word[KEY_WORD_BYTES] = {0};
@@ -185,4 +272,12 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "router.index._runs", "The bridge's bulk store in C.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__runs(void) { return PyModule_Create(&module_def); }
+PyMODINIT_FUNC PyInit__runs(void)
+{
+    if (PyType_Ready(&WordMapType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (module != NULL && PyModule_AddObjectRef(module, "WordMap", (PyObject *)&WordMapType) < 0)
+        Py_CLEAR(module);
+    return module;
+}

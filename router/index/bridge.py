@@ -16,20 +16,22 @@ implementation.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 
 from events.hashing import BlockKey, RouterKeyer, router_block_keys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
 from router.errors import OrphanParentError
 from router.index.changes import CPU_MASK, GPU_MASK, Changes
-from router.index.runs import store_run
+from router.index.runs import map_of, new_map, store_run
 from router.index.words import (
+    COPY_LANES,
     COUNT,
     COUNTS,
     CPU_SHIFT,
     GPU_SHIFT,
     INDEXED,
+    KEY_LANES,
     NONE,
     BridgeState,
     checked_links,
@@ -102,11 +104,11 @@ class WorkerBridge:
     keyer: RouterKeyer
     tolerate_orphans: bool = False
     counters: BridgeCounters = field(default_factory=BridgeCounters)
-    _copies: dict[WireHash, int] = field(default_factory=dict)
-    _keys: dict[BlockKey, int] = field(default_factory=dict)
+    _copies: MutableMapping[WireHash, int] = field(default_factory=lambda: new_map(COPY_LANES))
+    _keys: MutableMapping[BlockKey, int] = field(default_factory=lambda: new_map(KEY_LANES))
     # NOTE: parent key -> its held child keys (whether or not the parent is held): one
     # key, or several packed in one int when the chain branches (see words.pack_kids).
-    _children: dict[BlockKey, int] = field(default_factory=dict)
+    _children: MutableMapping[BlockKey, int] = field(default_factory=lambda: new_map(1))
 
     def state(self) -> BridgeState:
         """A copy of the maps (see :meth:`from_state`)."""
@@ -123,9 +125,10 @@ class WorkerBridge:
         """
         links = checked_links(state)
         children: dict[BlockKey, int] = dict(links)
-        bridge = cls(keyer, state.tolerate_orphans, _copies=state.copies, _keys=state.keys)
+        copies, keys = map_of(COPY_LANES, state.copies), map_of(KEY_LANES, state.keys)
+        bridge = cls(keyer, state.tolerate_orphans, _copies=copies, _keys=keys)
         if len(children) == len(links):  # no branches: one child per parent
-            bridge._children = children
+            bridge._children = map_of(1, children)
         else:
             for parent, key in links:
                 bridge._link(parent, key)

@@ -16,21 +16,22 @@ run block by block).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
 from itertools import pairwise
-from typing import Final
+from typing import Any, Final
 
 from events.hashing import BlockKey
 from events.native import native_or
 from events.schema import WireHash
 from router.index.words import NONE, key_word
 
-__all__ = ["NATIVE_RUNS", "store_run", "store_run_py"]
+__all__ = ["NATIVE_RUNS", "dict_map", "map_of", "new_map", "store_run", "store_run_py"]
 
 
 def store_run_py(
-    copies: dict[WireHash, int],
-    keys: dict[BlockKey, int],
-    children: dict[BlockKey, int],
+    copies: MutableMapping[WireHash, int],
+    keys: MutableMapping[BlockKey, int],
+    children: MutableMapping[BlockKey, int],
     hashes: list[WireHash],
     run_keys: list[BlockKey],
     tag: BlockKey,
@@ -77,7 +78,27 @@ def store_run_py(
     return True
 
 
+def dict_map(lanes: int) -> MutableMapping[Any, int]:
+    """A plain dict (``lanes`` unused): the bridge's maps where the C module was not built."""
+    return {}
+
+
+new_map: Final = native_or(dict_map, "router.index._runs", "WordMap")
+"""``new_map(lanes)``: an empty map for the bridge, of ints (or bytes) to words of
+``lanes`` 64-bit lanes: the C module's ``WordMap`` (entries inline in one table, see
+``router/index/_wordmap.h``) where built, else a dict."""
+
+
+def map_of(lanes: int, entries: Mapping[Any, int]) -> MutableMapping[Any, int]:
+    """A bridge map holding ``entries`` (taken over when the map type is dict)."""
+    if isinstance(entries, dict) and new_map is dict_map:
+        return entries
+    found = new_map(lanes)
+    found.update(entries)
+    return found
+
+
 store_run: Final = native_or(store_run_py, "router.index._runs", "store_run")
 """The bulk store the bridge uses: the C module's where built, else :func:`store_run_py`."""
-NATIVE_RUNS: Final = store_run is not store_run_py
-"""Whether :data:`store_run` is the C module's."""
+NATIVE_RUNS: Final = store_run is not store_run_py and new_map is not dict_map
+"""Whether :data:`store_run` and :data:`new_map` are the C module's."""

@@ -9,6 +9,7 @@ give hiredis's bytes for every command it packs, and decline the rest.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import shutil
@@ -28,7 +29,7 @@ from events.native import PURE_PYTHON
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from router.index.bridge import WorkerBridge
 from router.index.changes import Changes
-from router.index.runs import NATIVE_RUNS, store_run_py
+from router.index.runs import NATIVE_RUNS, dict_map, store_run_py
 from router.index.words import CPU_SHIFT, GPU_SHIFT
 
 
@@ -226,8 +227,9 @@ def events(draw: st.DrawFn) -> Any:
     )
 
 
-def fold(events_: list[Any], monkeypatch: pytest.MonkeyPatch, store_run: Any) -> Any:
+def fold(events_: list[Any], monkeypatch: pytest.MonkeyPatch, store_run: Any, new_map: Any) -> Any:
     monkeypatch.setattr(bridge_module, "store_run", store_run)
+    monkeypatch.setattr(bridge_module, "new_map", new_map)
     bridge = WorkerBridge(RouterKeyer(seed=5), tolerate_orphans=True)
     trace = []
     for event in events_:
@@ -239,18 +241,19 @@ def fold(events_: list[Any], monkeypatch: pytest.MonkeyPatch, store_run: Any) ->
         else:
             bridge.remove(event, changes)
         trace.append(changes.masks())
-    return trace, bridge.state(), bridge.counters, bridge._children
+    state = bridge.state()
+    return trace, state.copies, state.keys, bridge.counters, dict(bridge._children)
 
 
 @needs_native
 @settings(max_examples=300, deadline=None)
 @given(history=st.lists(events(), max_size=14))
 def test_a_bridge_folds_the_same_with_either_store(history: list[Any]) -> None:
-    from router.index._runs import store_run
+    from router.index._runs import WordMap, store_run
 
     with pytest.MonkeyPatch.context() as monkeypatch:
-        native = fold(history, monkeypatch, store_run)
-        python = fold(history, monkeypatch, store_run_py)
+        native = fold(history, monkeypatch, store_run, WordMap)
+        python = fold(history, monkeypatch, store_run_py, dict_map)
     assert native == python
 
 
@@ -288,3 +291,80 @@ def test_pack_command_declines_what_it_does_not_pack(args: list[Any], other: Any
     args.insert(min(at, len(args)), other)
     assert pack_command(tuple(args)) is None
     assert pack_command(("SET", "\ud800")) is None  # no UTF-8: hiredis reports it
+
+
+# ---- the bridge's compact maps ----------------------------------------------------------
+
+map_key = st.one_of(
+    st.integers(0, 40),  # collide in a small table, and across resizes
+    st.integers(0, 2**64 - 1),
+    st.sampled_from([2**64, -1, -(2**70), b"\x01", b"", "s"]),  # beside the table
+)
+map_value = st.one_of(st.integers(0, 2**64), st.integers(0, 2**260), st.just(-5))
+map_op = st.one_of(
+    st.tuples(st.just("set"), map_key, map_value),
+    st.tuples(st.just("del"), map_key, st.none()),
+    st.tuples(st.just("pop"), map_key, st.none()),
+    st.tuples(st.just("get"), map_key, st.none()),
+    st.tuples(st.just("clear"), st.none(), st.none()),
+    st.tuples(st.just("update"), st.dictionaries(map_key, map_value, max_size=5), st.none()),
+)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(lanes=st.integers(1, 4), ops=st.lists(map_op, max_size=120))
+def test_wordmap_behaves_as_a_dict(lanes: int, ops: list[tuple[str, Any, Any]]) -> None:
+    # Values too wide for the lanes, negative ones and keys that are not 64-bit ints go
+    # to the side dict: to a user the two are one mapping.
+    from router.index._runs import WordMap
+
+    mine, model = WordMap(lanes), {}
+    for op, key, value in ops:
+        if op == "set":
+            mine[key] = model[key] = value
+        elif op == "update":
+            mine.update(key)
+            model.update(key)
+        elif op == "clear":
+            mine.clear()
+            model.clear()
+        elif op in ("del", "pop"):
+            want = outcome(lambda k=key: model.pop(k))
+            got = outcome(lambda k=key, o=op: mine.pop(k) if o == "pop" else mine.__delitem__(k))
+            assert got[0] == want[0]
+            if op == "pop":
+                assert got == want
+        else:
+            assert mine.get(key, "none") == model.get(key, "none")
+            assert (key in mine) == (key in model)
+        assert len(mine) == len(model)
+    assert dict(mine) == model == dict(mine.items())
+    assert sorted(map(repr, mine)) == sorted(map(repr, model))
+    assert not gc.is_tracked(mine)
+
+
+@needs_native
+@settings(max_examples=500, deadline=None)
+@given(case=maps_and_runs())
+def test_store_run_on_wordmaps_equals_the_python_reference(
+    case: tuple[Maps, tuple[Any, ...]],
+) -> None:
+    from router.index._runs import WordMap, store_run
+
+    maps, run = case
+    tables = []
+    for lanes, entries in zip((2, 4, 1), maps, strict=True):
+        table = WordMap(lanes)
+        table.update(entries)
+        tables.append(table)
+    theirs = tuple(dict(m) for m in maps)
+    stored = store_run(*tables, *run)
+    assert stored == store_run_py(*theirs, *run) or (  # type: ignore[arg-type]
+        # Runs of engine hashes that are not 64-bit ints go block by block on WordMaps.
+        not stored and not all(isinstance(h, int) for h in run[0])
+    )
+    if stored or all(isinstance(h, int) for h in run[0]):
+        assert [dict(t) for t in tables] == list(theirs)
+    else:
+        assert [dict(t) for t in tables] == list(maps)

@@ -1,0 +1,50 @@
+/* WordMap: a compact map from 64-bit ints to packed words, for the engine-hash bridge.
+ *
+ * The bridge keeps a million entries per router in three maps whose keys are 64-bit
+ * ints and whose values are words of one to four 64-bit lanes (router.index.words). As
+ * dicts each entry costs a slot, an index and up to three int objects scattered over the
+ * heap, so an insert or lookup misses the cache several times. A WordMap stores key and
+ * lanes inline in one open-addressing table (linear probing, power-of-two capacity,
+ * tombstones): one cache line per probe, no objects.
+ *
+ * It behaves as a mapping of ints to non-negative ints. Entries that do not fit (a key
+ * that is not an int in [0, 2**64), such as an older vLLM's bytes hashes, or a value
+ * wider than the lanes, such as a key's packed children on a branch) live in a plain
+ * dict beside the table. Invariant: a key is in at most one of the two.
+ */
+#ifndef KVROUTE_WORDMAP_H
+#define KVROUTE_WORDMAP_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#define WORDMAP_MAX_LANES 4
+
+typedef struct {
+    PyObject_HEAD
+    int lanes;
+    Py_ssize_t used;   /* full slots */
+    Py_ssize_t filled; /* full and deleted slots */
+    size_t mask;       /* capacity - 1; 0 before the first insert */
+    int shift;         /* 64 - log2(capacity) */
+    uint8_t *ctrl;     /* per slot: EMPTY, FULL or DELETED */
+    uint64_t *slots;   /* per slot: the key, then its lanes */
+    PyObject *extra;   /* dict of what does not fit, or NULL */
+} WordMap;
+
+extern PyTypeObject WordMapType;
+
+/* The slot holding key, or -1. */
+Py_ssize_t wordmap_find(const WordMap *map, uint64_t key);
+
+/* Insert a key known to be absent; 0, or -1 with MemoryError set. */
+int wordmap_insert_new(WordMap *map, uint64_t key, const uint64_t *lanes);
+
+/* Delete the entry in a full slot. */
+void wordmap_delete_at(WordMap *map, Py_ssize_t slot);
+
+/* Whether the side dict holds key (0 or 1; -1 with an exception). */
+int wordmap_extra_holds(const WordMap *map, PyObject *key);
+
+#endif
