@@ -83,15 +83,21 @@ static int insert_all(PyObject *dict, PyObject *const *items, Py_ssize_t count, 
     return 1;
 }
 
-/* Whether a table holds a u64 key (whose object is item): in the table or its side dict. */
-static int table_holds(const WordMap *map, uint64_t key, PyObject *item)
+static void table_undo(WordMap *map, const WordKey *keys, Py_ssize_t count)
+{
+    for (Py_ssize_t j = 0; j < count; j++)
+        wordmap_delete_at(map, wordmap_find(map, keys[j]));
+}
+
+/* Whether a table holds a key (whose object is item): in the table or its side dict. */
+static int table_holds(const WordMap *map, WordKey key, PyObject *item)
 {
     return wordmap_find(map, key) >= 0 ? 1 : wordmap_extra_holds(map, item);
 }
 
 /* Insert keys[i] -> lanes for i < count (lane `at` of `lanes` set to values[i]) unless a
  * key is held or repeats (then undo, 0); -1 on error (undone). */
-static int table_insert_all(WordMap *map, PyObject *const *items, const uint64_t *keys,
+static int table_insert_all(WordMap *map, PyObject *const *items, const WordKey *keys,
                             Py_ssize_t count, uint64_t *lanes, int at, const uint64_t *values)
 {
     Py_ssize_t i = 0;
@@ -108,49 +114,40 @@ static int table_insert_all(WordMap *map, PyObject *const *items, const uint64_t
     }
     if (i == count)
         return 1;
-    for (Py_ssize_t j = 0; j < i; j++)
-        wordmap_delete_at(map, wordmap_find(map, keys[j]));
+    table_undo(map, keys, i);
     return held < 0 ? -1 : 0;
 }
 
-static void table_undo(WordMap *map, const uint64_t *keys, Py_ssize_t count)
-{
-    for (Py_ssize_t j = 0; j < count; j++)
-        wordmap_delete_at(map, wordmap_find(map, keys[j]));
-}
-
 /* store_run on WordMaps: 1 stored, 0 not the common case (an engine hash that is not a
- * 64-bit int is never: the caller folds such runs block by block), -1 on error.
- * words: counts, tag, (parent), indexed: the key word's lanes. */
+ * 64-bit int never is: the caller folds such runs block by block), -1 on error.
+ * words: the key word's lanes (counts, tag, parent: set per block, indexed). */
 static int store_in_tables(WordMap *copies, WordMap *key_words, WordMap *children,
                            PyObject *const *hash_items, PyObject *const *key_items,
                            const uint64_t *keys, const uint64_t *parents, Py_ssize_t n,
                            uint64_t *words)
 {
-    uint64_t *hashes = PyMem_Malloc((size_t)n * sizeof(uint64_t));
+    WordKey *hashes = PyMem_Malloc((size_t)n * 2 * sizeof(WordKey));
     if (hashes == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    WordKey *run_keys = hashes + n;
     int done = 1;
-    for (Py_ssize_t i = 0; i < n && done == 1; i++) {
-        hashes[i] = PyLong_Check(hash_items[i]) ? PyLong_AsUnsignedLongLong(hash_items[i])
-                                                : (uint64_t)-1;
-        if (hashes[i] == (uint64_t)-1 && (PyErr_Occurred() || !PyLong_Check(hash_items[i]))) {
-            PyErr_Clear();
+    for (Py_ssize_t i = 0; i < n; i++) {
+        run_keys[i] = (WordKey){keys[i], 0};
+        if (!wordmap_key(hash_items[i], &hashes[i]))
             done = 0;
-        }
     }
     uint64_t copy_lanes[2] = {words[0], 0};
     if (done == 1)
         done = table_insert_all(copies, hash_items, hashes, n, copy_lanes, 1, keys);
     if (done == 1) {
-        done = table_insert_all(key_words, key_items, keys, n, words, 2, parents);
+        done = table_insert_all(key_words, key_items, run_keys, n, words, 2, parents);
         if (done == 1) {
             uint64_t child[1];
-            done = table_insert_all(children, key_items, keys, n - 1, child, 0, keys + 1);
+            done = table_insert_all(children, key_items, run_keys, n - 1, child, 0, keys + 1);
             if (done != 1)
-                table_undo(key_words, keys, n);
+                table_undo(key_words, run_keys, n);
         }
         if (done != 1)
             table_undo(copies, hashes, n);

@@ -3,7 +3,7 @@
 
 #include <string.h>
 
-enum { EMPTY = 0, FULL = 1, DELETED = 2 };
+enum { EMPTY = 0, FULL = 1, DELETED = 2, NEGATIVE = 4 };
 #define MIN_CAPACITY 8
 
 static inline size_t stride(const WordMap *map) { return (size_t)map->lanes + 1; }
@@ -13,16 +13,51 @@ static inline size_t home(const WordMap *map, uint64_t key)
     return (size_t)((key * UINT64_C(0x9E3779B97F4A7C15)) >> map->shift);
 }
 
-Py_ssize_t wordmap_find(const WordMap *map, uint64_t key)
+static inline uint8_t full(WordKey key) { return (uint8_t)(FULL | (key.negative ? NEGATIVE : 0)); }
+
+Py_ssize_t wordmap_find(const WordMap *map, WordKey key)
 {
     if (map->ctrl == NULL)
         return -1;
-    for (size_t i = home(map, key);; i = (i + 1) & map->mask) {
+    uint8_t want = full(key);
+    for (size_t i = home(map, key.bits);; i = (i + 1) & map->mask) {
         if (map->ctrl[i] == EMPTY)
             return -1;
-        if (map->ctrl[i] == FULL && map->slots[i * stride(map)] == key)
+        if (map->ctrl[i] == want && map->slots[i * stride(map)] == key.bits)
             return (Py_ssize_t)i;
     }
+}
+
+int wordmap_key(PyObject *key, WordKey *out)
+{
+    if (!PyLong_Check(key))
+        return 0;
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(key, &overflow);
+    if (value == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (overflow == 0) {
+        out->bits = (uint64_t)value;
+        out->negative = value < 0;
+        return 1;
+    }
+    if (overflow < 0)
+        return 0;
+    out->bits = PyLong_AsUnsignedLongLong(key); /* 2**63 .. 2**64 - 1 */
+    out->negative = 0;
+    if (out->bits == (uint64_t)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *key_object(uint64_t bits, uint8_t ctrl)
+{
+    return ctrl & NEGATIVE ? PyLong_FromLongLong((long long)bits)
+                           : PyLong_FromUnsignedLongLong(bits);
 }
 
 static int rehash(WordMap *map, size_t capacity)
@@ -47,13 +82,13 @@ static int rehash(WordMap *map, size_t capacity)
         map->shift--;
     map->filled = map->used;
     for (size_t j = 0; j < old_capacity; j++) {
-        if (old_ctrl[j] != FULL)
+        if (!(old_ctrl[j] & FULL))
             continue;
         const uint64_t *entry = old_slots + j * width;
         size_t i = home(map, entry[0]);
         while (ctrl[i] != EMPTY)
             i = (i + 1) & map->mask;
-        ctrl[i] = FULL;
+        ctrl[i] = old_ctrl[j];
         memcpy(slots + i * width, entry, width * sizeof(uint64_t));
     }
     PyMem_Free(old_ctrl);
@@ -61,7 +96,7 @@ static int rehash(WordMap *map, size_t capacity)
     return 0;
 }
 
-int wordmap_insert_new(WordMap *map, uint64_t key, const uint64_t *lanes)
+int wordmap_insert_new(WordMap *map, WordKey key, const uint64_t *lanes)
 {
     size_t capacity = map->ctrl == NULL ? 0 : map->mask + 1;
     if ((size_t)(map->filled + 1) * 4 > capacity * 3) { /* load above 3/4: grow or clean */
@@ -71,14 +106,14 @@ int wordmap_insert_new(WordMap *map, uint64_t key, const uint64_t *lanes)
         if (rehash(map, wanted) < 0)
             return -1;
     }
-    size_t i = home(map, key);
-    while (map->ctrl[i] == FULL)
+    size_t i = home(map, key.bits);
+    while (map->ctrl[i] & FULL)
         i = (i + 1) & map->mask;
     if (map->ctrl[i] == EMPTY)
         map->filled++;
-    map->ctrl[i] = FULL;
+    map->ctrl[i] = full(key);
     uint64_t *entry = map->slots + i * stride(map);
-    entry[0] = key;
+    entry[0] = key.bits;
     memcpy(entry + 1, lanes, (size_t)map->lanes * sizeof(uint64_t));
     map->used++;
     return 0;
@@ -96,19 +131,6 @@ int wordmap_extra_holds(const WordMap *map, PyObject *key)
 }
 
 /* -- conversions -------------------------------------------------------------------- */
-
-/* A key as uint64: 1, or 0 when it does not fit the table (not an int in range). */
-static int table_key(PyObject *key, uint64_t *out)
-{
-    if (!PyLong_Check(key))
-        return 0;
-    *out = PyLong_AsUnsignedLongLong(key);
-    if (*out == (uint64_t)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    return 1;
-}
 
 /* A value as lanes: 1, or 0 when it does not fit (not a non-negative int that narrow). */
 static int table_value(const WordMap *map, PyObject *value, uint64_t *lanes)
@@ -161,8 +183,8 @@ static PyObject *lanes_value(const WordMap *map, const uint64_t *lanes)
 /* The value of key (new reference), or NULL: with KeyError set when missing. */
 static PyObject *lookup(WordMap *map, PyObject *key)
 {
-    uint64_t k;
-    if (table_key(key, &k)) {
+    WordKey k;
+    if (wordmap_key(key, &k)) {
         Py_ssize_t slot = wordmap_find(map, k);
         if (slot >= 0)
             return lanes_value(map, map->slots + (size_t)slot * stride(map) + 1);
@@ -178,8 +200,8 @@ static PyObject *lookup(WordMap *map, PyObject *key)
 /* Remove key; 1 if it was held, 0 if not, -1 on error. */
 static int discard(WordMap *map, PyObject *key)
 {
-    uint64_t k;
-    if (table_key(key, &k)) {
+    WordKey k;
+    if (wordmap_key(key, &k)) {
         Py_ssize_t slot = wordmap_find(map, k);
         if (slot >= 0) {
             wordmap_delete_at(map, slot);
@@ -194,8 +216,9 @@ static int discard(WordMap *map, PyObject *key)
 
 static int store(WordMap *map, PyObject *key, PyObject *value)
 {
-    uint64_t k, lanes[WORDMAP_MAX_LANES];
-    if (table_key(key, &k) && table_value(map, value, lanes)) {
+    WordKey k;
+    uint64_t lanes[WORDMAP_MAX_LANES];
+    if (wordmap_key(key, &k) && table_value(map, value, lanes)) {
         Py_ssize_t slot = wordmap_find(map, k);
         if (slot >= 0) {
             memcpy(map->slots + (size_t)slot * stride(map) + 1, lanes,
@@ -237,8 +260,8 @@ static int wm_ass_subscript(PyObject *self, PyObject *key, PyObject *value)
 static int wm_contains(PyObject *self, PyObject *key)
 {
     WordMap *map = (WordMap *)self;
-    uint64_t k;
-    if (table_key(key, &k) && wordmap_find(map, k) >= 0)
+    WordKey k;
+    if (wordmap_key(key, &k) && wordmap_find(map, k) >= 0)
         return 1;
     return wordmap_extra_holds(map, key);
 }
@@ -302,10 +325,10 @@ static PyObject *listing(WordMap *map, int what)
         return NULL;
     size_t capacity = map->ctrl == NULL ? 0 : map->mask + 1;
     for (size_t i = 0; i < capacity; i++) {
-        if (map->ctrl[i] != FULL)
+        if (!(map->ctrl[i] & FULL))
             continue;
         const uint64_t *entry = map->slots + i * stride(map);
-        PyObject *key = what == 1 ? NULL : PyLong_FromUnsignedLongLong(entry[0]);
+        PyObject *key = what == 1 ? NULL : key_object(entry[0], map->ctrl[i]);
         PyObject *value = what == 0 ? NULL : lanes_value(map, entry + 1);
         PyObject *item = what == 0 ? key : what == 1 ? value : PyTuple_Pack(2, key, value);
         if (what == 2) {

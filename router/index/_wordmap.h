@@ -7,10 +7,12 @@
  * lanes inline in one open-addressing table (linear probing, power-of-two capacity,
  * tombstones): one cache line per probe, no objects.
  *
- * It behaves as a mapping of ints to non-negative ints. Entries that do not fit (a key
- * that is not an int in [0, 2**64), such as an older vLLM's bytes hashes, or a value
- * wider than the lanes, such as a key's packed children on a branch) live in a plain
- * dict beside the table. Invariant: a key is in at most one of the two.
+ * It behaves as a mapping of ints to non-negative ints. A key is any int from -2**63 to
+ * 2**64 - 1 (engine hashes are unsigned 64-bit, or signed where an engine used Python's
+ * hash()): its 64 bits, and its sign in the slot's control byte. Entries that do not fit
+ * (a key that is no such int, such as an older vLLM's bytes hashes, or a value wider
+ * than the lanes, such as a key's packed children on a branch) live in a plain dict
+ * beside the table. Invariant: a key is in at most one of the two.
  */
 #ifndef KVROUTE_WORDMAP_H
 #define KVROUTE_WORDMAP_H
@@ -28,18 +30,27 @@ typedef struct {
     Py_ssize_t filled; /* full and deleted slots */
     size_t mask;       /* capacity - 1; 0 before the first insert */
     int shift;         /* 64 - log2(capacity) */
-    uint8_t *ctrl;     /* per slot: EMPTY, FULL or DELETED */
+    uint8_t *ctrl;     /* per slot: EMPTY, DELETED, or FULL (| NEGATIVE) */
     uint64_t *slots;   /* per slot: the key, then its lanes */
     PyObject *extra;   /* dict of what does not fit, or NULL */
 } WordMap;
 
 extern PyTypeObject WordMapType;
 
+/* A table key: an int's 64 bits and whether it is negative. */
+typedef struct {
+    uint64_t bits;
+    uint8_t negative;
+} WordKey;
+
+/* Whether key (any object) is a table key, stored in *out; never raises. */
+int wordmap_key(PyObject *key, WordKey *out);
+
 /* The slot holding key, or -1. */
-Py_ssize_t wordmap_find(const WordMap *map, uint64_t key);
+Py_ssize_t wordmap_find(const WordMap *map, WordKey key);
 
 /* Insert a key known to be absent; 0, or -1 with MemoryError set. */
-int wordmap_insert_new(WordMap *map, uint64_t key, const uint64_t *lanes);
+int wordmap_insert_new(WordMap *map, WordKey key, const uint64_t *lanes);
 
 /* Delete the entry in a full slot. */
 void wordmap_delete_at(WordMap *map, Py_ssize_t slot);

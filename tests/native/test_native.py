@@ -134,7 +134,7 @@ def maps_and_runs(draw: st.DrawFn) -> tuple[Maps, tuple[Any, ...]]:
     keys = draw(st.dictionaries(small.map(BlockKey), st.integers(1, 2**193)))
     children = draw(st.dictionaries(small.map(BlockKey), small))
     length = draw(st.integers(1, 6))
-    hashes = draw(st.lists(st.one_of(small, st.binary(min_size=1, max_size=2)),
+    hashes = draw(st.lists(st.one_of(small, st.integers(-3, -1), st.binary(min_size=1, max_size=2)),
                            min_size=length, max_size=length))  # fmt: skip
     run_keys = draw(st.lists(small.map(BlockKey), min_size=length, max_size=length))
     tag = draw(small.map(BlockKey))
@@ -296,9 +296,10 @@ def test_pack_command_declines_what_it_does_not_pack(args: list[Any], other: Any
 # ---- the bridge's compact maps ----------------------------------------------------------
 
 map_key = st.one_of(
-    st.integers(0, 40),  # collide in a small table, and across resizes
-    st.integers(0, 2**64 - 1),
-    st.sampled_from([2**64, -1, -(2**70), b"\x01", b"", "s"]),  # beside the table
+    st.integers(-40, 40),  # collide in a small table, and across resizes
+    st.integers(-(2**63), 2**64 - 1),
+    st.sampled_from([-1, 2**64 - 1, -(2**63), 2**63]),  # same low 64 bits, or the edges
+    st.sampled_from([2**64, -(2**63) - 1, -(2**70), b"\x01", b"", "s"]),  # beside the table
 )
 map_value = st.one_of(st.integers(0, 2**64), st.integers(0, 2**260), st.just(-5))
 map_op = st.one_of(
