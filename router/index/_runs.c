@@ -139,6 +139,11 @@ static int store_in_tables(WordMap *copies, WordMap *key_words, WordMap *childre
             done = 0;
     }
     uint64_t copy_lanes[2] = {words[0], 0};
+    if (done == 1) {
+        wordmap_prefetch(copies, hashes, n);
+        wordmap_prefetch(key_words, run_keys, n);
+        wordmap_prefetch(children, run_keys, n - 1);
+    }
     if (done == 1)
         done = table_insert_all(copies, hash_items, hashes, n, copy_lanes, 1, keys);
     if (done == 1) {

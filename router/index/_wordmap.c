@@ -125,6 +125,21 @@ void wordmap_delete_at(WordMap *map, Py_ssize_t slot)
     map->used--;
 }
 
+void wordmap_prefetch(const WordMap *map, const WordKey *keys, Py_ssize_t count)
+{
+#if defined(__GNUC__) || defined(__clang__)
+    if (map->ctrl == NULL)
+        return;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        size_t slot = home(map, keys[i].bits);
+        __builtin_prefetch(map->ctrl + slot);
+        __builtin_prefetch(map->slots + slot * stride(map));
+    }
+#else
+    (void)map, (void)keys, (void)count;
+#endif
+}
+
 int wordmap_extra_holds(const WordMap *map, PyObject *key)
 {
     return map->extra == NULL ? 0 : PyDict_Contains(map->extra, key);

@@ -55,6 +55,10 @@ int wordmap_insert_new(WordMap *map, WordKey key, const uint64_t *lanes);
 /* Delete the entry in a full slot. */
 void wordmap_delete_at(WordMap *map, Py_ssize_t slot);
 
+/* Start loading the slots where keys[0..count) are (or would go) into the cache: the
+ * lookups that follow then overlap their memory accesses instead of waiting in turn. */
+void wordmap_prefetch(const WordMap *map, const WordKey *keys, Py_ssize_t count);
+
 /* Whether the side dict holds key (0 or 1; -1 with an exception). */
 int wordmap_extra_holds(const WordMap *map, PyObject *key);
 

@@ -105,6 +105,9 @@ class Changes:
             if mine is None:
                 self.families[tag] = theirs
                 continue
+            if mine.keys().isdisjoint(theirs):  # the common case: other blocks
+                mine.update(theirs)
+                continue
             firsts = {key: mine[key] >> 2 for key in mine.keys() & theirs.keys()}
             mine.update(theirs)
             for key, first in firsts.items():
