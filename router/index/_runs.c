@@ -2,9 +2,11 @@
  *
  * store_run(copies, keys, children, hashes, run_keys, tag, parent, tier, indexed) -> bool
  * does exactly what the pure-Python router.index.runs.store_run_py does to the bridge's
- * three dicts (same words, same order of checks, same undo), minus the interpreter: the
+ * three maps (same words, same checks, same undo), minus the interpreter. On dicts the
  * words of router.index.words are built from their little-endian bytes instead of
- * through shifts of Python ints. tests/test_native.py runs both on the same inputs.
+ * through shifts of Python ints; on WordMaps (the bridge's maps where this module is
+ * built, _wordmap.h) their lanes are written straight into the tables, the run's slots
+ * prefetched first. tests/native/test_native.py runs both on the same inputs.
  *
  * Invariant: on False the three dicts are as they were on entry. Whether an insert found
  * its item held is read from the dict's size, never from the identity of the value

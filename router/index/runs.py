@@ -5,12 +5,13 @@ of the run is new to the worker (no copy held, no key held or with held children
 distinct within the run. Each block then becomes a new entry with one copy on its tier;
 its key word names the block before it (the run's ``parent`` for block 0) and is indexed
 iff the run's first block is (prefix closure); each key becomes its predecessor's only
-child. The C module ``router.index._runs`` does this without the interpreter;
-:func:`store_run_py` is the reference it is tested against and what runs where it was
-not built (or ``KVROUTE_PURE_PYTHON=1`` is set).
+child. The C module ``router.index._runs`` does this without the interpreter, on the
+bridge's maps as its compact ``WordMap`` tables (:data:`new_map`); :func:`store_run_py`,
+on dicts, is the reference it is tested against and what runs where it was not built (or
+``KVROUTE_PURE_PYTHON=1`` is set).
 
 Invariant (both): ``True`` means every block was stored; ``False`` means the run is not
-the common case and the three dicts are exactly as they were (the caller then folds the
+the common case and the three maps are exactly as they were (the caller then folds the
 run block by block).
 """
 
