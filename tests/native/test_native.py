@@ -211,11 +211,13 @@ def events(draw: st.DrawFn) -> Any:
     path = chain(draw(st.sampled_from(sorted(NODES))))
     first = draw(st.integers(0, len(path) - 1))
     nodes = path[first:]
-    # Hash 50 + node, but sometimes the engine reuses one hash for two blocks.
-    hashes = [draw(st.sampled_from([50 + n, 50 + n, 77])) for n in nodes]
+    # Hash 50 + node, but sometimes the engine reuses one hash for two blocks; hashes are
+    # unsigned, signed (Python's hash()) or bytes (an older vLLM), drawn per event.
+    kind_of_hash = draw(st.sampled_from([int, lambda h: -h, lambda h: h.to_bytes(2, "big")]))
+    hashes = [kind_of_hash(draw(st.sampled_from([50 + n, 50 + n, 77]))) for n in nodes]
     if kind == "remove":
         return BlockRemoved(block_hashes=hashes, medium=medium)
-    parent = None if first == 0 else draw(st.sampled_from([50 + path[first - 1], 99]))
+    parent = None if first == 0 else kind_of_hash(draw(st.sampled_from([50 + path[first - 1], 99])))
     return BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
