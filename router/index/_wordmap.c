@@ -231,6 +231,11 @@ static int discard(WordMap *map, PyObject *key)
 
 static int store(WordMap *map, PyObject *key, PyObject *value)
 {
+    if (!PyLong_Check(value)) { /* ints only: the map then never holds a reference cycle */
+        PyErr_Format(PyExc_TypeError, "WordMap values are ints, not %.100s",
+                     Py_TYPE(value)->tp_name);
+        return -1;
+    }
     WordKey k;
     uint64_t lanes[WORDMAP_MAX_LANES];
     if (wordmap_key(key, &k) && table_value(map, value, lanes)) {

@@ -5,9 +5,11 @@
  * dicts each entry costs a slot, an index and up to three int objects scattered over the
  * heap, so an insert or lookup misses the cache several times. A WordMap stores key and
  * lanes inline in one open-addressing table (linear probing, power-of-two capacity,
- * tombstones): one cache line per probe, no objects.
+ * tombstones, a control byte per slot kept apart): two cache lines per probe, no
+ * objects, and a caller can prefetch a batch's slots so that their misses overlap.
  *
- * It behaves as a mapping of ints to non-negative ints. A key is any int from -2**63 to
+ * It behaves as a mapping of ints to ints (only ints: not tracked by the garbage
+ * collector, it must never hold a container). A key is any int from -2**63 to
  * 2**64 - 1 (engine hashes are unsigned 64-bit, or signed where an engine used Python's
  * hash()): its 64 bits, and its sign in the slot's control byte. Entries that do not fit
  * (a key that is no such int, such as an older vLLM's bytes hashes, or a value wider

@@ -345,6 +345,8 @@ def test_wordmap_behaves_as_a_dict(lanes: int, ops: list[tuple[str, Any, Any]]) 
     assert dict(mine) == model == dict(mine.items())
     assert sorted(map(repr, mine)) == sorted(map(repr, model))
     assert not gc.is_tracked(mine)
+    with pytest.raises(TypeError):
+        mine[1] = mine  # not an int: refused (a cycle the collector would never see)
 
 
 @needs_native
