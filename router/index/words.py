@@ -6,7 +6,9 @@ above), family tag (64-127), parent key (128-191; :data:`NONE`: block 0), indexe
 192). Plain ints, never tuples: a dict holding a freshly created tuple becomes tracked by
 CPython's cyclic garbage collector again, and every collection then walks all of its
 entries (20-500 ms pauses at a million cached blocks); dicts of ints are never tracked, so
-the bridge costs the collector nothing however large it grows.
+the bridge costs the collector nothing however large it grows. Where kvroute's C module is
+built the maps are ``WordMap`` tables instead (:data:`router.index.runs.new_map`): the same
+words, kept as 64-bit lanes (:data:`COPY_LANES`, :data:`KEY_LANES`), untracked as well.
 
 Invariants (kept by :class:`router.index.bridge.WorkerBridge`, checked by
 :func:`checked_links` on a state read back from elsewhere): an engine hash's entry is
