@@ -265,10 +265,110 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_RETURN_TRUE;
 }
 
+/* Whether the run of removals can take hash h: its copy and its key's are the last ones,
+ * on this tier; its key needs no cascade and its parent's link is a single child. On
+ * yes, fills the slots to change and the note (tag, key, mask) when indexed. */
+typedef struct {
+    Py_ssize_t copy, key, link; /* slots; link -1: the parent's link stays */
+    uint64_t tag, router_key;
+    int indexed;
+} Removal;
+
+static int simple_removal(WordMap *copies, WordMap *key_words, WordMap *children, PyObject *h,
+                          uint64_t one, Removal *out)
+{
+    WordKey hk;
+    if (!wordmap_key(h, &hk) || (out->copy = wordmap_find(copies, hk)) < 0)
+        return 0;
+    const uint64_t *copy = copies->slots + (size_t)out->copy * 3 + 1; /* its lanes */
+    if (copy[1] >= NONE_KEY || copy[0] != one)
+        return 0;
+    WordKey key = {copy[1], 0};
+    if ((out->key = wordmap_find(key_words, key)) < 0)
+        return 0;
+    const uint64_t *word = key_words->slots + (size_t)out->key * 5 + 1;
+    if (word[0] != one)
+        return 0;
+    out->tag = word[1];
+    out->router_key = key.bits;
+    out->indexed = word[3] != 0;
+    int extra = children->extra != NULL && PyDict_GET_SIZE(children->extra) > 0;
+    if (out->indexed && (wordmap_find(children, key) >= 0 || extra))
+        return 0; /* held children to unindex (or maybe, on a branch): the Python path */
+    out->link = -1;
+    if (word[2] != NONE_KEY) {
+        WordKey parent = {word[2], 0};
+        out->link = wordmap_find(children, parent);
+        if (out->link < 0 && extra)
+            return 0; /* the parent may have several children: the Python path */
+        if (out->link >= 0 && children->slots[(size_t)out->link * 2 + 1] != key.bits)
+            out->link = -1; /* another single child: the link stays */
+    }
+    return 1;
+}
+
+static PyObject *remove_run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "remove_run(copies, keys, children, hashes, start, tier)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[4]);
+    long tier = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!PyList_CheckExact(args[3]) || start < 0 || (tier != 0 && tier != 32)) {
+        PyErr_SetString(PyExc_ValueError, "remove_run: hashes a list, start >= 0, tier 0 or 32");
+        return NULL;
+    }
+    PyObject *notes = PyList_New(0);
+    if (notes == NULL)
+        return NULL;
+    Py_ssize_t i = start, n = PyList_GET_SIZE(args[3]);
+    int tables = Py_IS_TYPE(args[0], &WordMapType) && Py_IS_TYPE(args[1], &WordMapType) &&
+                 Py_IS_TYPE(args[2], &WordMapType);
+    WordMap *copies = (WordMap *)args[0], *key_words = (WordMap *)args[1];
+    WordMap *children = (WordMap *)args[2];
+    if (tables && (copies->lanes != 2 || key_words->lanes != 4 || children->lanes != 1))
+        tables = 0;
+    uint64_t one = UINT64_C(1) << tier;
+    Removal r;
+    for (; tables && i < n; i++) {
+        if (!simple_removal(copies, key_words, children, PyList_GET_ITEM(args[3], i), one, &r))
+            break;
+        wordmap_delete_at(copies, r.copy);
+        wordmap_delete_at(key_words, r.key);
+        if (r.link >= 0)
+            wordmap_delete_at(children, r.link);
+        if (!r.indexed)
+            continue;
+        PyObject *note[3] = {PyLong_FromUnsignedLongLong(r.tag),
+                             PyLong_FromUnsignedLongLong(r.router_key),
+                             PyLong_FromLong(tier == 0 ? 1 : 2)};
+        int failed = note[0] == NULL || note[1] == NULL || note[2] == NULL;
+        for (int j = 0; j < 3; j++) {
+            if (!failed && PyList_Append(notes, note[j]) < 0)
+                failed = 1;
+            Py_XDECREF(note[j]);
+        }
+        if (failed) {
+            Py_DECREF(notes);
+            return NULL;
+        }
+    }
+    PyObject *out = Py_BuildValue("(nN)", i, notes);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"store_run", (PyCFunction)(void (*)(void))store_run, METH_FASTCALL,
      "store_run(copies, keys, children, hashes, run_keys, tag, parent, tier, indexed) -> bool\n\n"
-     "Store a run of new blocks in the bridge's dicts (see router.index.runs)."},
+     "Store a run of new blocks in the bridge's maps (see router.index.runs)."},
+    {"remove_run", (PyCFunction)(void (*)(void))remove_run, METH_FASTCALL,
+     "remove_run(copies, keys, children, hashes, start, tier) -> (stop, notes)\n\n"
+     "Remove hashes[start:stop], the simple removals (see router.index.runs)."},
     {NULL, NULL, 0, NULL},
 };
 

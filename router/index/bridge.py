@@ -23,7 +23,7 @@ from events.hashing import BlockKey, RouterKeyer, router_block_keys
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
 from router.errors import OrphanParentError
 from router.index.changes import CPU_MASK, GPU_MASK, Changes
-from router.index.runs import map_of, new_map, store_run
+from router.index.runs import map_of, new_map, remove_run, store_run
 from router.index.words import (
     COPY_LANES,
     COUNT,
@@ -224,26 +224,37 @@ class WorkerBridge:
             self.counters.ignored_groups += 1
             return
         tier = _tier(event.medium)
+        hashes, maps = event.block_hashes, (self._copies, self._keys, self._children)
+        start = 0
+        while start < len(hashes):
+            # The simple removals in C where built (see runs.remove_run), the next here.
+            start, notes = remove_run(*maps, hashes, start, tier)
+            for i in range(0, len(notes), 3):
+                changes.note(BlockKey(notes[i]), BlockKey(notes[i + 1]), notes[i + 2], 0)
+            if start < len(hashes):
+                self._remove_one(hashes[start], tier, changes)
+                start += 1
+
+    def _remove_one(self, block_hash: WireHash, tier: int, changes: Changes) -> None:
         one = 1 << tier
         all_copies, keys = self._copies, self._keys
-        for block_hash in event.block_hashes:
-            copies = all_copies.get(block_hash)
-            if copies is None or not (copies >> tier) & COUNT:
-                self.counters.unknown_removals += 1
-                continue
-            key = BlockKey(key_of(copies))
-            if key == NONE:
-                all_copies[block_hash] = copies - one
-            else:
-                state = keys[key]
-                if copies & COUNTS == one and state & COUNTS == one:
-                    # The common case: the key's last copy goes, and the hash's.
-                    del all_copies[block_hash], keys[key]
-                    self._drop(key, state, changes)
-                    continue
-                self._add(block_hash, tier, -1, tag_of(state), parent_of(state), changes)
-            if not all_copies[block_hash] & COUNTS:
-                del all_copies[block_hash]
+        copies = all_copies.get(block_hash)
+        if copies is None or not (copies >> tier) & COUNT:
+            self.counters.unknown_removals += 1
+            return
+        key = BlockKey(key_of(copies))
+        if key == NONE:
+            all_copies[block_hash] = copies - one
+        else:
+            state = keys[key]
+            if copies & COUNTS == one and state & COUNTS == one:
+                # The common case: the key's last copy goes, and the hash's.
+                del all_copies[block_hash], keys[key]
+                self._drop(key, state, changes)
+                return
+            self._add(block_hash, tier, -1, tag_of(state), parent_of(state), changes)
+        if not all_copies[block_hash] & COUNTS:
+            del all_copies[block_hash]
 
     def _store_detached(self, event: BlockStored, changes: Changes) -> None:
         tier = _tier(event.medium)

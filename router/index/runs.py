@@ -26,7 +26,16 @@ from events.native import native_or
 from events.schema import WireHash
 from router.index.words import NONE, key_word
 
-__all__ = ["NATIVE_RUNS", "dict_map", "map_of", "new_map", "store_run", "store_run_py"]
+__all__ = [
+    "NATIVE_RUNS",
+    "dict_map",
+    "map_of",
+    "new_map",
+    "remove_run",
+    "remove_run_py",
+    "store_run",
+    "store_run_py",
+]
 
 
 def store_run_py(
@@ -99,7 +108,29 @@ def map_of(lanes: int, entries: Mapping[Any, int]) -> MutableMapping[Any, int]:
     return found
 
 
+def remove_run_py(
+    copies: MutableMapping[WireHash, int],
+    keys: MutableMapping[BlockKey, int],
+    children: MutableMapping[BlockKey, int],
+    hashes: list[WireHash],
+    start: int,
+    tier: int,
+) -> tuple[int, list[int]]:
+    """The reference of the C module's ``remove_run``: it takes none of the hashes, so the
+    bridge's general path removes every one (see :data:`remove_run`)."""
+    return start, []
+
+
+remove_run: Final = native_or(remove_run_py, "router.index._runs", "remove_run")
+"""``remove_run(copies, keys, children, hashes, start, tier) -> (stop, notes)``: the
+removals ``hashes[start:stop]`` done in C on the bridge's WordMaps, stopping at the first
+that is not simple. Simple: the hash's copy and its key's are the last ones, both on
+``tier``; the key has no held children to unindex; its parent's link is a single child
+(deleted if it is this key). ``notes`` is ``tag, key, mask`` for each indexed key whose
+entry left, flat, in order; the bridge notes them and removes ``hashes[stop]`` itself."""
+
+
 store_run: Final = native_or(store_run_py, "router.index._runs", "store_run")
 """The bulk store the bridge uses: the C module's where built, else :func:`store_run_py`."""
 NATIVE_RUNS: Final = store_run is not store_run_py and new_map is not dict_map
-"""Whether :data:`store_run` and :data:`new_map` are the C module's."""
+"""Whether :data:`store_run`, :data:`remove_run` and :data:`new_map` are the C module's."""

@@ -29,7 +29,7 @@ from events.native import PURE_PYTHON
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from router.index.bridge import WorkerBridge
 from router.index.changes import Changes
-from router.index.runs import NATIVE_RUNS, dict_map, store_run_py
+from router.index.runs import NATIVE_RUNS, dict_map, remove_run_py, store_run_py
 from router.index.words import CPU_SHIFT, GPU_SHIFT
 
 
@@ -215,8 +215,10 @@ def events(draw: st.DrawFn) -> Any:
     # unsigned, signed (Python's hash()) or bytes (an older vLLM), drawn per event.
     kind_of_hash = draw(st.sampled_from([int, lambda h: -h, lambda h: h.to_bytes(2, "big")]))
     hashes = [kind_of_hash(draw(st.sampled_from([50 + n, 50 + n, 77]))) for n in nodes]
-    if kind == "remove":
-        return BlockRemoved(block_hashes=hashes, medium=medium)
+    if kind == "remove":  # in chain order or tail first (vLLM's eviction order)
+        return BlockRemoved(
+            block_hashes=draw(st.sampled_from([hashes, hashes[::-1]])), medium=medium
+        )
     parent = None if first == 0 else kind_of_hash(draw(st.sampled_from([50 + path[first - 1], 99])))
     return BlockStored(
         block_hashes=hashes,
@@ -229,9 +231,11 @@ def events(draw: st.DrawFn) -> Any:
     )
 
 
-def fold(events_: list[Any], monkeypatch: pytest.MonkeyPatch, store_run: Any, new_map: Any) -> Any:
-    monkeypatch.setattr(bridge_module, "store_run", store_run)
-    monkeypatch.setattr(bridge_module, "new_map", new_map)
+def fold(events_: list[Any], monkeypatch: pytest.MonkeyPatch, *native: Any) -> Any:
+    """Fold ``events_`` through a bridge whose store_run, remove_run and new_map are
+    ``native``: the C module's, or the Python references."""
+    for name, value in zip(("store_run", "remove_run", "new_map"), native, strict=True):
+        monkeypatch.setattr(bridge_module, name, value)
     bridge = WorkerBridge(RouterKeyer(seed=5), tolerate_orphans=True)
     trace = []
     for event in events_:
@@ -248,14 +252,14 @@ def fold(events_: list[Any], monkeypatch: pytest.MonkeyPatch, store_run: Any, ne
 
 
 @needs_native
-@settings(max_examples=300, deadline=None)
-@given(history=st.lists(events(), max_size=14))
+@settings(max_examples=600, deadline=None)
+@given(history=st.lists(events(), max_size=24))
 def test_a_bridge_folds_the_same_with_either_store(history: list[Any]) -> None:
-    from router.index._runs import WordMap, store_run
+    from router.index._runs import WordMap, remove_run, store_run
 
     with pytest.MonkeyPatch.context() as monkeypatch:
-        native = fold(history, monkeypatch, store_run, WordMap)
-        python = fold(history, monkeypatch, store_run_py, dict_map)
+        native = fold(history, monkeypatch, store_run, remove_run, WordMap)
+        python = fold(history, monkeypatch, store_run_py, remove_run_py, dict_map)
     assert native == python
 
 
