@@ -104,13 +104,16 @@ def test_only_the_allowed_subscriber_receives_events(tmp_path: Path) -> None:
                 group.check_alive()
                 publisher.publish(batch(publisher.next_seq))
 
-            # Handshakes: the allowed recorder has a batch, the intruder a failed handshake.
+            # Handshakes: the allowed recorder has a batch, the intruder and the plain one a
+            # failed handshake (logged once each is up, with its SIGTERM handler: stopped any
+            # earlier, a recorder still starting dies of the signal instead of exiting 0).
             wait_until(lambda: bool(records(logs["allowed"])), probe, "the allowed recorder")
-            wait_until(
-                lambda: "handshake with" in group.log_tail("intruder", 100_000),
-                probe,
-                "the intruder's failed handshake",
-            )
+            for name in ("intruder", "plain"):
+                wait_until(
+                    lambda name=name: "handshake with" in group.log_tail(name, 100_000),
+                    probe,
+                    f"the {name} recorder's failed handshake",
+                )
             first = records(logs["allowed"])[0].seq
             assert first is not None
             last = publisher.next_seq + NUM_BATCHES - 1
