@@ -58,7 +58,9 @@ static inline uint64_t fold128(uint64_t a, uint64_t b)
 
 static inline uint64_t mix16(const uint8_t *in, const uint8_t *secret, uint64_t seed)
 {
-    return fold128(read64(in) ^ (read64(secret) + seed), read64(in + 8) ^ (read64(secret + 8) - seed));
+    uint64_t lo = read64(in) ^ (read64(secret) + seed);
+    uint64_t hi = read64(in + 8) ^ (read64(secret + 8) - seed);
+    return fold128(lo, hi);
 }
 
 /* XXH3-64 of 17..128 bytes with a seed: pairs of 16-byte lanes from both ends, folded

@@ -3,7 +3,7 @@
  * store_run(copies, keys, children, hashes, run_keys, tag, parent, tier, indexed) -> bool
  * does exactly what the pure-Python router.index.runs.store_run_py does to the bridge's
  * three maps (same words, same checks, same undo), minus the interpreter. On dicts the
- * words of router.index.words are built from their little-endian bytes instead of
+ * words of router.index.words are built from their 64-bit lanes (wordmap_int) instead of
  * through shifts of Python ints; on WordMaps (the bridge's maps where this module is
  * built, _wordmap.h) their lanes are written straight into the tables, the run's slots
  * prefetched first. tests/native/test_native.py runs both on the same inputs.
@@ -17,25 +17,6 @@
 #include <string.h>
 
 #define NONE_KEY (UINT64_C(1) << 63)
-#define COPY_WORD_BYTES 16 /* counts, router key */
-#define KEY_WORD_BYTES 25  /* counts, tag, parent, indexed bit (bit 192) */
-
-static PyObject *from_le_bytes(const uint8_t *bytes, size_t n)
-{
-#if PY_VERSION_HEX >= 0x030D0000
-    return PyLong_FromUnsignedNativeBytes(
-        bytes, (Py_ssize_t)n, Py_ASNATIVEBYTES_LITTLE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER);
-#else
-    return _PyLong_FromByteArray(bytes, n, 1, 0);
-#endif
-}
-
-static inline void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
 /* A router key (int below 2**63); (uint64_t)-1 with an exception set if it is not one. */
 static uint64_t key_value(PyObject *key)
 {
@@ -58,17 +39,16 @@ static void undo(PyObject *dict, PyObject *const *items, Py_ssize_t count)
 }
 
 /* Insert items[i] -> value(i) for every i < count unless an item is already present
- * (then undo and return 0); -1 on error (also undone). value(i) is a new reference:
- * the word with lanes[i] at lane_offset, or (word NULL) values[i]. */
-static int insert_all(PyObject *dict, PyObject *const *items, Py_ssize_t count, uint8_t *word,
-                      size_t word_bytes, const uint64_t *lanes, size_t lane_offset,
-                      PyObject *const *values)
+ * (then undo and return 0); -1 on error (also undone). value(i) is a new reference: the
+ * int of word's word_lanes lanes with lane `at` set to lanes[i], or (word NULL) values[i]. */
+static int insert_all(PyObject *dict, PyObject *const *items, Py_ssize_t count, uint64_t *word,
+                      int word_lanes, const uint64_t *lanes, int at, PyObject *const *values)
 {
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *value;
         if (word != NULL) {
-            put64(word + lane_offset, lanes[i]);
-            value = from_le_bytes(word, word_bytes);
+            word[at] = lanes[i];
+            value = wordmap_int(word, word_lanes);
         } else {
             value = Py_NewRef(values[i]);
         }
@@ -122,11 +102,11 @@ static int table_insert_all(WordMap *map, PyObject *const *items, const WordKey 
 
 /* store_run on WordMaps: 1 stored, 0 not the common case (an engine hash that is not a
  * 64-bit int never is: the caller folds such runs block by block), -1 on error.
- * words: the key word's lanes (counts, tag, parent: set per block, indexed). */
+ * copy_word, key_word: the words' lanes (the key and the parent set per block). */
 static int store_in_tables(WordMap *copies, WordMap *key_words, WordMap *children,
                            PyObject *const *hash_items, PyObject *const *key_items,
                            const uint64_t *keys, const uint64_t *parents, Py_ssize_t n,
-                           uint64_t *words)
+                           uint64_t *copy_word, uint64_t *key_word)
 {
     WordKey *hashes = PyMem_Malloc((size_t)n * 2 * sizeof(WordKey));
     if (hashes == NULL) {
@@ -140,16 +120,15 @@ static int store_in_tables(WordMap *copies, WordMap *key_words, WordMap *childre
         if (!wordmap_key(hash_items[i], &hashes[i]))
             done = 0;
     }
-    uint64_t copy_lanes[2] = {words[0], 0};
     if (done == 1) {
         wordmap_prefetch(copies, hashes, n);
         wordmap_prefetch(key_words, run_keys, n);
         wordmap_prefetch(children, run_keys, n - 1);
     }
     if (done == 1)
-        done = table_insert_all(copies, hash_items, hashes, n, copy_lanes, 1, keys);
+        done = table_insert_all(copies, hash_items, hashes, n, copy_word, 1, keys);
     if (done == 1) {
-        done = table_insert_all(key_words, key_items, run_keys, n, words, 2, parents);
+        done = table_insert_all(key_words, key_items, run_keys, n, key_word, 2, parents);
         if (done == 1) {
             uint64_t child[1];
             done = table_insert_all(children, key_items, run_keys, n - 1, child, 0, keys + 1);
@@ -230,25 +209,20 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
         }
         parents[i] = i == 0 ? parent : keys[i - 1];
     }
+    /* The words' lanes (router.index.words): a copy's counts and key; a key's counts, tag,
+     * parent (per block) and indexed bit. */
+    uint64_t copy_word[2] = {UINT64_C(1) << tier, 0};
+    uint64_t key_word[4] = {UINT64_C(1) << tier, tag, 0, (uint64_t)indexed};
+    int done;
     if (tables) {
-        int done = store_in_tables((WordMap *)copies, (WordMap *)key_words, (WordMap *)children,
-                                   hash_items, key_items, keys, parents, n,
-                                   (uint64_t[]){UINT64_C(1) << tier, tag, 0, (uint64_t)indexed});
+        done = store_in_tables((WordMap *)copies, (WordMap *)key_words, (WordMap *)children,
+                               hash_items, key_items, keys, parents, n, copy_word, key_word);
         PyMem_Free(keys);
-        if (done < 0)
-            return NULL;
-        return PyBool_FromLong(done);
+        return done < 0 ? NULL : PyBool_FromLong(done);
     }
-    uint8_t copy_word[COPY_WORD_BYTES] = {0};
-    uint8_t key_word[KEY_WORD_BYTES] = {0};
-    put64(copy_word, UINT64_C(1) << tier);
-    put64(key_word, UINT64_C(1) << tier);
-    put64(key_word + 8, tag);
-    key_word[24] = (uint8_t)indexed;
-
-    int done = insert_all(copies, hash_items, n, copy_word, COPY_WORD_BYTES, keys, 8, NULL);
+    done = insert_all(copies, hash_items, n, copy_word, 2, keys, 1, NULL);
     if (done == 1) {
-        done = insert_all(key_words, key_items, n, key_word, KEY_WORD_BYTES, parents, 16, NULL);
+        done = insert_all(key_words, key_items, n, key_word, 4, parents, 2, NULL);
         if (done == 1) {
             done = insert_all(children, key_items, n - 1, NULL, 0, NULL, 0, key_items + 1);
             if (done != 1)
@@ -280,13 +254,13 @@ static int simple_removal(WordMap *copies, WordMap *key_words, WordMap *children
     WordKey hk;
     if (!wordmap_key(h, &hk) || (out->copy = wordmap_find(copies, hk)) < 0)
         return 0;
-    const uint64_t *copy = copies->slots + (size_t)out->copy * 3 + 1; /* its lanes */
+    const uint64_t *copy = copies->slots + (size_t)out->copy * wordmap_stride(copies) + 1;
     if (copy[1] >= NONE_KEY || copy[0] != one)
         return 0;
     WordKey key = {copy[1], 0};
     if ((out->key = wordmap_find(key_words, key)) < 0)
         return 0;
-    const uint64_t *word = key_words->slots + (size_t)out->key * 5 + 1;
+    const uint64_t *word = key_words->slots + (size_t)out->key * wordmap_stride(key_words) + 1;
     if (word[0] != one)
         return 0;
     out->tag = word[1];
@@ -301,8 +275,11 @@ static int simple_removal(WordMap *copies, WordMap *key_words, WordMap *children
         out->link = wordmap_find(children, parent);
         if (out->link < 0 && extra)
             return 0; /* the parent may have several children: the Python path */
-        if (out->link >= 0 && children->slots[(size_t)out->link * 2 + 1] != key.bits)
-            out->link = -1; /* another single child: the link stays */
+        if (out->link >= 0) {
+            const uint64_t *held = children->slots + (size_t)out->link * wordmap_stride(children);
+            if (held[1] != key.bits)
+                out->link = -1; /* another single child: the link stays */
+        }
     }
     return 1;
 }

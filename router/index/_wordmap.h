@@ -39,11 +39,27 @@ typedef struct {
 
 extern PyTypeObject WordMapType;
 
+/* A slot's control byte. */
+enum { WORDMAP_EMPTY = 0, WORDMAP_FULL = 1, WORDMAP_DELETED = 2, WORDMAP_NEGATIVE = 4 };
+
+/* 64-bit words per slot: the key, then its lanes. */
+static inline size_t wordmap_stride(const WordMap *map) { return (size_t)map->lanes + 1; }
+
+/* The key held in a full slot, as an int (a new reference). */
+PyObject *wordmap_key_object(uint64_t bits, uint8_t ctrl);
+
+/* Free the table and the side dict: the map is empty. */
+void wordmap_release(WordMap *map);
+
 /* A table key: an int's 64 bits and whether it is negative. */
 typedef struct {
     uint64_t bits;
     uint8_t negative;
 } WordKey;
+
+/* The non-negative int whose little-endian 64-bit lanes are lanes[0..count), count at
+ * most WORDMAP_MAX_LANES (a new reference; NULL with an exception on failure). */
+PyObject *wordmap_int(const uint64_t *lanes, int count);
 
 /* Whether key (any object) is a table key, stored in *out; never raises. */
 int wordmap_key(PyObject *key, WordKey *out);
