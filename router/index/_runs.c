@@ -20,14 +20,18 @@
 /* A router key (int below 2**63); (uint64_t)-1 with an exception set if it is not one. */
 static uint64_t key_value(PyObject *key)
 {
-    uint64_t value = PyLong_AsUnsignedLongLong(key);
-    if (value == (uint64_t)-1 && PyErr_Occurred())
-        return value;
-    if (value >= NONE_KEY) {
-        PyErr_SetString(PyExc_ValueError, "router key out of the 63-bit range");
+    int overflow = 0;
+    long long value = PyLong_AsLongLongAndOverflow(key, &overflow); /* the fast one */
+    if (value >= 0 && overflow == 0)
+        return (uint64_t)value;
+    if (value == -1 && PyErr_Occurred())
         return (uint64_t)-1;
-    }
-    return value;
+    /* Out of range: OverflowError where no uint64 (as for a token id), else ValueError. */
+    uint64_t bits = PyLong_AsUnsignedLongLong(key);
+    if (bits == (uint64_t)-1 && PyErr_Occurred())
+        return bits;
+    PyErr_SetString(PyExc_ValueError, "router key out of the 63-bit range");
+    return (uint64_t)-1;
 }
 
 /* Remove items[0..count) from dict (each was inserted by this call). */
@@ -71,26 +75,23 @@ static void table_undo(WordMap *map, const WordKey *keys, Py_ssize_t count)
         wordmap_delete_at(map, wordmap_find(map, keys[j]));
 }
 
-/* Whether a table holds a key (whose object is item): in the table or its side dict. */
-static int table_holds(const WordMap *map, WordKey key, PyObject *item)
-{
-    return wordmap_find(map, key) >= 0 ? 1 : wordmap_extra_holds(map, item);
-}
-
 /* Insert keys[i] -> lanes for i < count (lane `at` of `lanes` set to values[i]) unless a
- * key is held or repeats (then undo, 0); -1 on error (undone). */
+ * key is held or repeats (then undo, 0); -1 on error (undone). The caller reserved room
+ * for count inserts. */
 static int table_insert_all(WordMap *map, PyObject *const *items, const WordKey *keys,
                             Py_ssize_t count, uint64_t *lanes, int at, const uint64_t *values)
 {
+    int extra = map->extra != NULL && PyDict_GET_SIZE(map->extra) > 0;
     Py_ssize_t i = 0;
     int held = 0;
     for (; i < count; i++) {
-        held = table_holds(map, keys[i], items[i]);
+        /* A table key is in the side dict only with a value wider than the lanes. */
+        held = extra ? wordmap_extra_holds(map, items[i]) : 0;
         if (held != 0)
             break;
         lanes[at] = values[i];
-        if (wordmap_insert_new(map, keys[i], lanes) < 0) {
-            held = -1;
+        if (!wordmap_insert_absent(map, keys[i], lanes)) {
+            held = 1;
             break;
         }
     }
@@ -120,6 +121,9 @@ static int store_in_tables(WordMap *copies, WordMap *key_words, WordMap *childre
         if (!wordmap_key(hash_items[i], &hashes[i]))
             done = 0;
     }
+    if (done == 1 && (wordmap_reserve(copies, n) < 0 || wordmap_reserve(key_words, n) < 0 ||
+                      wordmap_reserve(children, n) < 0))
+        done = -1; /* before the prefetches: a rehash moves the slots */
     if (done == 1) {
         wordmap_prefetch(copies, hashes, n);
         wordmap_prefetch(key_words, run_keys, n);

@@ -1,7 +1,7 @@
 /* WordMap (see _wordmap.h): the table; the Python type over it is _wordmap_type.c. */
 #include "_wordmap.h"
 
-#include <string.h>
+#include <stdint.h>
 
 #define MIN_CAPACITY 8
 
@@ -45,19 +45,50 @@ int wordmap_key(PyObject *key, WordKey *out)
     }
     if (overflow < 0)
         return 0;
-    out->bits = PyLong_AsUnsignedLongLong(key); /* 2**63 .. 2**64 - 1 */
+    /* 2**63 or more: a table key if below 2**64 (engine hashes are, half of them).
+     * Not PyLong_AsUnsignedLongLong: before 3.12 it goes through a byte array. */
     out->negative = 0;
-    if (out->bits == (uint64_t)-1 && PyErr_Occurred()) {
+#if PY_VERSION_HEX >= 0x030D0000
+    int flags = Py_ASNATIVEBYTES_NATIVE_ENDIAN | Py_ASNATIVEBYTES_UNSIGNED_BUFFER |
+                Py_ASNATIVEBYTES_REJECT_NEGATIVE;
+    Py_ssize_t needed = PyLong_AsNativeBytes(key, &out->bits, sizeof out->bits, flags);
+    if (needed < 0)
         PyErr_Clear();
+    return needed >= 0 && (size_t)needed <= sizeof out->bits;
+#else
+    if (_PyLong_NumBits(key) > 64)
         return 0;
-    }
+    out->bits = PyLong_AsUnsignedLongLongMask(key);
     return 1;
+#endif
 }
 
 PyObject *wordmap_key_object(uint64_t bits, uint8_t ctrl)
 {
     return ctrl & WORDMAP_NEGATIVE ? PyLong_FromLongLong((long long)bits)
                            : PyLong_FromUnsignedLongLong(bits);
+}
+
+/* dst[0..n) = src[0..n), n at most WORDMAP_MAX_LANES + 1: not memcpy, which is a library
+ * call per entry for a few words. */
+static inline void copy_words(uint64_t *dst, const uint64_t *src, size_t n)
+{
+    switch (n) {
+    case 5:
+        dst[4] = src[4];
+        /* fall through */
+    case 4:
+        dst[3] = src[3];
+        /* fall through */
+    case 3:
+        dst[2] = src[2];
+        /* fall through */
+    case 2:
+        dst[1] = src[1];
+        /* fall through */
+    default:
+        dst[0] = src[0];
+    }
 }
 
 static int rehash(WordMap *map, size_t capacity)
@@ -89,34 +120,60 @@ static int rehash(WordMap *map, size_t capacity)
         while (ctrl[i] != WORDMAP_EMPTY)
             i = (i + 1) & map->mask;
         ctrl[i] = old_ctrl[j];
-        memcpy(slots + i * width, entry, width * sizeof(uint64_t));
+        copy_words(slots + i * width, entry, width);
     }
     PyMem_Free(old_ctrl);
     PyMem_Free(old_slots);
     return 0;
 }
 
-int wordmap_insert_new(WordMap *map, WordKey key, const uint64_t *lanes)
+int wordmap_reserve(WordMap *map, Py_ssize_t more)
 {
     size_t capacity = map->ctrl == NULL ? 0 : map->mask + 1;
-    if ((size_t)(map->filled + 1) * 4 > capacity * 3) { /* load above 3/4: grow or clean */
-        size_t wanted = MIN_CAPACITY;
-        while (wanted * 3 < (size_t)(map->used + 1) * 8) /* to a load of at most 3/8 */
-            wanted <<= 1;
-        if (rehash(map, wanted) < 0)
-            return -1;
-    }
-    size_t i = home(map, key.bits);
-    while (map->ctrl[i] & WORDMAP_FULL)
-        i = (i + 1) & map->mask;
+    if ((size_t)(map->filled + more) * 4 <= capacity * 3)
+        return 0;
+    size_t wanted = MIN_CAPACITY; /* above a load of 3/4: grow or clean, to at most 3/8 */
+    while (wanted * 3 < (size_t)(map->used + more) * 8)
+        wanted <<= 1;
+    return rehash(map, wanted);
+}
+
+/* Fill slot i (not full) with key and its lanes. */
+static void put(WordMap *map, size_t i, WordKey key, const uint64_t *lanes)
+{
     if (map->ctrl[i] == WORDMAP_EMPTY)
         map->filled++;
     map->ctrl[i] = full(key);
     uint64_t *entry = map->slots + i * wordmap_stride(map);
     entry[0] = key.bits;
-    memcpy(entry + 1, lanes, (size_t)map->lanes * sizeof(uint64_t));
+    copy_words(entry + 1, lanes, (size_t)map->lanes);
     map->used++;
+}
+
+int wordmap_insert_new(WordMap *map, WordKey key, const uint64_t *lanes)
+{
+    if (wordmap_reserve(map, 1) < 0)
+        return -1;
+    size_t i = home(map, key.bits);
+    while (map->ctrl[i] & WORDMAP_FULL)
+        i = (i + 1) & map->mask;
+    put(map, i, key, lanes);
     return 0;
+}
+
+int wordmap_insert_absent(WordMap *map, WordKey key, const uint64_t *lanes)
+{
+    uint8_t want = full(key);
+    size_t free_slot = SIZE_MAX;
+    size_t i = home(map, key.bits);
+    for (; map->ctrl[i] != WORDMAP_EMPTY; i = (i + 1) & map->mask) {
+        if (map->ctrl[i] == want && map->slots[i * wordmap_stride(map)] == key.bits)
+            return 0;
+        if (map->ctrl[i] == WORDMAP_DELETED && free_slot == SIZE_MAX)
+            free_slot = i;
+    }
+    put(map, free_slot == SIZE_MAX ? i : free_slot, key, lanes);
+    return 1;
 }
 
 void wordmap_delete_at(WordMap *map, Py_ssize_t slot)

@@ -70,6 +70,14 @@ Py_ssize_t wordmap_find(const WordMap *map, WordKey key);
 /* Insert a key known to be absent; 0, or -1 with MemoryError set. */
 int wordmap_insert_new(WordMap *map, WordKey key, const uint64_t *lanes);
 
+/* Make room for `more` inserts without a rehash (slots found before stay valid); 0, or
+ * -1 with MemoryError set. */
+int wordmap_reserve(WordMap *map, Py_ssize_t more);
+
+/* Insert key unless the table holds it, in one probe: 1 inserted, 0 held (nothing
+ * changed). The caller reserved room (wordmap_reserve); the side dict is not looked at. */
+int wordmap_insert_absent(WordMap *map, WordKey key, const uint64_t *lanes);
+
 /* Delete the entry in a full slot. */
 void wordmap_delete_at(WordMap *map, Py_ssize_t slot);
 

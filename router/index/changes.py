@@ -4,25 +4,30 @@ The engine-hash bridge folds events into a :class:`Changes`; an index writes it;
 commit merges the changes of later batches into pending ones. Per family tag, each
 touched router key maps to its :data:`Transition`: the tier bits the worker held for the
 key before the first folded event (``old``) and after the last (``new``), as the small
-int ``old << 2 | new``. Small ints are shared objects, so storing one allocates nothing
-(and is invisible to the garbage collector), a run of new keys is stored with one
-C-level ``dict.update``, and a writer finds a family's kinds of change with one
-``set()`` of its values.
+int ``old << 2 | new``.
+
+A family holds its changes in one of two forms. *Noted*: a dict router key ->
+transition, which any change can update. *Added*: the runs of keys that appeared in bulk
+(:meth:`Changes.add_new`, the ingest's common case: newly cached blocks), kept as the
+very lists they came in: appending a run, merging two such families and writing one
+costs no per-key dict work. The first :meth:`Changes.note` of an added family turns it
+into a noted one.
 
 Invariants: a key appears under exactly one family (its tag is a function of the key:
-the router key of block 0 of its chain); no stored transition is a no-op
-(``old_mask != new_mask``): one that becomes a no-op is dropped at once, so a writer never
-filters.
+the router key of block 0 of its chain), and a family is in exactly one form. No noted
+transition is a no-op (``old_mask != new_mask``): one that becomes a no-op is dropped at
+once, so a writer never filters. The runs of an added family are pairwise disjoint and
+none of their keys was ever noted: each is an entry that appeared and is still held.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from typing import Final
 
 from events.hashing import BlockKey
 
-__all__ = ["CPU_MASK", "GPU_MASK", "Changes", "Transition", "masks_of", "transition"]
+__all__ = ["CPU_MASK", "GPU_MASK", "Changes", "KeyLists", "Transition", "masks_of", "transition"]
 
 GPU_MASK: Final = 1
 """Presence bit of a block held on the GPU tier (medium ``"GPU"`` or unspecified)."""
@@ -31,6 +36,13 @@ CPU_MASK: Final = 2
 
 Transition = int
 """``old_mask << 2 | new_mask`` of one entry; masks are 0..3 (GPU and CPU bits)."""
+
+KeyLists = tuple[list[BlockKey], list[BlockKey], list[BlockKey], list[BlockKey]]
+"""A family's keys by what an index does with them: GPU gained, GPU lost, CPU gained,
+CPU lost (a key whose entry moves between tiers is in two lists)."""
+
+_Run = tuple[int, Sequence[BlockKey]]
+"""``(mask, keys)``: entries that appeared with ``mask``."""
 
 
 def transition(old: int, new: int) -> Transition:
@@ -43,52 +55,110 @@ def masks_of(change: Transition) -> tuple[int, int]:
     return change >> 2, change & 3
 
 
+def _lists_of(change: Transition) -> tuple[int, ...]:
+    """Which of the four :data:`KeyLists` an entry with this transition joins."""
+    old, new = masks_of(change)
+    gained, lost = new & ~old, old & ~new
+    bits = (gained & GPU_MASK, lost & GPU_MASK, gained & CPU_MASK, lost & CPU_MASK)
+    return tuple(i for i, bit in enumerate(bits) if bit)
+
+
+_LISTS: Final = tuple(_lists_of(change) for change in range(16))
+
+
 class Changes:
     """Entry changes by family tag, then router key (see the module docstring)."""
 
-    __slots__ = ("families",)
+    __slots__ = ("_added", "_noted")
 
     def __init__(self) -> None:
-        self.families: dict[BlockKey, dict[BlockKey, Transition]] = {}
+        self._noted: dict[BlockKey, dict[BlockKey, Transition]] = {}
+        self._added: dict[BlockKey, list[_Run]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self.families)
+        return bool(self._noted) or bool(self._added)
 
     def __len__(self) -> int:
-        return sum(map(len, self.families.values()))
+        added = sum(len(keys) for runs in self._added.values() for _, keys in runs)
+        return added + sum(map(len, self._noted.values()))
+
+    @property
+    def families(self) -> dict[BlockKey, dict[BlockKey, Transition]]:
+        """Family tag -> router key -> transition, every family as a new dict (for tests
+        and tools; a writer takes :meth:`key_lists`)."""
+        out = {tag: dict(family) for tag, family in self._noted.items()}
+        out.update((tag, _as_dict(runs)) for tag, runs in self._added.items())
+        return out
 
     def items(self) -> Iterator[tuple[BlockKey, BlockKey, Transition]]:
         """Every ``(tag, key, transition)``."""
-        for tag, family in self.families.items():
+        for tag, family in self._noted.items():
             for key, change in family.items():
                 yield tag, key, change
+        for tag, runs in self._added.items():
+            for mask, keys in runs:
+                for key in keys:
+                    yield tag, key, mask
 
     def masks(self) -> dict[BlockKey, tuple[int, int]]:
         """Router key -> ``(old_mask, new_mask)`` over all families (for tests and tools)."""
         return {key: masks_of(change) for _, key, change in self.items()}
 
+    def key_lists(self) -> Iterator[tuple[BlockKey, KeyLists]]:
+        """Per family tag, its keys by what an index does with them (:data:`KeyLists`)."""
+        for tag, family in self._noted.items():
+            lists: KeyLists = ([], [], [], [])
+            kinds = set(family.values())
+            if len(kinds) == 1:  # the common case: one kind of change (say, all removed)
+                for i in _LISTS[kinds.pop()]:
+                    lists[i].extend(family)
+            else:
+                for key, change in family.items():
+                    for i in _LISTS[change]:
+                        lists[i].append(key)
+            yield tag, lists
+        for tag, runs in self._added.items():
+            lists = ([], [], [], [])
+            for mask, keys in runs:
+                for i in _LISTS[mask]:  # transition(0, mask) == mask
+                    lists[i].extend(keys)
+            yield tag, lists
+
     def note(self, tag: BlockKey, key: BlockKey, old: int, new: int) -> None:
         """Record that the worker's entry for ``key`` went from ``old`` to ``new``."""
-        family = self.families.get(tag)
+        family = self._noted.get(tag)
         if family is None:
-            if old != new:
-                self.families[tag] = {key: old << 2 | new}
-            return
+            runs = self._added.pop(tag, None)
+            if runs is None:
+                if old != new:
+                    self._noted[tag] = {key: old << 2 | new}
+                return
+            family = self._noted[tag] = _as_dict(runs)
         previous = family.get(key)
         first = old if previous is None else previous >> 2
         if first == new:
             if previous is not None:
                 del family[key]
                 if not family:
-                    del self.families[tag]
+                    del self._noted[tag]
         else:
             family[key] = first << 2 | new
 
-    def add_new(self, tag: BlockKey, keys: Iterable[BlockKey], mask: int) -> None:
-        """Record entries that appear with ``mask`` (in bulk where no key was noted yet)."""
-        family = self.families.get(tag)
+    def add_new(self, tag: BlockKey, keys: Sequence[BlockKey], mask: int) -> None:
+        """Record entries that appear with ``mask`` (``mask`` non-zero).
+
+        ``keys`` must be entries the worker does not hold now (one noted as removed is
+        fine); the sequence is kept, not copied: the caller must not change it after.
+        """
+        if not keys:
+            return
+        family = self._noted.get(tag)
         if family is None:
-            self.families[tag] = dict.fromkeys(keys, transition(0, mask))
+            runs = self._added.get(tag)
+            if runs is None:
+                self._added[tag] = [(mask, keys)]
+            else:  # disjoint: those keys are held, these are not
+                runs.append((mask, keys))
         elif family.keys().isdisjoint(keys):
             family.update(dict.fromkeys(keys, transition(0, mask)))
         else:
@@ -98,23 +168,45 @@ class Changes:
     def merge(self, later: Changes) -> None:
         """Fold ``later`` (folded after these) in: per key the first old, the last new mask.
 
-        ``later`` must not be used afterwards (its family dicts may be taken over).
+        ``later`` must not be used afterwards (its families may be taken over).
         """
-        for tag, theirs in later.families.items():
-            mine = self.families.get(tag)
-            if mine is None:
-                self.families[tag] = theirs
-                continue
-            if mine.keys().isdisjoint(theirs):  # the common case: other blocks
-                mine.update(theirs)
-                continue
-            firsts = {key: mine[key] >> 2 for key in mine.keys() & theirs.keys()}
+        for tag, runs in later._added.items():
+            mine = self._added.get(tag)
+            if mine is not None:  # disjoint: nothing was noted in between
+                mine.extend(runs)
+            elif tag in self._noted:
+                self._merge_noted(tag, _as_dict(runs))
+            else:
+                self._added[tag] = runs
+        for tag, theirs in later._noted.items():
+            self._merge_noted(tag, theirs)
+
+    def _merge_noted(self, tag: BlockKey, theirs: dict[BlockKey, Transition]) -> None:
+        mine = self._noted.get(tag)
+        if mine is None:
+            runs = self._added.pop(tag, None)
+            if runs is None:
+                self._noted[tag] = theirs
+                return
+            mine = self._noted[tag] = _as_dict(runs)
+        if mine.keys().isdisjoint(theirs):  # the common case: other blocks
             mine.update(theirs)
-            for key, first in firsts.items():
-                new = theirs[key] & 3
-                if first == new:
-                    del mine[key]
-                else:
-                    mine[key] = first << 2 | new
-            if not mine:
-                del self.families[tag]
+            return
+        firsts = {key: mine[key] >> 2 for key in mine.keys() & theirs.keys()}
+        mine.update(theirs)
+        for key, first in firsts.items():
+            new = theirs[key] & 3
+            if first == new:
+                del mine[key]
+            else:
+                mine[key] = first << 2 | new
+        if not mine:
+            del self._noted[tag]
+
+
+def _as_dict(runs: list[_Run]) -> dict[BlockKey, Transition]:
+    """An added family as a noted one."""
+    family: dict[BlockKey, Transition] = {}
+    for mask, keys in runs:
+        family.update(dict.fromkeys(keys, transition(0, mask)))
+    return family

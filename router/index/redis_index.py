@@ -36,7 +36,7 @@ from events.schema import KVEventBatch
 from router.errors import PrefixIndexError
 from router.index.base import IndexStats, PrefixMatch, WorkerId
 from router.index.bridge import WorkerBridge, fold_batch
-from router.index.changes import CPU_MASK, GPU_MASK, Changes, Transition, masks_of
+from router.index.changes import CPU_MASK, GPU_MASK, Changes, KeyLists
 from router.index.group_commit import GroupCommit
 from router.index.layout import KeyLayout, check_name, decode_key, encode_keys_fixed, tag_text
 from router.index.scripts import (
@@ -67,40 +67,15 @@ _forget_families = Script(FORGET_FAMILIES)
 _lookup = Script(LOOKUP)
 
 
-def _lists_of(change: Transition) -> tuple[int, ...]:
-    """Which of a family's four key lists (GPU added, GPU removed, CPU added, CPU
-    removed) an entry with this transition joins."""
-    old, new = masks_of(change)
-    gained, lost = new & ~old, old & ~new
-    bits = (gained & GPU_MASK, lost & GPU_MASK, gained & CPU_MASK, lost & CPU_MASK)
-    return tuple(i for i, bit in enumerate(bits) if bit)
-
-
-_LISTS: Final = tuple(_lists_of(change) for change in range(16))
-
-
-def _append_family(tag: BlockKey, family: dict[BlockKey, Transition], args: list[str | int]) -> int:
+def _append_family(tag: BlockKey, lists: KeyLists, args: list[str | int]) -> int:
     """Append one family's script arguments (see ``_FAMILY`` in
     :mod:`router.index.scripts`: tag, the four list lengths, the four key lists) to
     ``args``; returns the change of the worker's entry count."""
-    kinds = set(family.values())
-    if len(kinds) == 1:  # the common case: one kind of change (say, all stored)
-        joins = _LISTS[kinds.pop()]
-        counts = [len(family) if i in joins else 0 for i in range(4)]
-        args.append(tag_text(tag))
-        args.extend(counts)
-        for _ in joins:
-            args.extend(family)
-    else:
-        lists: list[list[BlockKey]] = [[], [], [], []]
-        for key, change in family.items():
-            for i in _LISTS[change]:
-                lists[i].append(key)
-        counts = [len(keys) for keys in lists]
-        args.append(tag_text(tag))
-        args.extend(counts)
-        for keys in lists:
-            args.extend(keys)
+    counts = [len(keys) for keys in lists]
+    args.append(tag_text(tag))
+    args.extend(counts)
+    for keys in lists:
+        args.extend(keys)
     return counts[0] - counts[1] + counts[2] - counts[3]
 
 
@@ -259,7 +234,7 @@ class RedisPrefixIndex:
         for worker_id, token, changes in fenced:
             head = -1
             delta = 0
-            for tag, family in changes.families.items():
+            for tag, lists in changes.key_lists():
                 if head < 0 or len(args) >= _MAX_WRITE_ARGS:
                     if head >= 0:
                         args[head + 2 : head + 4] = [delta, len(args) - head - 4]
@@ -269,7 +244,7 @@ class RedisPrefixIndex:
                     head, delta = len(args), 0
                     args.extend((token, worker_id, 0, 0))
                     keys.extend(self._worker_keys(worker_id))
-                delta += _append_family(tag, family, args)
+                delta += _append_family(tag, lists, args)
             if head >= 0:
                 args[head + 2 : head + 4] = [delta, len(args) - head - 4]
         if keys:
@@ -289,9 +264,9 @@ class RedisPrefixIndex:
     async def _write_cluster(self, worker_id: WorkerId, token: str, changes: Changes) -> None:
         delta = 0
         families: list[tuple[BlockKey, list[str | int]]] = []
-        for tag, family in changes.families.items():
+        for tag, lists in changes.key_lists():
             args: list[str | int] = []
-            delta += _append_family(tag, family, args)
+            delta += _append_family(tag, lists, args)
             families.append((tag, args))
         tags = [tag_text(tag) for tag, _ in families]
         await _apply_worker(self.client, self._worker_keys(worker_id), [token, delta, *tags])

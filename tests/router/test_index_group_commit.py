@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from events.hashing import BlockKey
@@ -74,6 +74,64 @@ def test_merge_equals_noting_everything_in_one(
     a.merge(b)
     assert a.masks() == whole.masks()
     assert all(old != new for old, new in a.masks().values())
+
+
+# One step of a worker's history: (chunk, tag, keys, mask). A key is new (added in bulk
+# with the others of its step) where the worker does not hold it, else its mask is noted.
+steps = st.lists(
+    st.tuples(
+        st.integers(0, 3),
+        st.integers(0, 2),
+        st.lists(st.integers(0, 5), min_size=1, max_size=4, unique=True),
+        st.integers(0, 3),
+    ),
+    max_size=30,
+)
+
+
+@given(history=steps)
+@example(history=[(0, 0, [1], 1), (0, 0, [1], 0)])  # noted in the batch that added it
+@example(history=[(0, 0, [1], 1), (1, 0, [1, 2], 2)])  # in a later batch
+def test_bulk_added_families_merge_and_list_as_notes_do(
+    history: list[tuple[int, int, list[int], int]],
+) -> None:
+    """Changes folded in chunks (bulk adds where the keys are new, notes elsewhere) and
+    merged in order equal one fold of the same history as notes only, and a writer's
+    key lists say what the masks say."""
+    held: dict[int, int] = {}
+    whole, merged, chunk, current, as_notes = Changes(), Changes(), 0, Changes(), Changes()
+    for at, tag, keys, mask in history:
+        if at != chunk:  # a new batch: the previous one is merged into the pending
+            assert current.masks() == as_notes.masks()
+            merged.merge(current)
+            current, chunk, as_notes = Changes(), at, Changes()
+        family = [BlockKey(tag * 10 + k) for k in keys]
+        new = [k for k in family if not held.get(k)]
+        if mask and len(new) == len(family):
+            current.add_new(BlockKey(tag), family, mask)
+        else:
+            for key in family:
+                current.note(BlockKey(tag), key, held.get(key, 0), mask)
+        for key in family:
+            for notes_only in (whole, as_notes):
+                notes_only.note(BlockKey(tag), key, held.get(key, 0), mask)
+            held[key] = mask
+    assert current.masks() == as_notes.masks()
+    merged.merge(current)
+    assert merged.masks() == whole.masks()
+    assert merged.families == whole.families
+    assert len(merged) == len(whole) and bool(merged) == bool(whole)
+    listed: dict[BlockKey, list[int]] = {}
+    for _, lists in merged.key_lists():
+        for i, keys in enumerate(lists):
+            for key in keys:
+                listed.setdefault(key, []).append(i)
+    expected = {}
+    for key, (old, new_mask) in merged.masks().items():
+        gained, lost = new_mask & ~old, old & ~new_mask
+        bits = (gained & 1, lost & 1, gained & 2, lost & 2)
+        expected[key] = [i for i, bit in enumerate(bits) if bit]
+    assert listed == {k: v for k, v in expected.items() if v}
 
 
 def test_changes_merge_while_a_write_is_in_flight() -> None:
