@@ -13,6 +13,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#if PY_VERSION_HEX < 0x030B0000
+#include <longintrepr.h> /* included by Python.h from 3.11 on */
+#endif
 #include <stdint.h>
 #include <string.h>
 
@@ -110,11 +113,32 @@ static int64_t xxh3_python(const uint8_t *in, size_t len, uint64_t seed)
     return (int64_t)(value & KEY_MASK);
 }
 
+/* Whether item is an int of one internal digit (below 2**30 at least, as token ids
+ * are), its value in *out: read without a call. */
+static inline int one_digit(PyObject *item, uint32_t *out)
+{
+    if (!PyLong_CheckExact(item))
+        return 0;
+#if PY_VERSION_HEX >= 0x030C0000
+    PyLongObject *v = (PyLongObject *)item;
+    if (!PyUnstable_Long_IsCompact(v) || PyUnstable_Long_CompactValue(v) < 0)
+        return 0;
+    *out = (uint32_t)PyUnstable_Long_CompactValue(v);
+#else
+    if (Py_SIZE(item) != 1)
+        return 0;
+    *out = (uint32_t)((PyLongObject *)item)->ob_digit[0];
+#endif
+    return 1;
+}
+
 /* Token ids as uint32; 0 on success, -1 with the Python function's exception. */
 static int read_tokens(PyObject *const *items, Py_ssize_t count, uint32_t *out)
 {
     for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *item = items[i];
+        if (one_digit(item, &out[i]))
+            continue;
         if (!PyLong_Check(item)) {
             PyErr_Format(PyExc_TypeError, "token id must be int, not %.100s",
                          Py_TYPE(item)->tp_name);

@@ -27,16 +27,26 @@ static unsigned long long magnitude(long long v)
 
 static Py_ssize_t int_len(long long v) { return (v < 0) + digits(magnitude(v)); }
 
-/* Writes the decimal of v at out; returns the position after it. */
-static char *put_int(char *out, long long v)
+/* "00" "01" ... "99": two digits per division (filled at import). */
+static char digit_pairs[200];
+
+/* Writes the decimal of v, len == int_len(v) characters, at out; returns the position
+ * after it. */
+static char *put_int(char *out, long long v, Py_ssize_t len)
 {
-    char *end = out + int_len(v);
+    char *end = out + len;
     char *p = end;
     unsigned long long m = magnitude(v);
-    do {
-        *--p = (char)('0' + m % 10);
-        m /= 10;
-    } while (m);
+    for (; m >= 100; m /= 100) {
+        p -= 2;
+        memcpy(p, digit_pairs + 2 * (m % 100), 2);
+    }
+    if (m >= 10) {
+        p -= 2;
+        memcpy(p, digit_pairs + 2 * m, 2);
+    } else {
+        *--p = (char)('0' + m);
+    }
     if (v < 0)
         *--p = '-';
     return end;
@@ -46,7 +56,7 @@ static char *put_int(char *out, long long v)
 static char *put_header(char *out, char prefix, Py_ssize_t len)
 {
     *out++ = prefix;
-    out = put_int(out, len);
+    out = put_int(out, len, int_len(len));
     *out++ = '\r';
     *out++ = '\n';
     return out;
@@ -89,31 +99,43 @@ static PyObject *pack_command(PyObject *module, PyObject *args)
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(args);
+    /* The ints' values, read once (an index write is mostly ints). */
+    long long *values = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(long long));
+    if (values == NULL)
+        return PyErr_NoMemory();
     const char *data;
     Py_ssize_t len;
-    long long value;
     Py_ssize_t total = header_len(n);
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (!payload(PyTuple_GET_ITEM(args, i), &data, &len, &value))
+        if (!payload(PyTuple_GET_ITEM(args, i), &data, &len, &values[i])) {
+            PyMem_Free(values);
             Py_RETURN_NONE;
+        }
         total += header_len(len) + len + 2;
     }
     PyObject *out = PyBytes_FromStringAndSize(NULL, total);
-    if (out == NULL)
+    if (out == NULL) {
+        PyMem_Free(values);
         return NULL;
+    }
     char *p = put_header(PyBytes_AS_STRING(out), '*', n);
     for (Py_ssize_t i = 0; i < n; i++) {
-        payload(PyTuple_GET_ITEM(args, i), &data, &len, &value);
-        p = put_header(p, '$', len);
-        if (data == NULL) {
-            p = put_int(p, value);
+        PyObject *item = PyTuple_GET_ITEM(args, i);
+        if (PyLong_CheckExact(item)) {
+            len = int_len(values[i]);
+            p = put_header(p, '$', len);
+            p = put_int(p, values[i], len);
         } else {
+            long long unused;
+            payload(item, &data, &len, &unused);
+            p = put_header(p, '$', len);
             memcpy(p, data, (size_t)len);
             p += len;
         }
         *p++ = '\r';
         *p++ = '\n';
     }
+    PyMem_Free(values);
     return out;
 }
 
@@ -128,4 +150,11 @@ static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "router._resp", "RESP command packing in C.", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__resp(void) { return PyModule_Create(&module_def); }
+PyMODINIT_FUNC PyInit__resp(void)
+{
+    for (int i = 0; i < 100; i++) {
+        digit_pairs[2 * i] = (char)('0' + i / 10);
+        digit_pairs[2 * i + 1] = (char)('0' + i % 10);
+    }
+    return PyModule_Create(&module_def);
+}

@@ -174,6 +174,7 @@ class WorkerBridge:
         if event.parent_block_hash is None:
             parent_key: int = self.keyer.root(event.lora_name, cache_salt_of(event))
             tag: BlockKey | None = None
+            indexed = True
         else:
             parent_copies = self._copies.get(event.parent_block_hash)
             if parent_copies is None and not self.tolerate_orphans:
@@ -185,7 +186,8 @@ class WorkerBridge:
                 return
             parent = BlockKey(key_of(parent_copies))
             parent_key = parent
-            tag = tag_of(self._keys[parent])
+            parent_word = self._keys[parent]
+            tag, indexed = tag_of(parent_word), bool(parent_word & INDEXED)
         try:
             keys = router_block_keys(event.token_ids, event.block_size, parent_key)
         except OverflowError:  # a token id outside uint32
@@ -195,7 +197,6 @@ class WorkerBridge:
             tag = keys[0]
         tier = _tier(event.medium)
         hashes = event.block_hashes
-        indexed = parent is None or bool(self._keys[parent] & INDEXED)
         maps = (self._copies, self._keys, self._children)
         if store_run(*maps, hashes, keys, tag, parent, tier, indexed):
             if parent is not None:
