@@ -17,6 +17,21 @@
 #include <string.h>
 
 #define NONE_KEY (UINT64_C(1) << 63)
+/* The words' lanes (router.index.words): a copy's counts and key; a key's counts, tag with
+ * the indexed bit on top, parent; a children entry's single child. */
+#define COPY_LANES 2
+#define KEY_LANES 3
+#define CHILD_LANES 1
+#define INDEXED_BIT NONE_KEY
+
+/* Whether the three objects are the bridge's WordMaps, of the words' lanes. */
+static int bridge_tables(PyObject *copies, PyObject *key_words, PyObject *children)
+{
+    return Py_IS_TYPE(copies, &WordMapType) && Py_IS_TYPE(key_words, &WordMapType) &&
+           Py_IS_TYPE(children, &WordMapType) && ((WordMap *)copies)->lanes == COPY_LANES &&
+           ((WordMap *)key_words)->lanes == KEY_LANES &&
+           ((WordMap *)children)->lanes == CHILD_LANES;
+}
 /* A router key (int below 2**63); (uint64_t)-1 with an exception set if it is not one. */
 static uint64_t key_value(PyObject *key)
 {
@@ -156,13 +171,12 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
     }
     PyObject *copies = args[0], *key_words = args[1], *children = args[2];
     PyObject *hashes = args[3], *run_keys = args[4];
-    int tables = Py_IS_TYPE(copies, &WordMapType) && Py_IS_TYPE(key_words, &WordMapType) &&
-                 Py_IS_TYPE(children, &WordMapType);
+    int tables = bridge_tables(copies, key_words, children);
     int dicts = PyDict_CheckExact(copies) && PyDict_CheckExact(key_words) &&
                 PyDict_CheckExact(children);
     if (!(tables || dicts) || !PyList_CheckExact(hashes) || !PyList_CheckExact(run_keys)) {
-        PyErr_SetString(PyExc_TypeError,
-                        "store_run takes three dicts or three WordMaps, and two lists");
+        PyErr_SetString(PyExc_TypeError, "store_run takes three dicts or the bridge's three "
+                                         "WordMaps (2, 3 and 1 lanes), and two lists");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(hashes);
@@ -213,10 +227,9 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
         }
         parents[i] = i == 0 ? parent : keys[i - 1];
     }
-    /* The words' lanes (router.index.words): a copy's counts and key; a key's counts, tag,
-     * parent (per block) and indexed bit. */
-    uint64_t copy_word[2] = {UINT64_C(1) << tier, 0};
-    uint64_t key_word[4] = {UINT64_C(1) << tier, tag, 0, (uint64_t)indexed};
+    /* The words' lanes; the key (copy) and the parent (key word) are set per block. */
+    uint64_t copy_word[COPY_LANES] = {UINT64_C(1) << tier, 0};
+    uint64_t key_word[KEY_LANES] = {UINT64_C(1) << tier, tag | (indexed ? INDEXED_BIT : 0), 0};
     int done;
     if (tables) {
         done = store_in_tables((WordMap *)copies, (WordMap *)key_words, (WordMap *)children,
@@ -224,9 +237,9 @@ static PyObject *store_run(PyObject *module, PyObject *const *args, Py_ssize_t n
         PyMem_Free(keys);
         return done < 0 ? NULL : PyBool_FromLong(done);
     }
-    done = insert_all(copies, hash_items, n, copy_word, 2, keys, 1, NULL);
+    done = insert_all(copies, hash_items, n, copy_word, COPY_LANES, keys, 1, NULL);
     if (done == 1) {
-        done = insert_all(key_words, key_items, n, key_word, 4, parents, 2, NULL);
+        done = insert_all(key_words, key_items, n, key_word, KEY_LANES, parents, 2, NULL);
         if (done == 1) {
             done = insert_all(children, key_items, n - 1, NULL, 0, NULL, 0, key_items + 1);
             if (done != 1)
@@ -267,9 +280,9 @@ static int simple_removal(WordMap *copies, WordMap *key_words, WordMap *children
     const uint64_t *word = key_words->slots + (size_t)out->key * wordmap_stride(key_words) + 1;
     if (word[0] != one)
         return 0;
-    out->tag = word[1];
+    out->tag = word[1] & ~INDEXED_BIT;
     out->router_key = key.bits;
-    out->indexed = word[3] != 0;
+    out->indexed = (word[1] & INDEXED_BIT) != 0;
     int extra = children->extra != NULL && PyDict_GET_SIZE(children->extra) > 0;
     if (out->indexed && (wordmap_find(children, key) >= 0 || extra))
         return 0; /* held children to unindex (or maybe, on a branch): the Python path */
@@ -308,12 +321,9 @@ static PyObject *remove_run(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (notes == NULL)
         return NULL;
     Py_ssize_t i = start, n = PyList_GET_SIZE(args[3]);
-    int tables = Py_IS_TYPE(args[0], &WordMapType) && Py_IS_TYPE(args[1], &WordMapType) &&
-                 Py_IS_TYPE(args[2], &WordMapType);
+    int tables = bridge_tables(args[0], args[1], args[2]);
     WordMap *copies = (WordMap *)args[0], *key_words = (WordMap *)args[1];
     WordMap *children = (WordMap *)args[2];
-    if (tables && (copies->lanes != 2 || key_words->lanes != 4 || children->lanes != 1))
-        tables = 0;
     uint64_t one = UINT64_C(1) << tier;
     Removal r;
     for (; tables && i < n; i++) {

@@ -32,7 +32,7 @@ from router.index.words import COPY_LANES, KEY_LANES, BridgeState
 
 __all__ = ["Handoff", "HandoffError", "decode_handoff", "encode_handoff"]
 
-_VERSION: Final = 1
+_VERSION: Final = 2
 _CHECKSUM_BYTES: Final = 8
 
 

@@ -2,13 +2,14 @@
 
 Per engine hash, a *copy word*: GPU copies (bits 0-31), CPU copies (32-63), router key
 (64-127; :data:`NONE`: detached). Per router key, a *key word*: GPU copies, CPU copies (as
-above), family tag (64-127), parent key (128-191; :data:`NONE`: block 0), indexed (bit
-192). Plain ints, never tuples: a dict holding a freshly created tuple becomes tracked by
-CPython's cyclic garbage collector again, and every collection then walks all of its
-entries (20-500 ms pauses at a million cached blocks); dicts of ints are never tracked, so
-the bridge costs the collector nothing however large it grows. Where kvroute's C module is
-built the maps are ``WordMap`` tables instead (:data:`router.index.runs.new_map`): the same
-words, kept as 64-bit lanes (:data:`COPY_LANES`, :data:`KEY_LANES`), untracked as well.
+above), family tag (64-126), indexed (bit 127: router keys and tags are below ``2**63``, so
+the flag shares the tag's lane), parent key (128-191; :data:`NONE`: block 0). Plain ints,
+never tuples: a dict holding a freshly created tuple becomes tracked by CPython's cyclic
+garbage collector again, and every collection then walks all of its entries (20-500 ms
+pauses at a million cached blocks); dicts of ints are never tracked, so the bridge costs the
+collector nothing however large it grows. Where kvroute's C module is built the maps are
+``WordMap`` tables instead (:data:`router.index.runs.new_map`): the same words, kept as
+64-bit lanes (:data:`COPY_LANES`, :data:`KEY_LANES`), untracked as well.
 
 Invariants (kept by :class:`router.index.bridge.WorkerBridge`, checked by
 :func:`checked_links` on a state read back from elsewhere): an engine hash's entry is
@@ -35,6 +36,7 @@ __all__ = [
     "CPU_SHIFT",
     "GPU_SHIFT",
     "INDEXED",
+    "KEY_BITS",
     "KEY_LANES",
     "NONE",
     "BridgeState",
@@ -55,11 +57,14 @@ COUNT: Final = (1 << 32) - 1
 COUNTS: Final = (1 << 64) - 1
 NONE: Final = 1 << 63
 """No key (router keys are below ``2**63``)."""
-INDEXED: Final = 1 << 192
+KEY_BITS: Final = (1 << 63) - 1
+"""A router key's bits (and a family tag's)."""
+INDEXED: Final = 1 << 127
 COPY_LANES: Final = 2
 """64-bit lanes of a copy word (counts, router key)."""
-KEY_LANES: Final = 4
-"""64-bit lanes of a key word (counts, tag, parent, indexed bit)."""
+KEY_LANES: Final = 3
+"""64-bit lanes of a key word (counts, tag with the indexed bit, parent): 32 bytes a slot
+with the key, two to a cache line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +94,7 @@ def key_of(copies: int) -> int:
 
 def tag_of(word: int) -> BlockKey:
     """Family tag of a key word."""
-    return BlockKey((word >> 64) & COUNTS)
+    return BlockKey((word >> 64) & KEY_BITS)
 
 
 def parent_of(word: int) -> BlockKey | None:
@@ -100,7 +105,7 @@ def parent_of(word: int) -> BlockKey | None:
 
 def key_word(tag: int, parent: int | None, indexed: bool) -> int:
     """A key word with no copies."""
-    return tag << 64 | (NONE if parent is None else parent) << 128 | indexed << 192
+    return tag << 64 | (NONE if parent is None else parent) << 128 | indexed << 127
 
 
 def pack_kids(keys: tuple[int, ...]) -> int:
@@ -145,11 +150,12 @@ def checked_links(state: BridgeState) -> list[tuple[BlockKey, BlockKey]]:
     links: list[tuple[BlockKey, BlockKey]] = []
     for key, word in state.keys.items():
         parent = (word >> 128) & COUNTS
-        if word >> 193 or key >= NONE or sums[key] != word & COUNTS or parent == key:
+        bad = word >> 192 or parent > NONE or parent == key
+        if bad or key >= NONE or sums[key] != word & COUNTS:
             raise ValueError(f"bad key word of router key {key}")
         if parent != NONE:
             above = state.keys.get(BlockKey(parent))
-            if above is not None and (above ^ word) >> 64 & COUNTS:
+            if above is not None and (above ^ word) >> 64 & KEY_BITS:
                 raise ValueError(f"router key {key} is not in its parent's family")
             links.append((BlockKey(parent), key))
     return links

@@ -30,7 +30,7 @@ from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from router.index.bridge import WorkerBridge
 from router.index.changes import Changes
 from router.index.runs import NATIVE_RUNS, dict_map, remove_run_py, store_run_py
-from router.index.words import CPU_SHIFT, GPU_SHIFT
+from router.index.words import COPY_LANES, CPU_SHIFT, GPU_SHIFT, KEY_LANES
 
 
 def _built(module: str) -> bool:
@@ -363,7 +363,7 @@ def test_store_run_on_wordmaps_equals_the_python_reference(
 
     maps, run = case
     tables = []
-    for lanes, entries in zip((2, 4, 1), maps, strict=True):
+    for lanes, entries in zip((COPY_LANES, KEY_LANES, 1), maps, strict=True):
         # Ghosts inserted first and deleted last leave tombstones in the probe chains
         # before the entries: a held key behind one must still be found.
         table = WordMap(lanes)
