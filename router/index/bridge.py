@@ -372,6 +372,7 @@ async def fold_batch(
     batch: KVEventBatch,
     write: Callable[[Changes], Awaitable[None]],
     clear: Callable[[], Awaitable[None]],
+    into: Callable[[], Changes] = Changes,
 ) -> None:
     """Apply a batch through ``bridge``: the shared body of every ``PrefixIndex.apply``.
 
@@ -383,14 +384,16 @@ async def fold_batch(
         worker_id: The worker the batch came from.
         bridge: That worker's bridge.
         batch: The decoded batch.
-        write: Writes one segment's changes to the index.
+        write: Writes one segment's changes to the index (called when they are not empty).
         clear: Drops every entry of the worker from the index and resets the bridge.
+        into: Gives the changes each segment is folded into: new ones by default; with
+            group commit the worker's queued ones, which ``write`` then only sends on.
 
     Raises:
         OrphanParentError: A ``BlockStored`` has an unknown parent; the events before it
             were applied and written.
     """
-    changes = Changes()
+    changes = into()
     for position, event in enumerate(batch.events):
         if isinstance(event, BlockStored):
             try:
@@ -402,8 +405,8 @@ async def fold_batch(
             bridge.remove(event, changes)
         elif isinstance(event, AllBlocksCleared):
             await _flush(write, changes)
-            changes = Changes()
             await clear()
+            changes = into()
     await _flush(write, changes)
 
 

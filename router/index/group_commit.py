@@ -2,10 +2,11 @@
 
 The ingest folds batches as fast as they arrive; waiting for Redis after each one caps it
 at one round trip per batch, and a round trip per worker costs more client time than
-the write itself when many workers are busy. With group commit ``submit`` returns at
-once: the changes join their worker's pending set (merged per router key: the first old
-mask, the latest new mask) and one background task sends the pending sets of *all*
-workers in one ``send`` call whenever the previous one completed.
+the write itself when many workers are busy. With group commit a batch is folded straight
+into its worker's pending changes (:meth:`GroupCommit.queued`; or ``submit`` merges
+changes in: per router key the first old mask, the latest new mask) and one background
+task sends the pending sets of *all* workers in one ``send`` call whenever the previous
+one completed.
 
 Invariants: at most one ``send`` is in flight, so per worker, writes land in order; a
 worker whose write failed loses its pending changes too (they were folded on top of the
@@ -59,20 +60,37 @@ class GroupCommit:
             Exception: The previous write of this worker failed (raised once; the new
                 changes are dropped with it).
         """
+        self.queued(worker_id).merge(changes)
+        self.send_soon()
+
+    def queued(self, worker_id: WorkerId) -> Changes:
+        """The worker's pending changes, to fold more changes into in place (then call
+        :meth:`send_soon`); valid until the caller's next ``await``, after which the
+        sender may have taken them.
+
+        Raises:
+            Exception: The previous write of this worker failed (raised once).
+        """
         error = self._errors.pop(worker_id, None)
         if error is not None:
             raise error
         pending = self._pending.get(worker_id)
         if pending is None:
-            self._pending[worker_id] = changes
-        else:
-            pending.merge(changes)
+            pending = self._pending[worker_id] = Changes()
+        return pending
+
+    def send_soon(self) -> None:
+        """Start the sender unless it is running (it sends whatever is pending)."""
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
 
     async def _drain(self) -> None:
         while self._pending:
-            writes, self._pending = self._pending, {}
+            # A worker's folded batches may have changed nothing: no write for it.
+            writes = {worker_id: changes for worker_id, changes in self._pending.items() if changes}
+            self._pending = {}
+            if not writes:
+                continue
             self._in_flight = frozenset(writes)
             try:
                 failed = await self._send(writes)

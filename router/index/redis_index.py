@@ -176,23 +176,24 @@ class RedisPrefixIndex:
             PrefixIndexError: No lease token was given for the worker.
         """
         self._token(worker_id)
+        queues = self._queues
 
         async def write(changes: Changes) -> None:
-            await self._write(worker_id, changes)
+            if self.group_commit:  # folded into the worker's queued changes
+                queues.send_soon()
+                return
+            failed = await self._send({worker_id: changes})
+            if worker_id in failed:
+                raise failed[worker_id]
 
         async def clear() -> None:
             await self.clear_worker(worker_id)
 
-        await fold_batch(worker_id, self.bridge(worker_id), batch, write, clear)
+        def queued() -> Changes:
+            return queues.queued(worker_id)
 
-    async def _write(self, worker_id: WorkerId, changes: Changes) -> None:
-        self._token(worker_id)
-        if self.group_commit:
-            self._queues.submit(worker_id, changes)
-            return
-        failed = await self._send({worker_id: changes})
-        if worker_id in failed:
-            raise failed[worker_id]
+        into = queued if self.group_commit else Changes
+        await fold_batch(worker_id, self.bridge(worker_id), batch, write, clear, into)
 
     async def _send(self, writes: dict[WorkerId, Changes]) -> dict[WorkerId, Exception]:
         """Write several workers' changes; returns the failure of each refused worker."""
