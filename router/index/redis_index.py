@@ -25,7 +25,7 @@ the next clear of the worker removes them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
 
 from redis.asyncio.cluster import RedisCluster
@@ -58,6 +58,11 @@ _CLEAR_CHUNK: Final = 500
 _MAX_WRITE_ARGS: Final = 16_384
 """Arguments after which a single-node write closes its script call and opens another
 (about 8 ms of Redis time at most: lookups are not held up behind a burst)."""
+
+_Sink = tuple[
+    Callable[[Changes], Awaitable[None]], Callable[[], Awaitable[None]], Callable[[], Changes]
+]
+"""``fold_batch``'s write, clear and into callbacks for one worker."""
 
 _apply_workers = Script(APPLY_WORKERS)
 _apply_worker = Script(APPLY_WORKER)
@@ -113,6 +118,7 @@ class RedisPrefixIndex:
         self.group_commit = group_commit
         self._tokens: dict[WorkerId, str] = {}
         self._bridges: dict[WorkerId, WorkerBridge] = {}
+        self._sinks: dict[WorkerId, _Sink] = {}
         self._queues = GroupCommit(self._send)
 
     def use_lease(self, worker_id: WorkerId, token: str) -> None:
@@ -123,6 +129,7 @@ class RedisPrefixIndex:
         """Stop writing for the worker and drop its in-process bridge and queued writes."""
         self._tokens.pop(worker_id, None)
         self._bridges.pop(worker_id, None)
+        self._sinks.pop(worker_id, None)
         self._queues.discard(worker_id)
 
     def on_write_error(self, callback: Callable[[WorkerId, Exception], None] | None) -> None:
@@ -176,6 +183,14 @@ class RedisPrefixIndex:
             PrefixIndexError: No lease token was given for the worker.
         """
         self._token(worker_id)
+        sink = self._sinks.get(worker_id)
+        if sink is None:
+            sink = self._sinks[worker_id] = self._sink(worker_id)
+        await fold_batch(worker_id, self.bridge(worker_id), batch, *sink)
+
+    def _sink(self, worker_id: WorkerId) -> _Sink:
+        """What ``fold_batch`` writes the worker's segments with (made once per worker:
+        the ingest's hot path allocates no closures per batch)."""
         queues = self._queues
 
         async def write(changes: Changes) -> None:
@@ -189,11 +204,10 @@ class RedisPrefixIndex:
         async def clear() -> None:
             await self.clear_worker(worker_id)
 
-        def queued() -> Changes:
-            return queues.queued(worker_id)
+        def into() -> Changes:  # read with write's test, no await between the two
+            return queues.queued(worker_id) if self.group_commit else Changes()
 
-        into = queued if self.group_commit else Changes
-        await fold_batch(worker_id, self.bridge(worker_id), batch, write, clear, into)
+        return write, clear, into
 
     async def _send(self, writes: dict[WorkerId, Changes]) -> dict[WorkerId, Exception]:
         """Write several workers' changes; returns the failure of each refused worker."""
