@@ -2,9 +2,10 @@
 
 The ingest's hot path has C versions (``events._keys``, ``router.index._runs``), built at
 install time where a C compiler is present. Each has a Python reference with the same
-signature and behaviour that the tests compare it with; :func:`native_or` picks one when
-its module is imported. ``KVROUTE_PURE_PYTHON=1`` picks the references everywhere: to
-rule the C code out while debugging, or to measure what it saves.
+signature and behaviour that the tests compare it with; :func:`native_or` picks one when its
+module is imported. What has no Python twin (a faster way to do something the caller can
+also do otherwise) is found with :func:`native`. ``KVROUTE_PURE_PYTHON=1`` picks the
+references everywhere: to rule the C code out while debugging, or to measure what it saves.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Final, TypeVar, cast
 
-__all__ = ["PURE_PYTHON", "native_or"]
+__all__ = ["PURE_PYTHON", "native", "native_or"]
 
 PURE_PYTHON: Final = os.environ.get("KVROUTE_PURE_PYTHON", "") not in ("", "0")
 """Whether ``KVROUTE_PURE_PYTHON`` asks for the Python references."""
@@ -22,12 +23,19 @@ PURE_PYTHON: Final = os.environ.get("KVROUTE_PURE_PYTHON", "") not in ("", "0")
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def native(module: str, name: str) -> Any | None:
+    """``module.name`` where that C module was built (and :data:`PURE_PYTHON` is off),
+    else None."""
+    if PURE_PYTHON:
+        return None
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:  # built without a C compiler
+        return None
+
+
 def native_or(reference: F, module: str, name: str) -> F:
     """``module.name`` where that C module was built (and :data:`PURE_PYTHON` is off),
     else ``reference``; the two must agree on every input, errors included."""
-    if PURE_PYTHON:
-        return reference
-    try:
-        return cast("F", getattr(importlib.import_module(module), name))
-    except ImportError:  # built without a C compiler
-        return reference
+    found = native(module, name)
+    return reference if found is None else cast("F", found)

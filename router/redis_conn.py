@@ -27,7 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from events.native import native_or
+from events.native import native, native_or
 from router.errors import RouterError
 
 __all__ = [
@@ -170,6 +170,22 @@ class _CPacking:
             return [hiredis.pack_command(args) if packed is None else packed]
         except TypeError as exc:
             raise DataError(f"cannot send {args[0]!r}: {exc}") from None
+
+
+_pack_args: Final[Callable[[list[Any]], object] | None] = native("router._resp", "pack_args")
+
+
+def arg_packer(client: RedisClient) -> Callable[[list[Any]], object] | None:
+    """Where ``client`` packs commands in C: the function that packs a list of ints into
+    one argument object its commands send as that many arguments (an index write's keys:
+    no list of thousands of ints for redis-py to copy and the collector to walk). None
+    where they would reach another packer (a cluster client, one not made by
+    :func:`connect`, no C module)."""
+    pool = getattr(client, "connection_pool", None)
+    cls = getattr(pool, "connection_class", None)
+    if _pack_args is None or not (isinstance(cls, type) and issubclass(cls, _CPacking)):
+        return None
+    return _pack_args
 
 
 _C_PACKING: dict[type[AbstractConnection], type[AbstractConnection]] = {}

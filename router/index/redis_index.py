@@ -49,7 +49,7 @@ from router.index.scripts import (
     Script,
     StaleLeaseError,
 )
-from router.redis_conn import RedisClient, gather_bounded, reply_bytes
+from router.redis_conn import RedisClient, arg_packer, gather_bounded, reply_bytes
 
 __all__ = ["RedisPrefixIndex"]
 
@@ -72,16 +72,27 @@ _forget_families = Script(FORGET_FAMILIES)
 _lookup = Script(LOOKUP)
 
 
-def _append_family(tag: BlockKey, lists: KeyLists, args: list[str | int]) -> int:
+Packer = Callable[[list[BlockKey]], object] | None
+"""Packs a key list into one argument object its connection sends as that many arguments
+(:func:`router.redis_conn.arg_packer`), or None: the keys go one argument each."""
+
+
+def _append_family(
+    tag: BlockKey, lists: KeyLists, args: list[Any], pack: Packer
+) -> tuple[int, int]:
     """Append one family's script arguments (see ``_FAMILY`` in
     :mod:`router.index.scripts`: tag, the four list lengths, the four key lists) to
-    ``args``; returns the change of the worker's entry count."""
+    ``args``; returns the change of the worker's entry count and the number of arguments
+    appended (its keys packed by ``pack`` count one each)."""
     counts = [len(keys) for keys in lists]
     args.append(tag_text(tag))
     args.extend(counts)
     for keys in lists:
-        args.extend(keys)
-    return counts[0] - counts[1] + counts[2] - counts[3]
+        if pack is None:
+            args.extend(keys)
+        elif keys:
+            args.append(pack(keys))
+    return counts[0] - counts[1] + counts[2] - counts[3], 5 + sum(counts)
 
 
 class RedisPrefixIndex:
@@ -119,6 +130,7 @@ class RedisPrefixIndex:
         self._tokens: dict[WorkerId, str] = {}
         self._bridges: dict[WorkerId, WorkerBridge] = {}
         self._sinks: dict[WorkerId, _Sink] = {}
+        self._pack = None if self.is_cluster else arg_packer(client)
         self._queues = GroupCommit(self._send)
 
     def use_lease(self, worker_id: WorkerId, token: str) -> None:
@@ -236,32 +248,37 @@ class RedisPrefixIndex:
 
     def _single_node_calls(
         self, fenced: list[tuple[WorkerId, str, Changes]]
-    ) -> list[tuple[list[str], list[str | int]]]:
+    ) -> list[tuple[list[str], list[Any]]]:
         """``APPLY_WORKERS`` calls (keys, arguments) for the writes, in order.
 
         A call closes once it holds ``_MAX_WRITE_ARGS`` arguments, between two families
         (a worker's write may then span calls, each fenced): a burst such as a snapshot
         load never makes one script block Redis for long or build a huge ``ARGV``.
         """
-        calls: list[tuple[list[str], list[str | int]]] = []
+        calls: list[tuple[list[str], list[Any]]] = []
         keys: list[str] = []
-        args: list[str | int] = [self.layout.prefix]
+        args: list[Any] = [self.layout.prefix]
+        size = 1  # the arguments args makes (packed keys count one each)
         for worker_id, token, changes in fenced:
             head = -1
-            delta = 0
+            delta = start = 0
             for tag, lists in changes.key_lists():
-                if head < 0 or len(args) >= _MAX_WRITE_ARGS:
+                if head < 0 or size >= _MAX_WRITE_ARGS:
                     if head >= 0:
-                        args[head + 2 : head + 4] = [delta, len(args) - head - 4]
-                    if len(args) >= _MAX_WRITE_ARGS:
+                        args[head + 2 : head + 4] = [delta, size - start]
+                    if size >= _MAX_WRITE_ARGS:
                         calls.append((keys, args))
-                        keys, args = [], [self.layout.prefix]
+                        keys, args, size = [], [self.layout.prefix], 1
                     head, delta = len(args), 0
                     args.extend((token, worker_id, 0, 0))
+                    size += 4
+                    start = size
                     keys.extend(self._worker_keys(worker_id))
-                delta += _append_family(tag, lists, args)
+                change, appended = _append_family(tag, lists, args, self._pack)
+                delta += change
+                size += appended
             if head >= 0:
-                args[head + 2 : head + 4] = [delta, len(args) - head - 4]
+                args[head + 2 : head + 4] = [delta, size - start]
         if keys:
             calls.append((keys, args))
         return calls
@@ -281,7 +298,7 @@ class RedisPrefixIndex:
         families: list[tuple[BlockKey, list[str | int]]] = []
         for tag, lists in changes.key_lists():
             args: list[str | int] = []
-            delta += _append_family(tag, lists, args)
+            delta += _append_family(tag, lists, args, None)[0]
             families.append((tag, args))
         tags = [tag_text(tag) for tag, _ in families]
         await _apply_worker(self.client, self._worker_keys(worker_id), [token, delta, *tags])

@@ -287,6 +287,41 @@ def test_pack_command_equals_hiredis(args: list[Any]) -> None:
 
 
 @needs_native
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(
+        st.one_of(
+            simple_arg.map(lambda a: [a]),  # one plain argument
+            st.lists(st.integers(-(2**63), 2**63 - 1), max_size=30),  # ints packed together
+        ),
+        max_size=8,
+    )
+)
+def test_packed_args_send_the_ints_they_hold(parts: list[list[Any]]) -> None:
+    # A write's keys go as one PackedArgs per key list: on the wire, the same command as
+    # with the ints one argument each.
+    import hiredis
+    from router._resp import pack_args, pack_command
+
+    mixed = [p[0] if len(p) == 1 and not isinstance(p[0], int) else pack_args(p) for p in parts]
+    flat = [a for p in parts for a in p]
+    assert [len(m) if not isinstance(m, (str, bytes)) else 1 for m in mixed] == list(map(len, parts))
+    assert pack_command(("EVALSHA", *mixed)) == hiredis.pack_command(("EVALSHA", *flat))
+
+
+@needs_native
+def test_pack_args_refuses_what_is_not_a_list_of_64_bit_ints() -> None:
+    from router._resp import PackedArgs, pack_args
+
+    for bad, error in (((1, 2), TypeError), ([1, "2"], TypeError), ([True], TypeError),
+                       ([2**63], OverflowError)):  # fmt: skip
+        with pytest.raises(error):
+            pack_args(bad)
+    with pytest.raises(TypeError):
+        PackedArgs()  # only pack_args makes them
+
+
+@needs_native
 @settings(max_examples=200, deadline=None)
 @given(args=st.lists(simple_arg, max_size=5), other=other_arg, at=st.integers(0, 5))
 def test_pack_command_declines_what_it_does_not_pack(args: list[Any], other: Any, at: int) -> None:

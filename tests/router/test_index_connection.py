@@ -23,9 +23,9 @@ W = WorkerId("w1")
 TOKENS = list(range(8))
 
 
-async def roundtrip(client: RedisClient) -> None:
+async def roundtrip(client: RedisClient, namespace: str = "conn-test") -> None:
     """Write through a lease and look up: the whole index path over this connection."""
-    layout = KeyLayout("conn-test")
+    layout = KeyLayout(namespace)
     index = RedisPrefixIndex(client, layout)
     lease = await WorkerRegistry(client, layout).acquire(W)
     assert lease is not None
@@ -114,3 +114,36 @@ def test_tls_url(tmp_path: Path) -> None:
         assert index_main(argv) == 0
     finally:
         server.stop()
+
+
+def test_single_node_writes_send_their_keys_packed_in_c(
+    redis_url: str, redis_cluster_url: str, namespace: str
+) -> None:
+    # A single-node client from connect() packs an index write's key lists in C (one
+    # argument object per list); a cluster client, or no C module, takes the ints.
+    from events.native import PURE_PYTHON
+    from router.redis_conn import arg_packer
+
+    native = not PURE_PYTHON and _c_module_built()
+
+    async def main() -> None:
+        single = await connect(redis_url)
+        cluster = await connect(redis_cluster_url)
+        try:
+            assert (arg_packer(single) is not None) == native
+            assert arg_packer(cluster) is None
+            assert RedisPrefixIndex(cluster)._pack is None
+            await roundtrip(single, namespace)
+        finally:
+            await single.aclose()
+            await cluster.aclose()
+
+    asyncio.run(main())
+
+
+def _c_module_built() -> bool:
+    try:
+        import router._resp  # noqa: F401
+    except ImportError:
+        return False
+    return True
