@@ -6,10 +6,10 @@ touched router key maps to its :data:`Transition`: the tier bits the worker held
 key before the first folded event (``old``) and after the last (``new``), as the small
 int ``old << 2 | new``.
 
-A family holds its changes in one of two forms. *Noted*: a dict router key ->
-transition, which any change can update. *Added*: the runs of keys that appeared in bulk
-(:meth:`Changes.add_new`, the ingest's common case: newly cached blocks), kept as the
-very lists they came in: appending a run, merging two such families and writing one
+A family holds its changes in one of two forms. *Noted*: a dict router key -> transition,
+which any change can update. *Added*: the runs of keys that appeared in bulk
+(:meth:`Changes.add_new`, the ingest's common case: newly cached blocks), kept per tier as
+the very lists they came in: appending a run, merging two such families and writing one
 costs no per-key dict work. The first :meth:`Changes.note` of an added family turns it
 into a noted one.
 
@@ -41,8 +41,9 @@ KeyLists = tuple[list[BlockKey], list[BlockKey], list[BlockKey], list[BlockKey]]
 """A family's keys by what an index does with them: GPU gained, GPU lost, CPU gained,
 CPU lost (a key whose entry moves between tiers is in two lists)."""
 
-_Run = tuple[int, Sequence[BlockKey]]
-"""``(mask, keys)``: entries that appeared with ``mask``."""
+_Runs = tuple[list[Sequence[BlockKey]], list[Sequence[BlockKey]]]
+"""An added family: the runs of keys whose entries appeared on the GPU tier, and on the CPU
+tier (indexed by ``mask >> 1``: no allocation per run)."""
 
 
 def transition(old: int, new: int) -> Transition:
@@ -73,13 +74,13 @@ class Changes:
 
     def __init__(self) -> None:
         self._noted: dict[BlockKey, dict[BlockKey, Transition]] = {}
-        self._added: dict[BlockKey, list[_Run]] = {}
+        self._added: dict[BlockKey, _Runs] = {}
 
     def __bool__(self) -> bool:
         return bool(self._noted) or bool(self._added)
 
     def __len__(self) -> int:
-        added = sum(len(keys) for runs in self._added.values() for _, keys in runs)
+        added = sum(len(keys) for tiers in self._added.values() for runs in tiers for keys in runs)
         return added + sum(map(len, self._noted.values()))
 
     @property
@@ -87,7 +88,7 @@ class Changes:
         """Family tag -> router key -> transition, every family as a new dict (for tests
         and tools; a writer takes :meth:`key_lists`)."""
         out = {tag: dict(family) for tag, family in self._noted.items()}
-        out.update((tag, _as_dict(runs)) for tag, runs in self._added.items())
+        out.update((tag, _as_dict(tiers)) for tag, tiers in self._added.items())
         return out
 
     def items(self) -> Iterator[tuple[BlockKey, BlockKey, Transition]]:
@@ -95,10 +96,11 @@ class Changes:
         for tag, family in self._noted.items():
             for key, change in family.items():
                 yield tag, key, change
-        for tag, runs in self._added.items():
-            for mask, keys in runs:
-                for key in keys:
-                    yield tag, key, mask
+        for tag, tiers in self._added.items():
+            for mask, runs in zip((GPU_MASK, CPU_MASK), tiers, strict=True):
+                for keys in runs:
+                    for key in keys:
+                        yield tag, key, mask  # transition(0, mask) == mask
 
     def masks(self) -> dict[BlockKey, tuple[int, int]]:
         """Router key -> ``(old_mask, new_mask)`` over all families (for tests and tools)."""
@@ -117,23 +119,24 @@ class Changes:
                     for i in _LISTS[change]:
                         lists[i].append(key)
             yield tag, lists
-        for tag, runs in self._added.items():
+        for tag, (gpu, cpu) in self._added.items():
             lists = ([], [], [], [])
-            for mask, keys in runs:
-                for i in _LISTS[mask]:  # transition(0, mask) == mask
-                    lists[i].extend(keys)
+            for keys in gpu:
+                lists[0].extend(keys)
+            for keys in cpu:
+                lists[2].extend(keys)
             yield tag, lists
 
     def note(self, tag: BlockKey, key: BlockKey, old: int, new: int) -> None:
         """Record that the worker's entry for ``key`` went from ``old`` to ``new``."""
         family = self._noted.get(tag)
         if family is None:
-            runs = self._added.pop(tag, None)
-            if runs is None:
+            tiers = self._added.pop(tag, None)
+            if tiers is None:
                 if old != new:
                     self._noted[tag] = {key: old << 2 | new}
                 return
-            family = self._noted[tag] = _as_dict(runs)
+            family = self._noted[tag] = _as_dict(tiers)
         previous = family.get(key)
         first = old if previous is None else previous >> 2
         if first == new:
@@ -153,13 +156,12 @@ class Changes:
         if not keys:
             return
         family = self._noted.get(tag)
-        if family is None:
-            runs = self._added.get(tag)
-            if runs is None:
-                self._added[tag] = [(mask, keys)]
-            else:  # disjoint: those keys are held, these are not
-                runs.append((mask, keys))
-        elif family.keys().isdisjoint(keys):
+        if family is None and mask in (GPU_MASK, CPU_MASK):
+            tiers = self._added.get(tag)
+            if tiers is None:
+                tiers = self._added[tag] = ([], [])
+            tiers[mask >> 1].append(keys)  # disjoint: those keys are held, these are not
+        elif family is not None and family.keys().isdisjoint(keys):
             family.update(dict.fromkeys(keys, transition(0, mask)))
         else:
             for key in keys:
@@ -170,25 +172,26 @@ class Changes:
 
         ``later`` must not be used afterwards (its families may be taken over).
         """
-        for tag, runs in later._added.items():
+        for tag, tiers in later._added.items():
             mine = self._added.get(tag)
             if mine is not None:  # disjoint: nothing was noted in between
-                mine.extend(runs)
+                mine[0].extend(tiers[0])
+                mine[1].extend(tiers[1])
             elif tag in self._noted:
-                self._merge_noted(tag, _as_dict(runs))
+                self._merge_noted(tag, _as_dict(tiers))
             else:
-                self._added[tag] = runs
+                self._added[tag] = tiers
         for tag, theirs in later._noted.items():
             self._merge_noted(tag, theirs)
 
     def _merge_noted(self, tag: BlockKey, theirs: dict[BlockKey, Transition]) -> None:
         mine = self._noted.get(tag)
         if mine is None:
-            runs = self._added.pop(tag, None)
-            if runs is None:
+            tiers = self._added.pop(tag, None)
+            if tiers is None:
                 self._noted[tag] = theirs
                 return
-            mine = self._noted[tag] = _as_dict(runs)
+            mine = self._noted[tag] = _as_dict(tiers)
         if mine.keys().isdisjoint(theirs):  # the common case: other blocks
             mine.update(theirs)
             return
@@ -204,9 +207,10 @@ class Changes:
             del self._noted[tag]
 
 
-def _as_dict(runs: list[_Run]) -> dict[BlockKey, Transition]:
+def _as_dict(tiers: _Runs) -> dict[BlockKey, Transition]:
     """An added family as a noted one."""
     family: dict[BlockKey, Transition] = {}
-    for mask, keys in runs:
-        family.update(dict.fromkeys(keys, transition(0, mask)))
+    for mask, runs in zip((GPU_MASK, CPU_MASK), tiers, strict=True):
+        for keys in runs:
+            family.update(dict.fromkeys(keys, transition(0, mask)))
     return family
