@@ -123,6 +123,10 @@ class GroupCommit:
         """
         everyone = [*self._pending, *self._in_flight, *self._errors]
         ids = everyone if worker_id is None else [worker_id]
+        if any(self._pending.get(w) for w in ids):
+            # Folded into but not sent on (a fold that raised half-way): written now, so
+            # nothing queued lands after what the caller does next (say, a clear).
+            self.send_soon()
         while self._busy(ids):
             await self._progress.wait()
         errors = [e for w in ids if (e := self._errors.pop(w, None)) is not None]

@@ -305,7 +305,8 @@ def test_packed_args_send_the_ints_they_hold(parts: list[list[Any]]) -> None:
 
     mixed = [p[0] if len(p) == 1 and not isinstance(p[0], int) else pack_args(p) for p in parts]
     flat = [a for p in parts for a in p]
-    assert [len(m) if not isinstance(m, (str, bytes)) else 1 for m in mixed] == list(map(len, parts))
+    sizes = [1 if isinstance(m, (str, bytes)) else len(m) for m in mixed]
+    assert sizes == list(map(len, parts))
     assert pack_command(("EVALSHA", *mixed)) == hiredis.pack_command(("EVALSHA", *flat))
 
 

@@ -202,3 +202,25 @@ def test_one_refused_worker_does_not_fail_the_others() -> None:
         await commits.close()
 
     asyncio.run(main())
+
+
+def test_flush_sends_what_was_folded_in_but_not_sent_on() -> None:
+    # A fold that raised half-way leaves changes queued without starting the sender: a
+    # flush (as clear_worker does before clearing) must write them, not leave them to
+    # land after the clear.
+    async def main() -> None:
+        sent: list[dict[WorkerId, dict[int, tuple[int, int]]]] = []
+
+        async def send(writes: dict[WorkerId, Changes]) -> dict[WorkerId, Exception]:
+            sent.append({w: dict(c.masks()) for w, c in writes.items()})
+            return {}
+
+        commits = GroupCommit(send)
+        commits.queued(W).add_new(BlockKey(1), [BlockKey(5)], 1)
+        commits.queued(V)  # nothing folded: nothing sent for it
+        await commits.flush(W)
+        assert sent == [{W: {5: (0, 1)}}]
+        await commits.flush()
+        assert sent == [{W: {5: (0, 1)}}]
+
+    asyncio.run(main())
