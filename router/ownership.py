@@ -128,7 +128,7 @@ class LeaseKeeper:
                 handed = await self.registry.take_handoff(worker.worker_id)
             except RedisError:
                 handed = None  # rebuilt below (which meets the same Redis trouble)
-            if worker.resume(lease, handed):
+            if await worker.resume(lease, handed):
                 await _guarded(worker, worker.catch_up)
                 return
             worker.needs_rebuild = True
@@ -148,7 +148,7 @@ class LeaseKeeper:
             return
         try:
             await self.index.flush(worker.worker_id)  # its queued writes land first
-            state = worker.handoff()
+            state = await worker.handoff()
         except RECOVERY_ERRORS:
             state = None
         worker.lease = None

@@ -9,6 +9,7 @@ rebuild follows which loss is decided by :mod:`router.recovery`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -233,16 +234,18 @@ class WorkerIngest:
 
     # -- lease handoff -------------------------------------------------------------------
 
-    def handoff(self) -> bytes | None:
+    async def handoff(self) -> bytes | None:
         """This router's state of the worker, for the next holder of its lease.
 
         ``None`` when the state is not known to match the worker's entries (a rebuild is
         pending, or a replay is being delivered); call it after the worker's queued writes
-        landed.
+        landed. Encoded in a thread (a large worker's state takes a while, which the event
+        loop need not wait on): the caller's hold on :attr:`lock` keeps the bridge still.
         """
         if self.lease is None or self.needs_rebuild or self.position.replaying:
             return None
-        return encode_handoff(
+        return await asyncio.to_thread(
+            encode_handoff,
             self._services.index.bridge(self.worker_id),
             self.lease.epoch,
             self.position.applied_through,
@@ -250,7 +253,7 @@ class WorkerIngest:
             self._services.lifetimes.recorded(self.worker_id),
         )
 
-    def resume(self, lease: Lease, data: bytes | None) -> bool:
+    async def resume(self, lease: Lease, data: bytes | None) -> bool:
         """Continue from the state the lease's previous holder handed over (``data``).
 
         True when it was taken: the bridge, the stream position and the lifetime id are
@@ -263,7 +266,9 @@ class WorkerIngest:
         if data is None:
             return False
         try:
-            handoff = decode_handoff(data, services.index.keyer)
+            # In a thread: checking a large worker's state takes a while (about 2 µs per
+            # block), which the event loop need not wait on; decoding builds new objects.
+            handoff = await asyncio.to_thread(decode_handoff, data, services.index.keyer)
         except HandoffError as exc:
             services.metrics.handoffs.labels(wid, "invalid").inc()
             log.error("worker %s: %s; rebuilding it instead", wid, exc)

@@ -9,8 +9,13 @@ handover: their continuation would be orphaned. Only a handed-over bridge keeps 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+import pytest
+
+import router.worker_ingest as worker_ingest
 from router.index.base import WorkerId
 from router.index.layout import KeyLayout
 from router.index.registry import WorkerRegistry, owner_of
@@ -68,10 +73,22 @@ async def extend_and_check(s: Stack, workers: tuple[FakeWorker, ...]) -> None:
 
 
 def test_a_joining_replica_continues_the_workers_it_is_handed(
-    redis_url: str, namespace: str
+    redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     share_b = {w for w in IDS if owner_of(w, ["a", "b"]) == "b"}
     assert share_b and share_b != set(IDS)
+    # Encoding and decoding a handoff run in threads: the event loop never waits on them.
+    on_loop_thread: list[bool] = []
+
+    def spy(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            on_loop_thread.append(threading.current_thread() is threading.main_thread())
+            return fn(*args)
+
+        return call
+
+    for name in ("encode_handoff", "decode_handoff"):
+        monkeypatch.setattr(worker_ingest, name, spy(getattr(worker_ingest, name)))
 
     async def main() -> None:
         async with (
@@ -91,6 +108,7 @@ def test_a_joining_replica_continues_the_workers_it_is_handed(
                     assert b.total("orphan_parents", worker=w) == 0
 
     asyncio.run(main())
+    assert len(on_loop_thread) >= 2 * len(share_b) and not any(on_loop_thread)
 
 
 BY_HAND = {"maintain_interval_s": 3600.0, "lease_ttl_ms": 600_000}
