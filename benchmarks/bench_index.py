@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.entries, args.lookups, args.rounds = 65_536, 200, 1
     args.set_requests = 200_000 if args.quick else 2_000_000
-    args.solo_prompts = 4 if args.quick else 40
+    args.solo_prompts = 4 if args.quick else 160
     args.churn_prompts = 4 if args.quick else 20
     binary = find_redis_server()
     print(describe(("redis", "hiredis"), redis_server=binary, extra=native_text()))
