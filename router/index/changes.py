@@ -1,7 +1,7 @@
 """Entry changes of one worker, grouped by prefix family: what an index write applies.
 
-The engine-hash bridge folds events into a :class:`Changes`; an index writes it; group
-commit merges the changes of later batches into pending ones. Per family tag, each
+The engine-hash bridge folds events into a :class:`Changes`; an index writes it; with
+group commit, later batches fold into the ones still pending. Per family tag, each
 touched router key maps to its :data:`Transition`: the tier bits the worker held for the
 key before the first folded event (``old``) and after the last (``new``), as the small
 int ``old << 2 | new``.
@@ -9,8 +9,8 @@ int ``old << 2 | new``.
 A family holds its changes in one of two forms. *Noted*: a dict router key -> transition,
 which any change can update. *Added*: the runs of keys that appeared in bulk
 (:meth:`Changes.add_new`, the ingest's common case: newly cached blocks), kept per tier as
-the very lists they came in: appending a run, merging two such families and writing one
-costs no per-key dict work. The first :meth:`Changes.note` of an added family turns it
+the very lists they came in: appending a run and writing the family cost no per-key dict
+work. The first :meth:`Changes.note` of an added family turns it
 into a noted one.
 
 Invariants: a key appears under exactly one family (its tag is a function of the key:
@@ -166,45 +166,6 @@ class Changes:
         else:
             for key in keys:
                 self.note(tag, key, 0, mask)
-
-    def merge(self, later: Changes) -> None:
-        """Fold ``later`` (folded after these) in: per key the first old, the last new mask.
-
-        ``later`` must not be used afterwards (its families may be taken over).
-        """
-        for tag, tiers in later._added.items():
-            mine = self._added.get(tag)
-            if mine is not None:  # disjoint: nothing was noted in between
-                mine[0].extend(tiers[0])
-                mine[1].extend(tiers[1])
-            elif tag in self._noted:
-                self._merge_noted(tag, _as_dict(tiers))
-            else:
-                self._added[tag] = tiers
-        for tag, theirs in later._noted.items():
-            self._merge_noted(tag, theirs)
-
-    def _merge_noted(self, tag: BlockKey, theirs: dict[BlockKey, Transition]) -> None:
-        mine = self._noted.get(tag)
-        if mine is None:
-            tiers = self._added.pop(tag, None)
-            if tiers is None:
-                self._noted[tag] = theirs
-                return
-            mine = self._noted[tag] = _as_dict(tiers)
-        if mine.keys().isdisjoint(theirs):  # the common case: other blocks
-            mine.update(theirs)
-            return
-        firsts = {key: mine[key] >> 2 for key in mine.keys() & theirs.keys()}
-        mine.update(theirs)
-        for key, first in firsts.items():
-            new = theirs[key] & 3
-            if first == new:
-                del mine[key]
-            else:
-                mine[key] = first << 2 | new
-        if not mine:
-            del self._noted[tag]
 
 
 def _as_dict(tiers: _Runs) -> dict[BlockKey, Transition]:

@@ -1,17 +1,16 @@
-"""Group commit of index writes: while one write is in flight, every later change merges.
+"""Group commit of index writes: while one write is in flight, every later change joins the next.
 
 The ingest folds batches as fast as they arrive; waiting for Redis after each one caps it
 at one round trip per batch, and a round trip per worker costs more client time than
 the write itself when many workers are busy. With group commit a batch is folded straight
-into its worker's pending changes (:meth:`GroupCommit.queued`; or ``submit`` merges
-changes in: per router key the first old mask, the latest new mask) and one background
-task sends the pending sets of *all* workers in one ``send`` call whenever the previous
-one completed.
+into its worker's pending changes (:meth:`GroupCommit.queued`: per router key the first
+old mask, the latest new mask) and one background task sends the pending sets of *all*
+workers in one ``send`` call whenever the previous one completed.
 
 Invariants: at most one ``send`` is in flight, so per worker, writes land in order; a
 worker whose write failed loses its pending changes too (they were folded on top of the
 lost write: the caller rebuilds the worker); the failure goes to ``on_error`` when one is
-given, else it is kept and raised once by the next ``submit`` or ``flush`` of that worker.
+given, else it is kept and raised once by the next ``queued`` or ``flush`` of that worker.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ class GroupCommit:
     """A write-behind queue for all workers in front of a ``send`` coroutine.
 
     Args:
-        send: Writes merged changes of several workers (see :data:`Send`).
+        send: Writes the pending changes of several workers (see :data:`Send`).
         on_error: Told of a worker's failed write at once (instead of the next call
             raising it).
     """
@@ -52,16 +51,6 @@ class GroupCommit:
         self._errors: dict[WorkerId, Exception] = {}
         self._task: asyncio.Task[None] | None = None
         self._progress = asyncio.Event()
-
-    def submit(self, worker_id: WorkerId, changes: Changes) -> None:
-        """Queue a worker's changes (``changes`` is taken over); starts the sender if idle.
-
-        Raises:
-            Exception: The previous write of this worker failed (raised once; the new
-                changes are dropped with it).
-        """
-        self.queued(worker_id).merge(changes)
-        self.send_soon()
 
     def queued(self, worker_id: WorkerId) -> Changes:
         """The worker's pending changes, to fold more changes into in place (then call

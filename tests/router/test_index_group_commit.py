@@ -1,4 +1,4 @@
-"""Changes and group commit: merged per key while a write is in flight, in order, one send
+"""Changes and group commit: folded per key while a write is in flight, in order, one send
 for all workers, errors surfaced per worker."""
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ def change(key: int, old: int, new: int, tag: int = 1) -> Changes:
     return changes
 
 
-def test_merge_keeps_first_old_and_latest_new_and_drops_no_ops() -> None:
-    pending = change(5, 0, 1)
-    pending.merge(change(5, 1, 3))
-    pending.merge(change(6, 2, 0))
-    pending.merge(change(7, 0, 1, tag=2))
-    pending.merge(change(7, 1, 0, tag=2))  # added then removed: nothing left
+def test_notes_keep_first_old_and_latest_new_and_drop_no_ops() -> None:
+    pending = Changes()
+    steps = ((5, 0, 1, 1), (5, 1, 3, 1), (6, 2, 0, 1), (7, 0, 1, 2), (7, 1, 0, 2))
+    for key, old, new, tag in steps:  # 7: added then removed
+        pending.note(BlockKey(tag), BlockKey(key), old, new)
     assert pending.families == {1: {5: transition(0, 3), 6: transition(2, 0)}}
     assert pending.masks() == {5: (0, 3), 6: (2, 0)}
     assert len(pending) == 2
@@ -47,35 +46,6 @@ def test_add_new_in_bulk_equals_notes_one_by_one() -> None:
     assert fresh.masks() == {3: (0, 2), 4: (0, 2)}
 
 
-notes = st.lists(
-    st.tuples(st.integers(0, 2), st.integers(0, 6), st.integers(0, 3), st.integers(0, 3)),
-    max_size=40,
-)
-
-
-@given(first=notes, second=notes)
-def test_merge_equals_noting_everything_in_one(
-    first: list[tuple[int, int, int, int]], second: list[tuple[int, int, int, int]]
-) -> None:
-    """Merging two folds equals one fold of both, for chained transitions per key."""
-
-    def fold(into: Changes, seq: list[tuple[int, int, int, int]], held: dict[int, int]) -> None:
-        for tag, key, _, new in seq:
-            k = tag * 10 + key  # a key belongs to one family
-            into.note(BlockKey(tag), BlockKey(k), held.get(k, 0), new)
-            held[k] = new
-
-    held: dict[int, int] = {}
-    whole = Changes()
-    fold(whole, first + second, dict(held))
-    a, b = Changes(), Changes()
-    fold(a, first, held)
-    fold(b, second, held)
-    a.merge(b)
-    assert a.masks() == whole.masks()
-    assert all(old != new for old, new in a.masks().values())
-
-
 # One step of a worker's history: (chunk, tag, keys, mask). A key is new (added in bulk
 # with the others of its step) where the worker does not hold it, else its mask is noted.
 steps = st.lists(
@@ -91,50 +61,55 @@ steps = st.lists(
 
 @given(history=steps)
 @example(history=[(0, 0, [1], 1), (0, 0, [1], 0)])  # noted in the batch that added it
-@example(history=[(0, 0, [1], 1), (1, 0, [1, 2], 2)])  # in a later batch
-def test_bulk_added_families_merge_and_list_as_notes_do(
+@example(history=[(0, 0, [1], 1), (0, 0, [1, 2], 2)])  # a tier move after it
+def test_bulk_added_families_note_and_list_as_notes_do(
     history: list[tuple[int, int, list[int], int]],
 ) -> None:
-    """Changes folded in chunks (bulk adds where the keys are new, notes elsewhere) and
-    merged in order equal one fold of the same history as notes only, and a writer's
-    key lists say what the masks say."""
+    """Changes folded with bulk adds (where the keys are new) and notes elsewhere equal a
+    fold of the same history as notes only, pending set by pending set (a new chunk: the
+    sender took the previous one), and a writer's key lists say what the masks say."""
     held: dict[int, int] = {}
-    whole, merged, chunk, current, as_notes = Changes(), Changes(), 0, Changes(), Changes()
+    chunk, mixed, as_notes = 0, Changes(), Changes()
     for at, tag, keys, mask in history:
-        if at != chunk:  # a new batch: the previous one is merged into the pending
-            assert current.masks() == as_notes.masks()
-            merged.merge(current)
-            current, chunk, as_notes = Changes(), at, Changes()
+        if at != chunk:
+            check_equal(mixed, as_notes)
+            chunk, mixed, as_notes = at, Changes(), Changes()
         family = [BlockKey(tag * 10 + k) for k in keys]
-        new = [k for k in family if not held.get(k)]
-        if mask and len(new) == len(family):
-            current.add_new(BlockKey(tag), family, mask)
+        if mask and not any(held.get(k) for k in family):
+            mixed.add_new(BlockKey(tag), family, mask)
         else:
             for key in family:
-                current.note(BlockKey(tag), key, held.get(key, 0), mask)
+                mixed.note(BlockKey(tag), key, held.get(key, 0), mask)
         for key in family:
-            for notes_only in (whole, as_notes):
-                notes_only.note(BlockKey(tag), key, held.get(key, 0), mask)
+            as_notes.note(BlockKey(tag), key, held.get(key, 0), mask)
             held[key] = mask
-    assert current.masks() == as_notes.masks()
-    merged.merge(current)
-    assert merged.masks() == whole.masks()
-    assert merged.families == whole.families
-    assert len(merged) == len(whole) and bool(merged) == bool(whole)
+    check_equal(mixed, as_notes)
+
+
+def check_equal(mixed: Changes, as_notes: Changes) -> None:
+    assert mixed.masks() == as_notes.masks()
+    assert mixed.families == as_notes.families
+    assert len(mixed) == len(as_notes) and bool(mixed) == bool(as_notes)
     listed: dict[BlockKey, list[int]] = {}
-    for _, lists in merged.key_lists():
+    for _, lists in mixed.key_lists():
         for i, keys in enumerate(lists):
             for key in keys:
                 listed.setdefault(key, []).append(i)
     expected = {}
-    for key, (old, new_mask) in merged.masks().items():
-        gained, lost = new_mask & ~old, old & ~new_mask
+    for key, (old, new) in mixed.masks().items():
+        gained, lost = new & ~old, old & ~new
         bits = (gained & 1, lost & 1, gained & 2, lost & 2)
         expected[key] = [i for i, bit in enumerate(bits) if bit]
     assert listed == {k: v for k, v in expected.items() if v}
 
 
-def test_changes_merge_while_a_write_is_in_flight() -> None:
+def fold(commits: GroupCommit, worker: WorkerId, key: int, old: int, new: int) -> None:
+    """One batch of a worker, noting one key, folded into its queued changes."""
+    commits.queued(worker).note(BlockKey(1), BlockKey(key), old, new)
+    commits.send_soon()
+
+
+def test_changes_fold_into_the_next_write_while_one_is_in_flight() -> None:
     async def main() -> None:
         sent: list[dict[WorkerId, dict[int, tuple[int, int]]]] = []
         release = asyncio.Event()
@@ -145,12 +120,12 @@ def test_changes_merge_while_a_write_is_in_flight() -> None:
             return {}
 
         commits = GroupCommit(send)
-        commits.submit(W, change(1, 0, 1))
+        fold(commits, W, 1, 0, 1)
         await asyncio.sleep(0)  # one loop turn: the sender task takes the first set
-        commits.submit(W, change(2, 0, 1))
-        commits.submit(W, change(2, 1, 0))  # added then removed: nothing to write
-        commits.submit(W, change(3, 0, 2))
-        commits.submit(V, change(4, 0, 1))  # another worker joins the same send
+        fold(commits, W, 2, 0, 1)
+        fold(commits, W, 2, 1, 0)  # added then removed: nothing to write
+        fold(commits, W, 3, 0, 2)
+        fold(commits, V, 4, 0, 1)  # another worker joins the same send
         release.set()
         await commits.flush(W)
         await commits.flush()
@@ -165,20 +140,20 @@ def test_a_failed_write_is_raised_once_or_reported() -> None:
             raise ConnectionError("redis went away")
 
         commits = GroupCommit(fail)
-        commits.submit(W, change(1, 0, 1))
+        fold(commits, W, 1, 0, 1)
         with pytest.raises(ConnectionError):
             await commits.flush(W)
         await commits.flush(W)  # raised once
-        commits.submit(W, change(2, 0, 1))
+        fold(commits, W, 2, 0, 1)
         with pytest.raises(ConnectionError):
             await commits.flush()
 
         seen: list[tuple[WorkerId, str]] = []
         reporting = GroupCommit(fail, on_error=lambda w, exc: seen.append((w, str(exc))))
-        reporting.submit(W, change(1, 0, 1))
+        fold(reporting, W, 1, 0, 1)
         await reporting.flush(W)
         assert seen == [(W, "redis went away")]
-        reporting.submit(W, change(2, 0, 1))  # nothing kept to raise
+        fold(reporting, W, 2, 0, 1)  # nothing kept to raise
         await reporting.close()
 
     asyncio.run(main())
@@ -193,11 +168,11 @@ def test_one_refused_worker_does_not_fail_the_others() -> None:
             return {V: PermissionError("lease lost")}
 
         commits = GroupCommit(send)
-        commits.submit(W, change(1, 0, 1))
-        commits.submit(V, change(2, 0, 1))
+        fold(commits, W, 1, 0, 1)
+        fold(commits, V, 2, 0, 1)
         await commits.flush(W)  # W's write landed: nothing to raise
         with pytest.raises(PermissionError):
-            commits.submit(V, change(3, 0, 1))
+            fold(commits, V, 3, 0, 1)
         assert written == [W]
         await commits.close()
 
