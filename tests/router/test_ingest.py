@@ -80,6 +80,14 @@ def test_gap_is_replayed(redis_url: str, namespace: str) -> None:
             sample = s.metrics.registry.get_sample_value
             assert sample("kvroute_stream_gaps_total", {"worker": "k1"}) == 1
             assert sample("kvroute_stream_missed_batches_total", {"worker": "k1"}) == 2
+            # Each batch applied once, its events counted by type.
+            k1.publish(stored(2, 0, 1), stored(3, 0, 1), removed(2, 0))
+
+            async def counted() -> bool:
+                return s.count("events", worker="k1", type="BlockRemoved") == 1
+
+            await eventually(counted, what="the mixed batch applied")
+            assert s.count("events", worker="k1", type="BlockStored") == 4 + 2
 
     asyncio.run(main())
 
