@@ -8,8 +8,7 @@ resync, a maintenance step) with one of these; a recovery path that runs inside 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
+from types import TracebackType
 
 __all__ = ["TaskLock"]
 
@@ -22,16 +21,36 @@ class TaskLock:
         # NOTE: the task inside the outermost hold(), None when free.
         self._holder: asyncio.Task[object] | None = None
 
-    @contextlib.asynccontextmanager
-    async def hold(self) -> AsyncIterator[None]:
+    def hold(self) -> _Hold:
         """Hold the lock for the ``async with`` body; nested holds by one task pass through."""
+        return _Hold(self)
+
+
+class _Hold:
+    """One ``async with lock.hold()`` (a plain class: the ingest takes one per batch, and
+    a generator-based context manager costs several times as much)."""
+
+    __slots__ = ("_lock", "_outer")
+
+    def __init__(self, lock: TaskLock) -> None:
+        self._lock = lock
+        self._outer = False
+
+    async def __aenter__(self) -> None:
+        lock = self._lock
         task = asyncio.current_task()
-        if self._holder is not None and self._holder is task:
-            yield
-            return
-        async with self._lock:
-            self._holder = task
-            try:
-                yield
-            finally:
-                self._holder = None
+        if lock._holder is not None and lock._holder is task:
+            return  # nested in the holder's own hold: passes through
+        await lock._lock.acquire()
+        lock._holder = task
+        self._outer = True
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._outer:
+            self._lock._holder = None
+            self._lock._lock.release()
