@@ -89,7 +89,8 @@ class WorkerIngest:
         # NOTE: the per-batch counters' labelled children, looked up once: a labels() call
         # costs about a microsecond, as much as folding two blocks.
         wid, metrics = self.worker_id, services.metrics
-        self._batches = {o: metrics.batches.labels(wid, o) for o in ("applied", "not_owner")}
+        outcomes = ("applied", "covered", "not_owner")
+        self._batches = {o: metrics.batches.labels(wid, o) for o in outcomes}
         self._events: dict[type, Counter] = {}
 
     @property
@@ -215,7 +216,7 @@ class WorkerIngest:
         """True (and counted) when the index already holds the batch's effect."""
         if not self.position.covers(received.seq):
             return False
-        self._services.metrics.batches.labels(self.worker_id, "covered").inc()
+        self._batches["covered"].inc()
         return True
 
     def _applied(self, received: ReceivedBatch) -> None:

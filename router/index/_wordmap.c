@@ -1,8 +1,6 @@
 /* WordMap (see _wordmap.h): the table; the Python type over it is _wordmap_type.c. */
 #include "_wordmap.h"
 
-#include <stdint.h>
-
 #define MIN_CAPACITY 8
 
 static inline size_t home(const WordMap *map, uint64_t key)
