@@ -26,7 +26,7 @@ One private ``redis-server`` (127.0.0.1, no persistence) serves every row, in on
 3. Memory: the server's ``used_memory`` growth per indexed (key, worker) entry, beside the
    growth per plain ``SET`` key of a similar name (the baseline).
 
-Also: a lease handoff (:mod:`router.index.handoff`) of one populated worker, encoded and
+Also: a lease handoff (:mod:`router.ingest.handoff`) of one populated worker, encoded and
 decoded, beside its baseline, the rebuild a handoff saves: re-applying all the worker's
 events into an empty namespace (what a replay from seq 0 costs when the engine still has
 them all; a vLLM engine's ring usually does not, and then nothing can rebuild them).
@@ -53,14 +53,14 @@ from typing import Any, Final
 
 from benchmarks.environment import describe, native_text
 from events.hashing import BlockKey, RouterKeyer
+from events.identity import WorkerId
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
-from router.index.base import WorkerId
-from router.index.handoff import decode_handoff, encode_handoff
-from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRegistry, owner_of
-from router.redis_conn import RedisClient, connect
-from router.redis_server import RedisServer, find_redis_server
+from router.ingest.handoff import decode_handoff, encode_handoff
+from router.store.connection import RedisClient, connect
+from router.store.layout import KeyLayout
+from router.store.server import RedisServer, find_redis_server
+from router.workers.registry import WorkerRegistry, owner_of
 
 __all__ = ["main"]
 

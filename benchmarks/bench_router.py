@@ -1,7 +1,7 @@
 """Benchmark: the router's overhead per request, route only and through the proxy.
 
 For 1, 8 and 64 workers, in one run and one process: a private ``redis-server``, the
-workers, a :class:`router.service.RouterService` (cache-aware policy, real Redis index,
+workers, a :class:`router.front.service.RouterService` (cache-aware policy, real Redis index,
 shared load, decision recording) and one HTTP client sending requests one at a time.
 
 The workers are trivial aiohttp echo servers (they answer ``/v1/completions`` at once),
@@ -42,15 +42,15 @@ import aiohttp
 from aiohttp import web
 
 from benchmarks.environment import describe
+from events.identity import WorkerId
 from events.schema import BlockStored, KVEventBatch
-from router.index.base import WorkerId
-from router.index.layout import KeyLayout
+from router.front.config import RouterConfig
+from router.front.service import RouterService
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRecord, WorkerRegistry
-from router.redis_conn import connect
-from router.redis_server import RedisServer, find_redis_server
-from router.service import RouterService
-from router.service_config import RouterConfig
+from router.store.connection import connect
+from router.store.layout import KeyLayout
+from router.store.server import RedisServer, find_redis_server
+from router.workers.registry import WorkerRecord, WorkerRegistry
 
 __all__ = ["main"]
 

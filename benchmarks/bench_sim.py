@@ -17,12 +17,12 @@ import argparse
 import time
 
 from benchmarks.environment import describe
-from router.policies import POLICY_NAMES
-from router.sim.cli import pool_cache_factory, run_policies
+from router.cli.sim import pool_cache_factory, run_policies
+from router.cluster.workload import DEFAULT_TRACE_PATH
+from router.routing.policies import POLICY_NAMES
 from router.sim.engine import SimConfig
 from router.sim.report import format_table
 from router.sim.trace import load_trace
-from router.workload import DEFAULT_TRACE_PATH
 
 __all__ = ["main"]
 

@@ -33,9 +33,9 @@ import psutil
 
 from benchmarks.bench_throughput import LocalStack
 from benchmarks.environment import describe
-from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
-from router.redis_conn import connect
+from router.store.connection import connect
+from router.store.layout import KeyLayout
 
 PLOT_DEFAULT = Path(__file__).resolve().parent / "soak.png"
 

@@ -32,9 +32,9 @@ import aiohttp
 from aiohttp import web
 
 from benchmarks.environment import describe
-from router.cluster import ProcessGroup, wait_healthy
-from router.cluster_report import percentile
-from router.redis_server import RedisServer, free_port
+from router.cluster.report import percentile
+from router.cluster.runner import ProcessGroup, wait_healthy
+from router.store.server import RedisServer, free_port
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 180.0

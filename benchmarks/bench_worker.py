@@ -30,10 +30,10 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.environment import describe
-from pool.engine import Engine, EngineConfig, SamplingParams
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
-from pool.model import DecoderModel, ModelConfig
-from pool.outputs import RequestOutput
+from pool.worker.engine import Engine, EngineConfig, SamplingParams
+from pool.worker.model import DecoderModel, ModelConfig
+from pool.worker.outputs import RequestOutput
 
 __all__ = ["main"]
 

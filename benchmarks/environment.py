@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from events.hashing import NATIVE_KEYS
-from router.index.runs import NATIVE_RUNS
+from router.ingest._native.runs import NATIVE_RUNS
 
 __all__ = ["describe", "native_text"]
 

@@ -1,6 +1,6 @@
 """kvroute's optional C modules: the C function where it was built, else its Python reference.
 
-The ingest's hot path has C versions (``events._keys``, ``router.index._runs``), built at
+The ingest's hot path has C versions (``events._keys``, ``router.ingest._native._runs``), built at
 install time where a C compiler is present. Each has a Python reference with the same
 signature and behaviour that the tests compare it with; :func:`native_or` picks one when its
 module is imported. What has no Python twin (a faster way to do something the caller can

@@ -15,9 +15,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from router.cluster import ClusterConfig, run_cluster
-from router.cluster_report import format_report
-from router.workload import Workload, chat_workload, mooncake_workload
+from router.cluster.report import format_report
+from router.cluster.runner import ClusterConfig, run_cluster
+from router.cluster.workload import Workload, chat_workload, mooncake_workload
 
 
 def build_workload(name: str, num_requests: int) -> Workload:

@@ -24,9 +24,9 @@ from pathlib import Path
 import aiohttp
 
 from events.recorder import read_log
-from router.cli import main as kvroute
-from router.processes import ProcessGroup, wait_healthy
-from router.redis_server import free_port
+from router.cli.main import main as kvroute
+from router.cluster.processes import ProcessGroup, wait_healthy
+from router.store.server import free_port
 
 SYSTEM = "You are a careful assistant for the kvroute project. Answer briefly. " * 3
 DOCUMENT = "Chapter one. The cache remembered every prefix it had ever computed. " * 3

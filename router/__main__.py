@@ -2,6 +2,6 @@
 
 import sys
 
-from router.cli import main
+from router.cli.main import main
 
 sys.exit(main())

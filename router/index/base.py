@@ -10,17 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NewType, Protocol
+from typing import Protocol
 
 import msgspec
 
 from events.hashing import BlockKey
+from events.identity import WorkerId
 from events.schema import KVEventBatch
 
-__all__ = ["IndexStats", "PrefixIndex", "PrefixMatch", "WorkerId"]
-
-WorkerId = NewType("WorkerId", str)
-"""A worker's identity, unique within a namespace (``--id`` of ``kvroute worker``)."""
+__all__ = ["IndexStats", "PrefixIndex", "PrefixMatch"]
 
 
 class PrefixMatch(msgspec.Struct, frozen=True, gc=False):

@@ -20,7 +20,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
-from router.index.base import WorkerId
+from events.identity import WorkerId
 from router.index.changes import Changes
 
 __all__ = ["GroupCommit", "Send"]

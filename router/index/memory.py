@@ -1,6 +1,6 @@
 """In-process ``PrefixIndex``: a dict of router keys to holders, for the simulator and tests.
 
-It shares the engine-hash bridge (:mod:`router.index.bridge`) with the Redis index, so
+It shares the engine-hash bridge (:mod:`router.ingest.bridge`) with the Redis index, so
 both fold events identically; only the storage differs. Single-process and not shared
 between router replicas.
 """
@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from events.hashing import BlockKey, RouterKeyer
+from events.identity import WorkerId
 from events.schema import KVEventBatch
-from router.index.base import IndexStats, PrefixMatch, WorkerId
-from router.index.bridge import WorkerBridge, fold_batch
+from router.index.base import IndexStats, PrefixMatch
 from router.index.changes import CPU_MASK, GPU_MASK, Changes, masks_of
+from router.ingest.bridge import WorkerBridge, fold_batch
 
 __all__ = ["MemoryPrefixIndex", "match_prefix"]
 

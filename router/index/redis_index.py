@@ -1,10 +1,10 @@
 """``PrefixIndex`` in Redis (single node or Redis Cluster): the production global prefix index.
 
-Layout (see :mod:`router.index.layout`): per prefix family and worker, two sets of the
+Layout (see :mod:`router.store.layout`): per prefix family and worker, two sets of the
 router keys it holds (GPU tier, CPU tier), stored by Redis as 8-byte-per-key intsets; per
 family, a hash of holder counts; per worker, the list of its families, so clearing a
 worker costs O(its families), never a keyspace scan. Every write is fenced by the
-worker's lease token (see :mod:`router.index.registry`): a router that lost the lease
+worker's lease token (see :mod:`router.workers.registry`): a router that lost the lease
 cannot write.
 
 Costs: a lookup is one ``EVALSHA`` on the family's shard: one ``HKEYS``/``HMGET`` for
@@ -32,14 +32,16 @@ from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
 from events.hashing import BlockKey, RouterKeyer
+from events.identity import WorkerId
 from events.schema import KVEventBatch
 from router.errors import PrefixIndexError
-from router.index.base import IndexStats, PrefixMatch, WorkerId
-from router.index.bridge import WorkerBridge, fold_batch
+from router.index.base import IndexStats, PrefixMatch
 from router.index.changes import CPU_MASK, GPU_MASK, Changes, KeyLists
 from router.index.group_commit import GroupCommit
-from router.index.layout import KeyLayout, check_name, decode_key, encode_keys_fixed, tag_text
-from router.index.scripts import (
+from router.ingest.bridge import WorkerBridge, fold_batch
+from router.store.connection import RedisClient, arg_packer, gather_bounded, reply_bytes
+from router.store.layout import KeyLayout, check_name, decode_key, encode_keys_fixed, tag_text
+from router.store.scripts import (
     APPLY_FAMILIES,
     APPLY_WORKER,
     APPLY_WORKERS,
@@ -49,7 +51,6 @@ from router.index.scripts import (
     Script,
     StaleLeaseError,
 )
-from router.redis_conn import RedisClient, arg_packer, gather_bounded, reply_bytes
 
 __all__ = ["RedisPrefixIndex"]
 
@@ -81,7 +82,7 @@ def _append_family(
     tag: BlockKey, lists: KeyLists, args: list[Any], pack: Packer
 ) -> tuple[int, int]:
     """Append one family's script arguments (see ``_FAMILY`` in
-    :mod:`router.index.scripts`: tag, the four list lengths, the four key lists) to
+    :mod:`router.store.scripts`: tag, the four list lengths, the four key lists) to
     ``args``; returns the change of the worker's entry count and the number of arguments
     appended (its keys packed by ``pack`` count one each)."""
     counts = [len(keys) for keys in lists]

@@ -2,6 +2,6 @@
 
 import sys
 
-from router.sim.cli import main
+from router.cli.sim import main
 
 sys.exit(main(sys.argv[1:]))

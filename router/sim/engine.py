@@ -5,7 +5,7 @@ in ``kvroute sim``) with one prefill queue. Requests arrive at their trace times
 (divided by ``speed``) and are routed by the router's own code: router keys from
 :class:`events.hashing.RouterKeyer`, a lookup in a
 :class:`router.index.memory.MemoryPrefixIndex` fed with the workers' own KV events,
-predicted entries, a :class:`router.load.MemoryLoadTracker`, and the policy's
+predicted entries, a :class:`router.load.model.MemoryLoadTracker`, and the policy's
 ``decide``. Only the network is missing.
 
 Latency model: a worker prefills one request at a time, in arrival order, taking
@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from events.hashing import BlockKey, RouterKeyer
+from events.identity import WorkerId
 from events.schema import KVCacheEvent, KVEventBatch
-from router.index.base import WorkerId
+from router.cluster.workload import TRACE_BLOCK_TOKENS
 from router.index.memory import MemoryPrefixIndex
-from router.load import MemoryLoadTracker, finished, prefilled, routed
-from router.policies import PolicyConfig, RouteRequest, RoutingPolicy, build_candidates
-from router.predicted import PredictedEntries
+from router.load.model import MemoryLoadTracker, finished, prefilled, routed
+from router.routing.policies import PolicyConfig, RouteRequest, RoutingPolicy, build_candidates
+from router.routing.predicted import PredictedEntries
 from router.sim.trace import SimError, SimRequest
-from router.workload import TRACE_BLOCK_TOKENS
 
 __all__ = ["RequestOutcome", "SimConfig", "WorkerCache", "WorkerCacheFactory", "simulate"]
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from router.cluster.workload import TRACE_BLOCK_TOKENS
 from router.sim.engine import RequestOutcome
 from router.sim.trace import IdealHits, SimRequest
-from router.workload import TRACE_BLOCK_TOKENS
 
 __all__ = ["PolicyResult", "format_table", "percentile", "plot_results", "summarize"]
 

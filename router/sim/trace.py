@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from router.cluster.workload import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 from router.errors import RouterError
-from router.workload import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 
 __all__ = ["IdealHits", "SimError", "SimRequest", "ideal_hits", "load_trace", "to_requests"]
 
@@ -100,7 +100,7 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[SimRequest]:
         limit: Keep only the first ``limit`` requests (``None``: all).
 
     Raises:
-        router.workload.WorkloadError: The file is missing or a line is malformed.
+        router.cluster.workload.WorkloadError: The file is missing or a line is malformed.
         SimError: A record is inconsistent (see :func:`to_requests`).
     """
     records = read_trace(path)

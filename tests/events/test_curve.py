@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_subscriber_helpers import RecordingSink, batch, handshake, loopback_publisher
 
-from events.cli_keys import main as keys_main
+from events.cli.keys import main as keys_main
 from events.curve import (
     CurveClientConfig,
     CurveKeyError,

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_subscriber_helpers import DEADLINE_S, RecordingSink, batch, handshake, loopback_publisher
 
-from events.cli_events import main as events_main
-from events.cli_record import main as record_main
+from events.cli.events import main as events_main
+from events.cli.record import main as record_main
 from events.recorder import (
     LOG_MAGIC,
     EventLogError,
@@ -231,7 +231,7 @@ def test_bad_worker_spec_exits_2(tmp_path: Path) -> None:
 
 def kvroute(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "router.cli", *args],
+        [sys.executable, "-m", "router.cli.main", *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

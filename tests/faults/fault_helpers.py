@@ -40,8 +40,8 @@ from events.publisher import EventPublisher, PublisherConfig
 from events.schema import KVEventBatch
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.snapshot import CachedChains, new_lifetime_id
-from router.cluster import ProcessGroup, wait_healthy
-from router.redis_server import RedisServer, free_port
+from router.cluster.runner import ProcessGroup, wait_healthy
+from router.store.server import RedisServer, free_port
 
 HOST = "127.0.0.1"
 BLOCK_SIZE = 4

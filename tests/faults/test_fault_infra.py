@@ -23,7 +23,7 @@ from fault_helpers import (
     wait_converged,
 )
 
-from router.index.registry import owner_of
+from router.workers.registry import owner_of
 
 pytest.importorskip("torch")
 

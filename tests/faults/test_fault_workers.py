@@ -25,10 +25,10 @@ from fault_helpers import (
     wait_converged,
 )
 
-from router.index.base import WorkerId
-from router.index.layout import KeyLayout
+from events.identity import WorkerId
 from router.index.redis_index import RedisPrefixIndex
-from router.redis_conn import connect
+from router.store.connection import connect
+from router.store.layout import KeyLayout
 
 pytest.importorskip("torch")
 

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from events.errors import EventDecodeError, FramingError
 from events.framing import SEQ_BYTES, parse_message
+from events.identity import WorkerId
 from events.schema import (
     AllBlocksCleared,
     BlockRemoved,
@@ -35,7 +36,6 @@ from events.schema import (
     encode_batch,
 )
 from router.errors import OrphanParentError
-from router.index.base import WorkerId
 from router.index.changes import CPU_MASK, GPU_MASK
 from router.index.memory import MemoryPrefixIndex
 

@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from json_strategies import json_values
 
-from router.cluster import ProcessGroup, wait_healthy
-from router.redis_server import RedisServer, free_port
+from router.cluster.runner import ProcessGroup, wait_healthy
+from router.store.server import RedisServer, free_port
 
 pytest.importorskip("torch")
 

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from json_strategies import json_values
 
-from router.cluster import ProcessGroup, wait_healthy
-from router.redis_server import free_port
+from router.cluster.runner import ProcessGroup, wait_healthy
+from router.store.server import free_port
 
 pytest.importorskip("torch")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import COMMANDS
-from router.cluster_cli import build_parser, build_workload
+from router.cli.cluster import build_parser, build_workload
+from router.cli.main import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [

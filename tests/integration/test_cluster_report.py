@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from router.cluster import ClusterConfig, ClusterError
-from router.cluster_cli import build_parser, build_workload
-from router.cluster_report import (
+from router.cli.cluster import build_parser, build_workload
+from router.cluster.processes import ProcessError, ProcessGroup
+from router.cluster.report import (
     ClusterReport,
     PolicyRun,
     RequestResult,
@@ -21,8 +21,8 @@ from router.cluster_report import (
     percentile,
     write_plot,
 )
-from router.processes import ProcessError, ProcessGroup
-from router.workload import WorkloadError
+from router.cluster.runner import ClusterConfig, ClusterError
+from router.cluster.workload import WorkloadError
 
 
 def _run(policy: str, cached: list[int], served: list[tuple[int, int, int]]) -> PolicyRun:
@@ -120,7 +120,7 @@ def test_children_die_when_the_parent_is_killed(tmp_path: Path) -> None:
     parent_code = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from router.processes import ProcessGroup\n"
+        "from router.cluster.processes import ProcessGroup\n"
         f"group = ProcessGroup(Path({str(tmp_path)!r}))\n"
         "child = group.start('child', [sys.executable, '-c', 'import time; time.sleep(600)'])\n"
         "print(child.pid, flush=True)\n"

@@ -29,17 +29,17 @@ import zmq
 from aiohttp import web
 
 from events.framing import make_message
-from router.chat import ChatMessage
-from router.cost import CostWeights
-from router.index.base import WorkerId
-from router.index.layout import KeyLayout
+from events.identity import WorkerId
+from router.front.chat import ChatMessage
+from router.front.config import RouterConfig
+from router.front.service import RouterService
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRecord
-from router.policies import PolicyConfig
-from router.redis_conn import connect
-from router.redis_server import RedisServer
-from router.service import RouterService
-from router.service_config import RouterConfig
+from router.routing.cost import CostWeights
+from router.routing.policies import PolicyConfig
+from router.store.connection import connect
+from router.store.layout import KeyLayout
+from router.store.server import RedisServer
+from router.workers.registry import WorkerRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)

@@ -23,14 +23,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import router.index.bridge as bridge_module
+import router.ingest.bridge as bridge_module
 from events.hashing import NATIVE_KEYS, BlockKey, RouterKeyer, python_block_keys
 from events.native import PURE_PYTHON
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
-from router.index.bridge import WorkerBridge
 from router.index.changes import Changes
-from router.index.runs import NATIVE_RUNS, dict_map, remove_run_py, store_run_py
-from router.index.words import COPY_LANES, CPU_SHIFT, GPU_SHIFT, KEY_LANES
+from router.ingest._native.runs import NATIVE_RUNS, dict_map, remove_run_py, store_run_py
+from router.ingest._native.words import COPY_LANES, CPU_SHIFT, GPU_SHIFT, KEY_LANES
+from router.ingest.bridge import WorkerBridge
 
 
 def _built(module: str) -> bool:
@@ -41,7 +41,7 @@ def _built(module: str) -> bool:
     return True
 
 
-BUILT = all(map(_built, ("events._keys", "router.index._runs", "router._resp")))
+BUILT = all(map(_built, ("events._keys", "router.ingest._native._runs", "router.store._resp")))
 needs_native = pytest.mark.skipif(not BUILT, reason="C modules not built (no C compiler)")
 
 
@@ -60,7 +60,8 @@ def test_the_c_modules_are_built_and_used_where_a_compiler_exists() -> None:
 
 def test_kvroute_pure_python_runs_the_references() -> None:
     code = (
-        "from events.hashing import NATIVE_KEYS; from router.index.runs import NATIVE_RUNS; "
+        "from events.hashing import NATIVE_KEYS; "
+        "from router.ingest._native.runs import NATIVE_RUNS; "
         "print(NATIVE_KEYS, NATIVE_RUNS)"
     )
     env = {**os.environ, "KVROUTE_PURE_PYTHON": "1"}
@@ -147,7 +148,7 @@ def maps_and_runs(draw: st.DrawFn) -> tuple[Maps, tuple[Any, ...]]:
 @settings(max_examples=500, deadline=None)
 @given(case=maps_and_runs())
 def test_store_run_equals_the_python_reference(case: tuple[Maps, tuple[Any, ...]]) -> None:
-    from router.index._runs import store_run
+    from router.ingest._native._runs import store_run
 
     maps, run = case
     mine = tuple(dict(m) for m in maps)
@@ -173,7 +174,7 @@ def test_store_run_equals_the_python_reference(case: tuple[Maps, tuple[Any, ...]
 def test_store_run_rejects_bad_arguments_and_changes_nothing(
     change: dict[int, Any], error: type[Exception]
 ) -> None:
-    from router.index._runs import store_run
+    from router.ingest._native._runs import store_run
 
     maps: list[Any] = [{1: 1 << 64}, {BlockKey(7): 1}, {BlockKey(7): 8}]
     args: list[Any] = [*maps, [10], [BlockKey(20)], BlockKey(20), None, GPU_SHIFT, True]
@@ -255,7 +256,7 @@ def fold(events_: list[Any], monkeypatch: pytest.MonkeyPatch, *native: Any) -> A
 @settings(max_examples=600, deadline=None)
 @given(history=st.lists(events(), max_size=24))
 def test_a_bridge_folds_the_same_with_either_store(history: list[Any]) -> None:
-    from router.index._runs import WordMap, remove_run, store_run
+    from router.ingest._native._runs import WordMap, remove_run, store_run
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         native = fold(history, monkeypatch, store_run, remove_run, WordMap)
@@ -281,7 +282,7 @@ other_arg = st.one_of(
 @given(args=st.lists(simple_arg, max_size=40))
 def test_pack_command_equals_hiredis(args: list[Any]) -> None:
     import hiredis
-    from router._resp import pack_command
+    from router.store._resp import pack_command
 
     assert pack_command(tuple(args)) == hiredis.pack_command(tuple(args))
 
@@ -301,7 +302,7 @@ def test_packed_args_send_the_ints_they_hold(parts: list[list[Any]]) -> None:
     # A write's keys go as one PackedArgs per key list: on the wire, the same command as
     # with the ints one argument each.
     import hiredis
-    from router._resp import pack_args, pack_command
+    from router.store._resp import pack_args, pack_command
 
     mixed = [p[0] if len(p) == 1 and not isinstance(p[0], int) else pack_args(p) for p in parts]
     flat = [a for p in parts for a in p]
@@ -312,7 +313,7 @@ def test_packed_args_send_the_ints_they_hold(parts: list[list[Any]]) -> None:
 
 @needs_native
 def test_pack_args_refuses_what_is_not_a_list_of_64_bit_ints() -> None:
-    from router._resp import PackedArgs, pack_args
+    from router.store._resp import PackedArgs, pack_args
 
     for bad, error in (((1, 2), TypeError), ([1, "2"], TypeError), ([True], TypeError),
                        ([2**63], OverflowError)):  # fmt: skip
@@ -328,7 +329,7 @@ def test_pack_args_refuses_what_is_not_a_list_of_64_bit_ints() -> None:
 def test_pack_command_declines_what_it_does_not_pack(args: list[Any], other: Any, at: int) -> None:
     # Ints beyond 64 bits, floats, bools, None...: None, and the connection packs the
     # command with hiredis (which also owns the errors for the types it rejects).
-    from router._resp import pack_command
+    from router.store._resp import pack_command
 
     args.insert(min(at, len(args)), other)
     assert pack_command(tuple(args)) is None
@@ -360,7 +361,7 @@ map_op = st.one_of(
 def test_wordmap_behaves_as_a_dict(lanes: int, ops: list[tuple[str, Any, Any]]) -> None:
     # Values too wide for the lanes, negative ones and keys that are not 64-bit ints go
     # to the side dict: to a user the two are one mapping.
-    from router.index._runs import WordMap
+    from router.ingest._native._runs import WordMap
 
     mine, model = WordMap(lanes), {}
     for op, key, value in ops:
@@ -395,7 +396,7 @@ def test_wordmap_behaves_as_a_dict(lanes: int, ops: list[tuple[str, Any, Any]]) 
 def test_store_run_on_wordmaps_equals_the_python_reference(
     case: tuple[Maps, tuple[Any, ...]], ghosts: list[int]
 ) -> None:
-    from router.index._runs import WordMap, store_run
+    from router.ingest._native._runs import WordMap, store_run
 
     maps, run = case
     tables = []

@@ -10,17 +10,17 @@ import torch
 
 from events.hashing import hash_blocks_sha256_cbor, wire_hash
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from pool.engine import (
+from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
+from pool.snapshot import CachedChains
+from pool.worker.engine import (
     Engine,
     EngineClosedError,
     EngineConfig,
     InvalidRequestError,
     SamplingParams,
 )
-from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
-from pool.model import DecoderModel, ModelConfig, greedy_reference
-from pool.outputs import RequestOutput
-from pool.snapshot import CachedChains
+from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
+from pool.worker.outputs import RequestOutput
 
 BLOCK_SIZE = 4
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

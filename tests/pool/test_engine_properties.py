@@ -7,11 +7,11 @@ from hypothesis import strategies as st
 
 from events.hashing import wire_hash
 from events.schema import KVEventBatch
-from pool.engine import Engine, EngineConfig, SamplingParams
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
-from pool.model import DecoderModel, ModelConfig, greedy_reference
-from pool.outputs import RequestOutput
 from pool.snapshot import CachedChains
+from pool.worker.engine import Engine, EngineConfig, SamplingParams
+from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
+from pool.worker.outputs import RequestOutput
 
 BLOCK_SIZE = 2
 VOCAB = 24

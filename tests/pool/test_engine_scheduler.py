@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
-from pool.scheduler import Scheduled, Scheduler
+from pool.worker.scheduler import Scheduled, Scheduler
 
 
 def _scheduler(num_blocks: int, budget: int = 1000, chunked: bool = True) -> Scheduler[Scheduled]:

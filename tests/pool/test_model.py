@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pool.model import DecoderModel, ForwardItem, ModelConfig, ModelError, greedy_reference
-from pool.paged_cache import PagedKVCache
+from pool.worker.model import DecoderModel, ForwardItem, ModelConfig, ModelError, greedy_reference
+from pool.worker.paged_cache import PagedKVCache
 
 BLOCK_SIZE = 4
 ATOL = 1e-4
@@ -167,7 +167,7 @@ def test_long_prefills_attend_in_query_chunks_with_the_same_result(
     whole = model.forward_dense(prompt)
     cache = model.make_cache(64, BLOCK_SIZE)
     model.forward_paged([ForwardItem(prompt[:8], 0, table)], cache)
-    monkeypatch.setattr("pool.model.QUERY_CHUNK", 5)
+    monkeypatch.setattr("pool.worker.model.QUERY_CHUNK", 5)
     torch.testing.assert_close(model.forward_dense(prompt), whole, atol=ATOL, rtol=0)
     paged = model.forward_paged([ForwardItem(prompt[8:], 8, table)], cache)[0]
     torch.testing.assert_close(paged, whole[-1], atol=ATOL, rtol=0)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pool.paged_cache import PagedCacheConfig, PagedCacheError, PagedKVCache
+from pool.worker.paged_cache import PagedCacheConfig, PagedCacheError, PagedKVCache
 
 
 def _cache(num_blocks: int = 8, block_size: int = 4) -> PagedKVCache:

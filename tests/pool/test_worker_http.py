@@ -36,9 +36,9 @@ from events.framing import END_OF_REPLAY_SEQ, pack_seq, parse_message, unpack_se
 from events.hashing import hash_blocks_sha256_cbor, wire_hash
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from events.tokenizer import ByteTokenizer
-from pool.model import DecoderModel, ModelConfig, greedy_reference
 from pool.snapshot import CachedChains
-from pool.worker_cli import WorkerConfig, build_parser, config_from_args, serve
+from pool.worker.cli import WorkerConfig, build_parser, config_from_args, serve
+from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
 
 BLOCK_SIZE = 4
 TIMEOUT_S = 60.0
@@ -367,7 +367,7 @@ def test_bad_requests_get_a_clear_4xx_and_the_worker_keeps_serving(
 
 def test_cli_worker_drains_on_sigterm(tmp_path: Path, model: DecoderModel) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    args = [sys.executable, "-m", "router.cli", "worker", "--port", "0", "--events", "none"]
+    args = [sys.executable, "-m", "router.cli.main", "worker", "--port", "0", "--events", "none"]
     args += ["--num-blocks", "64", "--block-size", "4", "--seed", "5", "--id", "cli-w"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
@@ -478,7 +478,7 @@ def test_worker_serves_safetensors_weights_with_a_tokenizer_json(tmp_path: Path)
 def test_cli_errors_exit_1_with_a_clear_message(
     flags: list[str], message: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from pool.worker_cli import main
+    from pool.worker.cli import main
 
     assert main(["--port", "0", "--events", "none", *flags]) == 1
     assert "worker failed: " in caplog.text

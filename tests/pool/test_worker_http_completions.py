@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from events.tokenizer import ByteTokenizer
-from pool.completions import (
+from pool.worker.completions import (
     CompletionRequest,
     CompletionRequestError,
     IncrementalText,
@@ -13,8 +13,8 @@ from pool.completions import (
     parse_completion_request,
     usage,
 )
-from pool.engine import SamplingParams
-from pool.outputs import RequestOutput
+from pool.worker.engine import SamplingParams
+from pool.worker.outputs import RequestOutput
 
 
 def test_defaults_and_text_prompts() -> None:

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from router.index.base import WorkerId
-from router.index.layout import KeyLayout
+from events.identity import WorkerId
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRegistry
-from router.redis_conn import RedisClient, connect
-from router.redis_server import RedisServer, free_port
+from router.store.connection import RedisClient, connect
+from router.store.layout import KeyLayout
+from router.store.server import RedisServer, free_port
+from router.workers.registry import WorkerRegistry
 
 _SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
 

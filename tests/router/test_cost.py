@@ -8,8 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.cost import CostConfigError, CostWeights, choose, replicated_blocks, score_candidate
-from router.load import WorkerLoad
+from router.load.model import WorkerLoad
+from router.routing.cost import (
+    CostConfigError,
+    CostWeights,
+    choose,
+    replicated_blocks,
+    score_candidate,
+)
 
 PLAIN = CostWeights(prefill=1.0, queued_prefill=1.0, decode=2.0, per_request=100.0)
 

@@ -8,14 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from router.cost import CostWeights
-from router.explain import RecordedCandidate, RecordedDecision, explain_request, find_decision
-from router.explain_cli import main as explain_main
-from router.explain_cli import read_token_file
-from router.index.base import WorkerId
+from events.identity import WorkerId
+from router.cli.explain import main as explain_main
+from router.cli.explain import read_token_file
 from router.index.memory import MemoryPrefixIndex
-from router.load import WorkerLoad
-from router.replay import ReplayError, replay_log
+from router.load.model import WorkerLoad
+from router.offline.explain import (
+    RecordedCandidate,
+    RecordedDecision,
+    explain_request,
+    find_decision,
+)
+from router.offline.replay import ReplayError, replay_log
+from router.routing.cost import CostWeights
 from tests.router.test_replay import BS, SCENARIO, TOKENS, write_log
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")

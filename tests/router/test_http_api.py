@@ -18,13 +18,13 @@ import pytest
 from aiohttp import web
 
 from events.curve import CurveKeyPair
-from router.explain import read_decisions
-from router.index.base import WorkerId
-from router.index.registry import WorkerRecord
-from router.policies import POLICY_NAMES
-from router.redis_server import RedisServer
-from router.service import RouterService
-from router.service_config import RequestLimits, RouterConfig
+from events.identity import WorkerId
+from router.front.config import RequestLimits, RouterConfig
+from router.front.service import RouterService
+from router.offline.explain import read_decisions
+from router.routing.policies import POLICY_NAMES
+from router.store.server import RedisServer
+from router.workers.registry import WorkerRecord
 
 
 @dataclass

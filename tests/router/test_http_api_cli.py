@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key, write_keypair
-from router.cli import COMMANDS
-from router.cost import CostWeights
-from router.index.registry import WorkerRecord
-from router.router_cli import (
+from router.cli.main import COMMANDS
+from router.cli.router import (
     RouterCliError,
     build_parser,
     config_from_args,
     main,
     parse_worker_flag,
 )
+from router.routing.cost import CostWeights
+from router.workers.registry import WorkerRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,7 +140,7 @@ def test_replica_id_from_flag_environment_or_config_is_checked(
 
 
 def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    assert COMMANDS["router"].module == "router.router_cli"
+    assert COMMANDS["router"].module == "router.cli.router"
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0

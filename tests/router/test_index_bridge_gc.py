@@ -14,8 +14,8 @@ import gc
 
 from events.hashing import RouterKeyer
 from events.schema import BlockRemoved, BlockStored
-from router.index.bridge import WorkerBridge
 from router.index.changes import Changes
+from router.ingest.bridge import WorkerBridge
 
 BS = 4
 TOKENS = list(range(1_000, 1_000 + 16 * BS))

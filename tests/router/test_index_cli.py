@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import main as kvroute_main
-from router.index.layout import KeyLayout
-from router.index.registry import WorkerRegistry
-from router.redis_conn import connect
+from router.cli.main import main as kvroute_main
+from router.store.connection import connect
+from router.store.layout import KeyLayout
+from router.workers.registry import WorkerRegistry
 from tests.router.test_ingest_helpers import (
     FakeWorker,
     eventually,

@@ -10,14 +10,21 @@ from pathlib import Path
 import pytest
 
 from events.hashing import RouterKeyer
+from events.identity import WorkerId
 from events.schema import BlockStored, KVEventBatch
-from router.index.base import PrefixMatch, WorkerId
-from router.index.layout import KeyLayout
+from router.cli.index import main as index_main
+from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRegistry
-from router.index_cli import main as index_main
-from router.redis_conn import RedisClient, RedisConnectError, RedisOptions, connect, redact_url
-from router.redis_server import RedisServer, RedisServerError, free_port
+from router.store.connection import (
+    RedisClient,
+    RedisConnectError,
+    RedisOptions,
+    connect,
+    redact_url,
+)
+from router.store.layout import KeyLayout
+from router.store.server import RedisServer, RedisServerError, free_port
+from router.workers.registry import WorkerRegistry
 
 W = WorkerId("w1")
 TOKENS = list(range(8))
@@ -122,7 +129,7 @@ def test_single_node_writes_send_their_keys_packed_in_c(
     # A single-node client from connect() packs an index write's key lists in C (one
     # argument object per list); a cluster client, or no C module, takes the ints.
     from events.native import PURE_PYTHON
-    from router.redis_conn import arg_packer
+    from router.store.connection import arg_packer
 
     native = not PURE_PYTHON and _c_module_built()
 
@@ -143,7 +150,7 @@ def test_single_node_writes_send_their_keys_packed_in_c(
 
 def _c_module_built() -> bool:
     try:
-        import router._resp  # noqa: F401
+        import router.store._resp  # noqa: F401
     except ImportError:
         return False
     return True

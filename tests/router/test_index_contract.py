@@ -8,9 +8,10 @@ from collections.abc import Awaitable, Callable, Sequence
 import pytest
 
 from events.hashing import RouterKeyer
+from events.identity import WorkerId
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
 from router.errors import OrphanParentError
-from router.index.base import IndexStats, PrefixMatch, WorkerId
+from router.index.base import IndexStats, PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
 from tests.router.conftest import IndexEnv, OpenIndex
 

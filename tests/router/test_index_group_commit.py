@@ -10,7 +10,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from events.hashing import BlockKey
-from router.index.base import WorkerId
+from events.identity import WorkerId
 from router.index.changes import Changes, transition
 from router.index.group_commit import GroupCommit
 

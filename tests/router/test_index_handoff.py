@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
 from router.errors import OrphanParentError
-from router.index.bridge import WorkerBridge, fold_batch
 from router.index.changes import Changes
-from router.index.handoff import HandoffError, decode_handoff, encode_handoff
-from router.index.words import BridgeState
+from router.ingest._native.words import BridgeState
+from router.ingest.bridge import WorkerBridge, fold_batch
+from router.ingest.handoff import HandoffError, decode_handoff, encode_handoff
 from tests.router.test_index_property import KEYER, event_st
 
 

@@ -17,9 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events.hashing import BlockKey, RouterKeyer
+from events.identity import WorkerId
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from router.errors import OrphanParentError
-from router.index.base import PrefixMatch, WorkerId
+from router.index.base import PrefixMatch
 from tests.router.conftest import IndexEnv, OpenIndex
 
 BS = 2

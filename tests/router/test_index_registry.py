@@ -11,20 +11,21 @@ from pathlib import Path
 import pytest
 
 from events.hashing import RouterKeyer
+from events.identity import WorkerId
 from events.schema import BlockStored, KVEventBatch
 from router.errors import PrefixIndexError
-from router.index.base import IndexStats, PrefixMatch, WorkerId
-from router.index.layout import KeyLayout
+from router.index.base import IndexStats, PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import (
+from router.store.connection import RedisClient, connect
+from router.store.layout import KeyLayout
+from router.store.scripts import StaleLeaseError
+from router.workers.registry import (
     WorkerRecord,
     WorkerRegistry,
     load_records,
     owner_of,
     parse_worker_spec,
 )
-from router.index.scripts import StaleLeaseError
-from router.redis_conn import RedisClient, connect
 from tests.router.conftest import drop_namespace
 
 W = WorkerId("w1")

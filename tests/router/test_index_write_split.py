@@ -8,13 +8,13 @@ import asyncio
 import pytest
 
 from events.hashing import RouterKeyer
+from events.identity import WorkerId
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
 from router.index import redis_index
-from router.index.base import WorkerId
-from router.index.layout import KeyLayout
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRegistry
-from router.redis_conn import connect
+from router.store.connection import connect
+from router.store.layout import KeyLayout
+from router.workers.registry import WorkerRegistry
 from tests.router.conftest import drop_namespace
 
 BS = 4

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from router.index.base import WorkerId
+from events.identity import WorkerId
 from tests.router.test_ingest_helpers import (
     FakeWorker,
     divergent,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from router.index.base import WorkerId
-from router.index.registry import owner_of
+from events.identity import WorkerId
+from router.workers.registry import owner_of
 from tests.router.test_ingest_helpers import (
     FakeWorker,
     Stack,

@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-import router.worker_ingest as worker_ingest
-from router.index.base import WorkerId
-from router.index.layout import KeyLayout
-from router.index.registry import WorkerRegistry, owner_of
-from router.redis_conn import connect
-from router.redis_server import RedisServer
+import router.ingest.worker as worker_ingest
+from events.identity import WorkerId
+from router.store.connection import connect
+from router.store.layout import KeyLayout
+from router.store.server import RedisServer
+from router.workers.registry import WorkerRegistry, owner_of
 from tests.router.test_ingest_helpers import (
     FakeWorker,
     Stack,

@@ -16,17 +16,18 @@ from aiohttp import web
 
 from events.endpoints import Endpoint
 from events.hashing import RouterKeyer
+from events.identity import WorkerId
 from events.publisher import EventPublisher, PublisherConfig
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
 from pool.snapshot import CachedChains
-from router.index.base import PrefixMatch, WorkerId
-from router.index.layout import KeyLayout
+from router.cli.index import check_workers
+from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRecord, WorkerRegistry
-from router.index_cli import check_workers
-from router.ingest import IndexIngest, IngestConfig
-from router.metrics import IngestMetrics
-from router.redis_conn import RedisClient, connect
+from router.ingest.metrics import IngestMetrics
+from router.ingest.service import IndexIngest, IngestConfig
+from router.store.connection import RedisClient, connect
+from router.store.layout import KeyLayout
+from router.workers.registry import WorkerRecord, WorkerRegistry
 
 BS = 4
 BLOCKS_PER_PROMPT = 12

@@ -15,8 +15,8 @@ from typing import Any, Literal
 import pytest
 from aiohttp import web
 
+from events.identity import WorkerId
 from pool.snapshot import new_lifetime_id
-from router.index.base import WorkerId
 from tests.router.test_ingest_helpers import (
     FakeWorker,
     Stack,

@@ -7,8 +7,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from router.index.base import WorkerId
-from router.redis_server import RedisServer
+from events.identity import WorkerId
+from router.store.server import RedisServer
 from tests.router.test_ingest_helpers import (
     FakeWorker,
     Stack,

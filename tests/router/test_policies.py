@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.hashing import BlockKey, RouterKeyer
-from router.cost import CostConfigError, CostWeights
-from router.index.base import PrefixMatch, WorkerId
-from router.load import MemoryLoadTracker, WorkerLoad, finished, prefilled, routed
-from router.policies import (
+from events.identity import WorkerId
+from router.index.base import PrefixMatch
+from router.load.model import MemoryLoadTracker, WorkerLoad, finished, prefilled, routed
+from router.routing.cost import CostConfigError, CostWeights
+from router.routing.policies import (
     DEFAULT_POLICY,
     POLICY_NAMES,
     Candidate,

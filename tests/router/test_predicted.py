@@ -7,11 +7,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.hashing import BlockKey
-from router.cost import CostConfigError
-from router.index.base import WorkerId
-from router.predicted import PredictedEntries
-from router.router_cli import build_parser, config_from_args
-from router.service import RouterService
+from events.identity import WorkerId
+from router.cli.router import build_parser, config_from_args
+from router.front.service import RouterService
+from router.routing.cost import CostConfigError
+from router.routing.predicted import PredictedEntries
 
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
 

@@ -11,16 +11,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.chat import ChatRewriter
-from router.index.base import WorkerId
-from router.proxy import (
+from events.identity import WorkerId
+from router.front.chat import ChatRewriter
+from router.front.proxy import (
     ProxyConfig,
     ProxyTarget,
     ResponseRewriter,
     WorkerProxy,
     WorkersUnavailableError,
 )
-from router.redis_server import free_port
+from router.store.server import free_port
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": 3}

@@ -1,4 +1,4 @@
-"""The recovery rules (router.recovery): pure decisions, tested without Redis or sockets."""
+"""The recovery rules (router.ingest.recovery): pure decisions, tested without Redis or sockets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from events.schema import KVEventBatch
 from events.subscription import ReceivedBatch
-from router.recovery import (
+from router.ingest.recovery import (
     OFFLINE_RULES,
     KeptStream,
     Rebuild,

@@ -13,16 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.hashing import RouterKeyer, hash_blocks_sha256_cbor, wire_hash
+from events.identity import WorkerId
 from events.recorder import EventLogWriter, LogRecord
 from events.schema import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch, encode_batch
-from router.index.base import WorkerId
-from router.index.layout import KeyLayout
+from router.cli.replay import main as replay_main
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRegistry
-from router.redis_conn import connect
-from router.replay import REPLAY_LEASE_TTL_MS, ReplayError, redis_lease_taker, replay_log
-from router.replay_cli import main as replay_main
+from router.offline.replay import REPLAY_LEASE_TTL_MS, ReplayError, redis_lease_taker, replay_log
+from router.store.connection import connect
+from router.store.layout import KeyLayout
+from router.workers.registry import WorkerRegistry
 
 BS = 4
 TOKENS = list(range(100, 124))  # six blocks of four

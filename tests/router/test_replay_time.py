@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from events.recorder import EventLogWriter, LogRecord, read_log
-from router.replay import LogSpan, ReplayError, log_span, parse_at, records_until
+from router.offline.replay import LogSpan, ReplayError, log_span, parse_at, records_until
 
 SPAN = LogSpan(first_ts=1_800_000_000.0, last_ts=1_800_000_060.0, num_records=3)
 

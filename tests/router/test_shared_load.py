@@ -12,12 +12,12 @@ from aiohttp import ClientSession, web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.index.base import WorkerId
-from router.load import WorkerLoad, finished, routed
-from router.redis_conn import connect
-from router.redis_server import RedisServer
-from router.shared_load import RedisLoadTracker, SharedLoadConfig
-from router.worker_reports import (
+from events.identity import WorkerId
+from router.load.model import WorkerLoad, finished, routed
+from router.load.shared import RedisLoadTracker, SharedLoadConfig
+from router.store.connection import connect
+from router.store.server import RedisServer
+from router.workers.reports import (
     WorkerReportPoller,
     parse_health_load,
     parse_vllm_metrics_load,

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.cli import main as kvroute
-from router.policies import POLICY_NAMES, make_policy
-from router.sim.cli import pool_cache_factory, run_policies
+from router.cli.main import main as kvroute
+from router.cli.sim import pool_cache_factory, run_policies
+from router.cluster.workload import DEFAULT_TRACE_PATH, TraceRecord
+from router.routing.policies import POLICY_NAMES, make_policy
 from router.sim.engine import RequestOutcome, SimConfig, simulate
 from router.sim.report import summarize
 from router.sim.trace import SimError, SimRequest, ideal_hits, load_trace, to_requests
-from router.workload import DEFAULT_TRACE_PATH, TraceRecord
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -198,7 +198,8 @@ def test_kvroute_sim_table_and_errors(
 
 def test_the_router_side_of_the_simulator_does_not_import_pool() -> None:
     code = (
-        "import sys, router.sim, router.sim.cli, router.policies, router.predicted; "
+        "import sys, router.sim, router.cli.sim, router.routing.policies; "
+        "import router.routing.predicted; "
         "assert not any(m == 'pool' or m.startswith('pool.') for m in sys.modules), 'pool'; "
         "assert 'torch' not in sys.modules"
     )

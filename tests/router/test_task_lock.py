@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.task_lock import TaskLock
+from router.ingest.task_lock import TaskLock
 
 
 def test_tasks_take_turns_and_the_holder_reenters() -> None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.workload import (
+from router.cluster.workload import (
     DEFAULT_TRACE_PATH,
     TraceRecord,
     WorkloadError,

@@ -24,14 +24,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from events.cli_keys import main as keys_main
+from events.cli.keys import main as keys_main
 from events.curve import CurveKeyPair, CurveServerConfig, load_public_key
 from events.endpoints import Endpoint
 from events.publisher import EventPublisher, PublisherConfig
 from events.recorder import LogRecord, read_log
 from events.schema import BlockStored, KVEventBatch
-from router.cluster import ProcessGroup, wait_healthy
-from router.redis_server import free_port
+from router.cluster.runner import ProcessGroup, wait_healthy
+from router.store.server import free_port
 
 TIMEOUT_S = 60.0
 NUM_BATCHES = 20

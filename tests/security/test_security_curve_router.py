@@ -21,12 +21,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from events.cli_keys import main as keys_main
+from events.cli.keys import main as keys_main
 from events.curve import load_public_key, write_keypair
-from router.cluster import ProcessGroup, wait_healthy
+from router.cluster.runner import ProcessGroup, wait_healthy
 from router.errors import PrefixIndexError
-from router.index.registry import parse_worker_spec
-from router.redis_server import free_port
+from router.store.server import free_port
+from router.workers.registry import parse_worker_spec
 
 TIMEOUT_S = 120.0
 BLOCK_SIZE = 4

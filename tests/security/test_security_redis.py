@@ -22,14 +22,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from events.identity import WorkerId
 from events.schema import BlockStored, KVEventBatch
-from router.cluster import ProcessGroup, wait_healthy
-from router.index.base import WorkerId
-from router.index.layout import KeyLayout
+from router.cluster.runner import ProcessGroup, wait_healthy
 from router.index.redis_index import RedisPrefixIndex
-from router.index.registry import WorkerRecord, WorkerRegistry
-from router.redis_conn import RedisConnectError, RedisOptions, connect
-from router.redis_server import RedisServer, free_port
+from router.store.connection import RedisConnectError, RedisOptions, connect
+from router.store.layout import KeyLayout
+from router.store.server import RedisServer, free_port
+from router.workers.registry import WorkerRecord, WorkerRegistry
 
 PASSWORD = "s3cret-Pa55word"
 

@@ -29,8 +29,8 @@ import zmq
 from events.framing import parse_message
 from events.publisher import PublisherConfig
 from events.recorder import LOG_MAGIC
-from router.cluster import ProcessGroup, wait_healthy
-from router.redis_server import RedisServer, free_port
+from router.cluster.runner import ProcessGroup, wait_healthy
+from router.store.server import RedisServer, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("pool", "events", "router", "benchmarks", "examples")
@@ -126,7 +126,7 @@ def test_embedded_redis_listens_on_loopback_only() -> None:
 
 def test_binding_defaults_are_loopback() -> None:
     pytest.importorskip("torch")
-    from pool.worker_cli import WorkerConfig, build_parser
+    from pool.worker.cli import WorkerConfig, build_parser
 
     args = build_parser().parse_args([])
     assert args.host == "127.0.0.1" == WorkerConfig().host

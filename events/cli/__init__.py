@@ -1,0 +1,1 @@
+"""The command-line tools of the ``events`` package: ``events dump|tail``, ``record``, ``keys``."""

@@ -1,0 +1,351 @@
+"""``kvroute worker``: one serving worker (model, paged KV cache, engine loop, HTTP API, events).
+
+The worker binds its HTTP API and its event sockets to loopback unless told otherwise.
+When it is ready it prints one JSON line to stdout with the addresses in effect (useful
+with port 0 or ``tcp://127.0.0.1:*``)::
+
+    {"worker_id": "w0", "http": "http://127.0.0.1:8100", "events": "tcp://127.0.0.1:5557",
+     "replay": null}
+
+Logs go to stderr. SIGTERM or SIGINT drains the worker: new requests get 503, running and
+queued ones finish, queued event batches are sent, then the process exits 0.
+
+Every flag also reads an environment variable ``KVROUTE_WORKER_<FLAG>`` (upper case,
+dashes as underscores) as its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+from events.curve import CurveKeyError, CurveKeyPair, CurveServerConfig, load_public_key
+from events.endpoints import Endpoint, EndpointError
+from events.publisher import EventPublisher, PublisherConfig
+from events.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from pool.block_pool import MEDIUM_GPU
+from pool.errors import PoolError
+from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
+from pool.worker.engine import Engine, EngineConfig
+from pool.worker.http import DEFAULT_MAX_BODY_BYTES, WorkerHTTP, WorkerInfo
+from pool.worker.model import DecoderModel, ModelConfig
+
+__all__ = ["WorkerConfig", "build_parser", "config_from_args", "main", "serve"]
+
+logger = logging.getLogger("kvroute.worker")
+
+HASH_ALGOS: Final = ("sha256_cbor",)
+_DRAIN_TIMEOUT_S: Final = 120.0
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker needs, one field per command-line flag.
+
+    Attributes:
+        worker_id: The worker's id in the cluster (flag ``--id``).
+        host: HTTP listen address.
+        port: HTTP port (0: any free port).
+        events: Where the event PUB socket binds; ``None`` publishes nothing.
+        replay: Where the replay ROUTER socket binds; ``None`` disables replay.
+        topic: First frame of every event message.
+        num_blocks: KV cache blocks, the null block included.
+        block_size: Tokens per block.
+        hash_algo: Block hash algorithm of the events.
+        device: Torch device of the model and the KV cache.
+        num_layers: Transformer layers.
+        hidden_size: Model width.
+        num_heads: Attention heads.
+        intermediate_size: MLP width (0: four times the width).
+        vocab_size: Vocabulary size (0: the tokenizer's).
+        dtype: Weight and KV dtype.
+        seed: Seed of the random weights and of sampling.
+        weights: A safetensors file to load instead of random weights.
+        tokenizer: A ``tokenizer.json``; ``None`` for the byte-level tokenizer.
+        max_num_seqs: Requests running at once.
+        max_num_batched_tokens: Tokens computed per step.
+        chunked_prefill: Split long prompts across steps (vLLM V1's default).
+        model_name: The ``model`` field of completions.
+        torch_threads: Torch intra-op CPU threads (0: torch's default).
+        curve_secret_key: CURVE server secret key file; ``None`` leaves events plain.
+        curve_allow: Comma-separated public key files of the clients allowed to
+            subscribe; ``None`` admits any client that knows the server's public key.
+        max_body_bytes: Largest HTTP request body accepted (larger: a JSON 413).
+    """
+
+    worker_id: str = "worker-0"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    events: str | None = "tcp://127.0.0.1:5557"
+    replay: str | None = None
+    topic: str = ""
+    num_blocks: int = 1024
+    block_size: int = 16
+    hash_algo: str = "sha256_cbor"
+    device: str = "cpu"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    dtype: str = "float32"
+    seed: int = 0
+    weights: str | None = None
+    tokenizer: str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    chunked_prefill: bool = True
+    model_name: str = "kvroute-tiny"
+    torch_threads: int = 0
+    curve_secret_key: str | None = None
+    curve_allow: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def model_config(self, tokenizer: Tokenizer) -> ModelConfig:
+        """The model's config, its vocabulary sized by the tokenizer unless given."""
+        return ModelConfig(
+            vocab_size=self.vocab_size or tokenizer.vocab_size,
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_heads=self.num_heads,
+            intermediate_size=self.intermediate_size,
+            seed=self.seed,
+            dtype=self.dtype,
+        )
+
+
+_FLAGS: Final[dict[str, str]] = {"worker_id": "id"}
+"""Flags whose name differs from their config field."""
+
+_HELP: Final[dict[str, str]] = {
+    "worker_id": "worker id in the cluster",
+    "host": "HTTP listen address (loopback by default)",
+    "port": "HTTP port; 0 picks a free one (printed on the ready line)",
+    "events": "ZeroMQ PUB endpoint the KV events bind to (tcp://HOST:* picks a port); "
+    "'none' disables events",
+    "replay": "ZeroMQ ROUTER endpoint for vLLM-style event replay; 'none' disables it",
+    "topic": "topic frame of every event message",
+    "num_blocks": "KV cache blocks, including vLLM's reserved null block",
+    "block_size": "tokens per KV block",
+    "hash_algo": "block hash algorithm (sha256_cbor is byte-identical to vLLM's)",
+    "device": "torch device of the model and KV cache: cpu, cuda, cuda:1, ...",
+    "num_layers": "transformer layers",
+    "hidden_size": "model width (a multiple of --num-heads)",
+    "num_heads": "attention heads",
+    "intermediate_size": "MLP width; 0 means 4 x --hidden-size",
+    "vocab_size": "vocabulary size; 0 means the tokenizer's",
+    "dtype": "weight and KV dtype: float32, float16 or bfloat16",
+    "seed": "seed of the random weights and of sampling",
+    "weights": "safetensors file with the weights (default: random weights from --seed)",
+    "tokenizer": "Hugging Face tokenizer.json (default: byte-level, as the router's)",
+    "max_num_seqs": "requests running at once",
+    "max_num_batched_tokens": "tokens one engine step computes",
+    "chunked_prefill": "split prompts longer than --max-num-batched-tokens across steps, "
+    "decodes keep running meanwhile (vLLM V1's default); --no-chunked-prefill runs them alone",
+    "model_name": "the 'model' field of completion responses",
+    "torch_threads": "torch CPU threads; 0 keeps torch's default (use 1 on a shared box)",
+    "curve_secret_key": "CURVE server secret key file (NAME.key_secret from `kvroute keys`): "
+    "encrypts the event and replay sockets and authenticates this worker to subscribers",
+    "curve_allow": "comma-separated public key files (NAME.key) of the only subscribers "
+    "allowed to connect (needs --curve-secret-key)",
+    "max_body_bytes": "largest HTTP request body accepted, in bytes; a larger one gets a JSON "
+    "413 error (a JSON prompt of N token ids takes about 7 x N bytes)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kvroute worker``: one flag per :class:`WorkerConfig` field."""
+    parser = argparse.ArgumentParser(
+        prog="kvroute worker",
+        description="Run one kvroute worker: a small transformer over a paged KV cache with "
+        "vLLM-compatible prefix caching, an OpenAI-style HTTP API and live KV events.",
+    )
+    for f in dataclasses.fields(WorkerConfig):
+        name = _FLAGS.get(f.name, f.name)
+        flag = "--" + name.replace("_", "-")
+        env = "KVROUTE_WORKER_" + name.upper()
+        raw = os.environ.get(env)
+        help_text = f"{_HELP[f.name]} (default: {f.default}; env ${env})"
+        if isinstance(f.default, bool):
+            default = f.default if raw is None else raw.lower() in ("1", "true", "yes", "on")
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+            )
+            continue
+        kind: Callable[[str], Any] = int if isinstance(f.default, int) else str
+        extra: dict[str, Any] = {"choices": HASH_ALGOS} if f.name == "hash_algo" else {}
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            metavar=name.upper(),
+            type=kind,
+            default=f.default if raw is None else kind(raw),
+            help=help_text,
+            **extra,
+        )
+    parser.add_argument(
+        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)"
+    )
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """Map parsed flags onto a :class:`WorkerConfig` (``none`` disables an endpoint)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(WorkerConfig)}
+    for name in ("events", "replay"):
+        if values[name] in ("", "none"):
+            values[name] = None
+    return WorkerConfig(**values)
+
+
+async def serve(
+    config: WorkerConfig,
+    stop: asyncio.Event,
+    on_ready: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """Run a worker until ``stop`` is set, then drain it and release everything.
+
+    Args:
+        config: The worker's settings.
+        stop: Set it to drain and stop the worker.
+        on_ready: Called once listening with ``{"worker_id", "http", "events", "replay"}``.
+
+    Raises:
+        TokenizerError, ModelError, EndpointError, OSError: Bad settings or a bind failed.
+    """
+    _check_device(config.device)
+    curve = _curve(config)
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    tokenizer = load_tokenizer(config.tokenizer)
+    model_config = config.model_config(tokenizer)
+    if config.weights:
+        model = DecoderModel.from_safetensors(config.weights, model_config, config.device)
+    else:
+        model = DecoderModel(model_config, config.device)
+    kv = KVCacheManager(
+        KVCacheConfig(
+            config.num_blocks, config.block_size, enable_kv_cache_events=config.events is not None
+        )
+    )
+    publisher = None
+    if config.events is not None:
+        publisher = EventPublisher(
+            PublisherConfig(
+                endpoint=Endpoint.binding(config.events),
+                replay_endpoint=Endpoint.binding(config.replay) if config.replay else None,
+                topic=config.topic.encode(),
+                curve=curve,
+            )
+        )
+    engine = Engine(
+        model,
+        model.make_cache(config.num_blocks, config.block_size),
+        kv,
+        EngineConfig(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            enable_chunked_prefill=config.chunked_prefill,
+            seed=config.seed,
+        ),
+        event_sink=publisher,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    info = WorkerInfo(config.worker_id, config.model_name, config.hash_algo, MEDIUM_GPU)
+    http = WorkerHTTP(engine, tokenizer, info, config.max_body_bytes)
+    engine.start()
+    engine_exited = asyncio.ensure_future(asyncio.to_thread(engine.join))
+    try:
+        port = await http.start(config.host, config.port)
+        ready = {
+            "worker_id": config.worker_id,
+            "http": f"http://{config.host}:{port}",
+            "events": None if publisher is None else publisher.address,
+            "replay": None if publisher is None else publisher.replay_address,
+        }
+        logger.info("worker ready: %s", ready)
+        if on_ready is not None:
+            on_ready(ready)
+        stop_asked = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({engine_exited, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
+        stop_asked.cancel()
+        if not stop.is_set():
+            raise PoolError("the engine loop failed (see the log above); the worker stops")
+        logger.info("draining: finishing running and queued requests")
+    finally:
+        drained = await asyncio.to_thread(engine.stop, _DRAIN_TIMEOUT_S)
+        if drained:
+            await engine_exited
+        else:
+            logger.error("engine did not drain within %.0f s", _DRAIN_TIMEOUT_S)
+        await http.stop()
+        if publisher is not None:
+            publisher.close()
+    logger.info("worker %s stopped", config.worker_id)
+
+
+def _check_device(name: str) -> None:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise PoolError(f"--device {name!r} is not a torch device: {exc}") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PoolError(
+            f"--device {name}: no CUDA device is available (torch {torch.__version__}); "
+            "use --device cpu or install a CUDA build of torch"
+        )
+
+
+def _curve(config: WorkerConfig) -> CurveServerConfig | None:
+    if config.curve_secret_key is None:
+        if config.curve_allow:
+            raise CurveKeyError("--curve-allow needs --curve-secret-key")
+        return None
+    allowed = None
+    if config.curve_allow:
+        allowed = frozenset(load_public_key(p) for p in config.curve_allow.split(",") if p)
+    return CurveServerConfig(CurveKeyPair.load(config.curve_secret_key), allowed)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``kvroute worker``; returns the exit code."""
+    args = build_parser().parse_args(list(argv))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+        return asyncio.run(_main(config))
+    except (PoolError, TokenizerError, EndpointError, OSError, ValueError, RuntimeError) as exc:
+        logger.error("worker failed: %s", exc)
+        return 1
+
+
+async def _main(config: WorkerConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    def announce(ready: dict[str, Any]) -> None:
+        print(json.dumps(ready), flush=True)
+
+    await serve(config, stop, announce)
+    return 0

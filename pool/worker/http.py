@@ -1,0 +1,397 @@
+"""The worker's HTTP API (aiohttp): completions, health, metrics, prefix-cache reset, snapshot.
+
+Handlers run on the asyncio loop and never touch the engine's state directly: requests go
+to the engine thread through :meth:`Engine.submit` / :meth:`Engine.call`, and outputs come
+back through ``loop.call_soon_threadsafe`` into a per-request queue.
+
+Endpoints:
+
+* ``POST /v1/completions``: OpenAI-style completions (see :mod:`pool.worker.completions` for the
+  body and response); with ``"stream": true``, Server-Sent Events: one ``data: {chunk}``
+  per generated token (``choices[0].text`` the new text, ``token_ids`` the new ids), the
+  last chunk with ``finish_reason`` and ``usage``, then ``data: [DONE]``.
+* ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "lifetime_id", "running",
+  "waiting", "free_blocks", "total_blocks", "usage", "queued_prefill_tokens",
+  "decode_tokens"}`` (the load figures the router's cost model reads); 503 while draining,
+  and 503 ``{"status": "stopped", "worker_id", "lifetime_id"}`` once the engine loop has
+  exited. ``lifetime_id`` (32 hex digits, random per worker process) names the publisher
+  lifetime: a router that sees it change knows the worker restarted, even when the new
+  lifetime's first event batches never reached it.
+* ``GET /metrics``: Prometheus text, from the worker's own ``CollectorRegistry``.
+* ``POST /v1/reset_prefix_cache``: ``{"success": true}`` (an ``AllBlocksCleared`` event
+  is published), or 409 ``{"success": false, "error"}`` while requests hold blocks.
+* ``GET /v1/snapshot``: every cached block as parent-first runs, each shaped like a
+  ``BlockStored`` event::
+
+      {"worker_id": "w0", "lifetime_id": "5f0c...", "block_size": 16,
+       "hash_algo": "sha256_cbor", "medium": "GPU", "next_seq": 42,
+       "runs": [{"parent_block_hash": null, "block_hashes": [h0, h1],
+                 "token_ids": [...32 ids...]}, ...]}
+
+  Hashes are the wire ints of the events (unsigned 64-bit, beyond JavaScript's exact
+  range). The snapshot reflects exactly the event batches with seq < ``next_seq``: a
+  router applies it, then the live stream from ``next_seq`` on.
+
+Errors are JSON ``{"error": {"message", "type"}}`` with a 4xx status for bad requests;
+a body above the size limit gets 413 ``{"error": {"message", "type":
+"request_too_large"}}``, the message naming the limit and the flag that raises it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Final, TypeVar
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from events.tokenizer import Tokenizer
+from pool.snapshot import new_lifetime_id
+from pool.worker.completions import (
+    CompletionRequestError,
+    IncrementalText,
+    completion_chunk,
+    parse_completion_request,
+    usage,
+)
+from pool.worker.engine import Engine, EngineClosedError, InvalidRequestError
+from pool.worker.outputs import EngineStats, RequestOutput
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "WorkerHTTP", "WorkerInfo"]
+
+logger = logging.getLogger(__name__)
+
+_ENGINE_TIMEOUT_S: Final = 30.0
+_LIVENESS_CHECK_S: Final = 5.0
+_JSON: Final = "application/json"
+DEFAULT_MAX_BODY_BYTES: Final = 8 * 1024 * 1024
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the worker says about itself.
+
+    Attributes:
+        worker_id: The worker's id in the cluster.
+        model_name: The ``model`` field of completions.
+        hash_algo: The block hash algorithm of its events.
+        medium: The ``medium`` of its events.
+        lifetime_id: Names this process's publisher lifetime (its seqs start at 0); a
+            fresh random one by default, so build one ``WorkerInfo`` per worker process.
+    """
+
+    worker_id: str
+    model_name: str = "kvroute-tiny"
+    hash_algo: str = "sha256_cbor"
+    medium: str = "GPU"
+    lifetime_id: str = field(default_factory=new_lifetime_id)
+
+
+class _EngineCollector(Collector):
+    """Exposes the engine's gauges and counters as of the last scrape."""
+
+    def __init__(self) -> None:
+        self.stats: EngineStats | None = None
+
+    def collect(self) -> list[Metric]:
+        s = self.stats
+        if s is None:
+            return []
+        return [
+            _gauge("kvroute_worker_requests_running", "Requests running.", s.num_running),
+            _gauge("kvroute_worker_requests_waiting", "Requests waiting.", s.num_waiting),
+            _gauge("kvroute_worker_free_blocks", "Free KV blocks.", s.num_free_blocks),
+            _gauge("kvroute_worker_kv_cache_usage", "Fraction of KV blocks in use.", s.usage),
+            _gauge(
+                "kvroute_worker_queued_prefill_tokens",
+                "Prompt tokens still to compute (waiting misses, running prefill chunks).",
+                s.queued_prefill_tokens,
+            ),
+            _gauge(
+                "kvroute_worker_decode_tokens",
+                "Tokens still to generate by running and waiting requests, at most.",
+                s.decode_tokens,
+            ),
+            _counter(
+                "kvroute_worker_prefix_query_tokens",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_query_tokens,
+            ),
+            _counter(
+                "kvroute_worker_prefix_hit_tokens",
+                "Prompt tokens found in the prefix cache.",
+                s.prefix_hit_tokens,
+            ),
+            _counter("kvroute_worker_preemptions", "Requests preempted.", s.num_preemptions),
+            _counter(
+                "kvroute_worker_event_batches_published",
+                "KV event batches handed to the publisher.",
+                s.num_batches_published,
+            ),
+            _counter(
+                "kvroute_worker_event_batches_dropped",
+                "KV event batches dropped (publisher queue full).",
+                s.num_batches_dropped,
+            ),
+        ]
+
+
+def _gauge(name: str, doc: str, value: float) -> Metric:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> Metric:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class WorkerHTTP:
+    """The aiohttp application of one worker.
+
+    Args:
+        engine: The started engine.
+        tokenizer: Turns text prompts into ids and ids into text.
+        info: Identity of the worker.
+        max_body_bytes: Largest request body accepted; larger ones get a JSON 413.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Tokenizer,
+        info: WorkerInfo,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.info = info
+        self.registry = CollectorRegistry()
+        self._collector = _EngineCollector()
+        self.registry.register(self._collector)
+        self.step_seconds = Histogram(
+            "kvroute_worker_step_seconds",
+            "Duration of one engine step.",
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+        )
+        self._requests = Counter(
+            "kvroute_worker_requests",
+            "Completions finished, by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        engine.step_observer = self.step_seconds.observe
+        self._tokens = Counter(
+            "kvroute_worker_tokens", "Tokens served, by kind.", ["kind"], registry=self.registry
+        )
+        self.app = web.Application(
+            middlewares=[_body_limit(max_body_bytes)], client_max_size=max_body_bytes
+        )
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self._completions),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+                web.post("/v1/reset_prefix_cache", self._reset),
+                web.get("/v1/snapshot", self._snapshot),
+            ]
+        )
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Listen on ``host:port`` (0: any free port).
+
+        Returns:
+            The port in effect.
+        """
+        self._runner = web.AppRunner(self.app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+        return int(self._runner.addresses[0][1])
+
+    async def stop(self) -> None:
+        """Close the listener and the open connections."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _on_engine(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wait_for(asyncio.wrap_future(self.engine.call(fn)), _ENGINE_TIMEOUT_S)
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            parsed = parse_completion_request(await request.read(), self.tokenizer)
+            self.engine.validate(parsed.prompt_token_ids, parsed.params)
+        except (CompletionRequestError, InvalidRequestError) as exc:
+            return _error(400, str(exc))
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+
+        def deliver(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        try:
+            self.engine.submit(request_id, parsed.prompt_token_ids, parsed.params, deliver)
+        except EngineClosedError as exc:
+            return _error(503, str(exc), "unavailable")
+        finished = False
+        try:
+            if parsed.stream:
+                response = await self._stream(request, request_id, outputs)
+            else:
+                response = await self._collect(request_id, outputs)
+            finished = True
+            return response
+        finally:
+            if not finished:  # the client went away (or the handler failed)
+                self.engine.abort(request_id)
+                self._requests.labels("abort").inc()
+
+    async def _collect(
+        self, request_id: str, outputs: asyncio.Queue[RequestOutput]
+    ) -> web.Response:
+        token_ids: list[int] = []
+        last: RequestOutput | None = None
+        async for last in self._until_finished(request_id, outputs):
+            token_ids.extend(last.new_token_ids)
+        assert last is not None  # the iterator always ends with a finished output
+        self._count(last)
+        if last.finish_reason == "abort":
+            return _error(503, "the request was aborted: the engine stopped", "unavailable")
+        text = self.tokenizer.decode(token_ids)
+        body = completion_chunk(
+            request_id, self.info.model_name, text, token_ids, last.finish_reason
+        )
+        body["usage"] = usage(last)
+        return web.json_response(body)
+
+    async def _stream(
+        self, request: web.Request, request_id: str, outputs: asyncio.Queue[RequestOutput]
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response.headers["Cache-Control"] = "no-cache"
+        await response.prepare(request)
+        text = IncrementalText(self.tokenizer)
+        async for out in self._until_finished(request_id, outputs):
+            delta = text.push(out.new_token_ids, out.finished)
+            chunk = completion_chunk(
+                request_id, self.info.model_name, delta, out.new_token_ids, out.finish_reason
+            )
+            if out.finished:
+                self._count(out)
+                chunk["usage"] = usage(out)
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _until_finished(
+        self, request_id: str, outputs: asyncio.Queue[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request; ends with an ``"abort"`` one if the engine dies."""
+        while True:
+            try:
+                out = await asyncio.wait_for(outputs.get(), _LIVENESS_CHECK_S)
+            except asyncio.TimeoutError:
+                if self.engine.is_running or not outputs.empty():
+                    continue
+                logger.error("the engine loop is gone; aborting request %s", request_id)
+                out = RequestOutput(request_id, [], "abort", 0, 0, 0)
+            yield out
+            if out.finished:
+                return
+
+    def _count(self, last: RequestOutput) -> None:
+        self._requests.labels(last.finish_reason).inc()
+        self._tokens.labels("prompt").inc(last.num_prompt_tokens)
+        self._tokens.labels("generated").inc(last.num_output_tokens)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if not self.engine.is_running:
+            stopped = {
+                "status": "stopped",
+                "worker_id": self.info.worker_id,
+                "lifetime_id": self.info.lifetime_id,
+            }
+            return web.json_response(stopped, status=503)
+        stats = await self._on_engine(self.engine.stats)
+        accepting = self.engine.is_accepting
+        body = {
+            "status": "ok" if accepting else "draining",
+            "worker_id": self.info.worker_id,
+            "lifetime_id": self.info.lifetime_id,
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "free_blocks": stats.num_free_blocks,
+            "total_blocks": stats.num_usable_blocks,
+            "usage": stats.usage,
+            "queued_prefill_tokens": stats.queued_prefill_tokens,
+            "decode_tokens": stats.decode_tokens,
+        }
+        return web.json_response(body, status=200 if accepting else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self._collector.stats = await self._on_engine(self.engine.stats)
+        return web.Response(
+            body=generate_latest(self.registry),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        if await self._on_engine(self.engine.reset_prefix_cache):
+            return web.json_response({"success": True})
+        return web.json_response(
+            {
+                "success": False,
+                "error": "requests are running and hold KV blocks; retry when the worker is idle",
+            },
+            status=409,
+        )
+
+    async def _snapshot(self, request: web.Request) -> web.Response:
+        snap = await self._on_engine(self.engine.snapshot)
+        info = self.info
+        body = {
+            "worker_id": info.worker_id,
+            "lifetime_id": info.lifetime_id,
+            "block_size": snap.block_size,
+            "hash_algo": info.hash_algo,
+            "medium": info.medium,
+            "next_seq": snap.next_seq,
+            "runs": snap.runs,
+        }
+        return web.json_response(body)
+
+
+def _body_limit(max_body_bytes: int) -> Middleware:
+    """A middleware answering aiohttp's plain-text 413 as a JSON error that names the limit."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(
+                413,
+                f"request body exceeds the worker's limit of {max_body_bytes} bytes; "
+                "raise it with kvroute worker --max-body-bytes N "
+                "(or $KVROUTE_WORKER_MAX_BODY_BYTES)",
+                "request_too_large",
+            )
+
+    return middleware
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)

@@ -1,0 +1,1 @@
+"""The ``kvroute`` command line: the dispatcher and one module per subcommand."""

@@ -1,0 +1,7 @@
+"""``python -m router.cli`` runs the ``kvroute`` command line."""
+
+import sys
+
+from router.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,285 @@
+"""``kvroute index``: check the Redis prefix index against kvroute workers, stats, registry.
+
+``kvroute index check`` folds each worker's ``GET /v1/snapshot`` into a fresh engine-hash
+bridge (exactly what ingest would write) and compares the result with the worker's
+entries in Redis: missing entries, extra entries and tier mismatches, per worker; exit
+code 1 if any. ``kvroute index stats`` prints entries, keys, workers and memory.
+``kvroute index register`` / ``unregister`` / ``workers`` manage the persistent worker
+registrations that every router replica ingests (from ``--worker`` specs or a JSON file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import aiohttp
+import msgspec
+
+from events.hashing import BlockKey, RouterKeyer
+from events.identity import WorkerId
+from router.errors import RouterError
+from router.index.changes import Changes
+from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridge import WorkerBridge
+from router.store.connection import RedisOptions, connect, redact_url
+from router.store.layout import KeyLayout
+from router.workers.registry import WorkerRegistry, load_records, owner_of, parse_worker_spec
+from router.workers.snapshot import fetch_snapshot, snapshot_events
+
+__all__ = ["WorkerCheck", "check_workers", "expected_entries", "main"]
+
+log = logging.getLogger("kvroute.index")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCheck:
+    """How one worker's entries in the index compare with its snapshot.
+
+    Attributes:
+        worker_id: The worker.
+        num_expected: Entries its snapshot implies (router keys).
+        num_indexed: Entries the index holds for it.
+        num_missing: Expected but not indexed (claims too little: safe, lost hits).
+        num_extra: Indexed but not expected (claims too much: misroutes).
+        num_tier_mismatch: In both, on different tiers.
+    """
+
+    worker_id: str
+    num_expected: int
+    num_indexed: int
+    num_missing: int
+    num_extra: int
+    num_tier_mismatch: int
+
+    @property
+    def num_divergent(self) -> int:
+        """Entries that differ in any way."""
+        return self.num_missing + self.num_extra + self.num_tier_mismatch
+
+
+async def expected_entries(
+    keyer: RouterKeyer, session: aiohttp.ClientSession, http_url: str
+) -> dict[BlockKey, int]:
+    """Router key -> tier mask that a worker's current snapshot implies."""
+    snapshot = await fetch_snapshot(session, http_url)
+    # Tolerant, like a snapshot load: runs under an evicted ancestor are unreachable.
+    bridge = WorkerBridge(keyer, tolerate_orphans=True)
+    for event in snapshot_events(snapshot):
+        bridge.store(event, Changes())
+    return {key: mask for key, (_, mask) in bridge.entries().items()}
+
+
+async def check_workers(
+    index: RedisPrefixIndex, session: aiohttp.ClientSession, targets: Sequence[tuple[str, str]]
+) -> list[WorkerCheck]:
+    """Compare each ``(worker id, http url)`` worker's snapshot with its index entries."""
+    out: list[WorkerCheck] = []
+    for worker_id, http_url in targets:
+        expected = await expected_entries(index.keyer, session, http_url)
+        indexed = await index.worker_entries(WorkerId(worker_id))
+        both = expected.keys() & indexed.keys()
+        out.append(
+            WorkerCheck(
+                worker_id=worker_id,
+                num_expected=len(expected),
+                num_indexed=len(indexed),
+                num_missing=len(expected.keys() - indexed.keys()),
+                num_extra=len(indexed.keys() - expected.keys()),
+                num_tier_mismatch=sum(1 for k in both if expected[k] != indexed[k]),
+            )
+        )
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute index",
+        description="Inspect the global prefix index in Redis.",
+    )
+    sub = parser.add_subparsers(dest="action", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--redis",
+        default="redis://127.0.0.1:6379/0",
+        help="Redis URL: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... for TLS; a Redis "
+        "Cluster node is detected (default: %(default)s)",
+    )
+    common.add_argument(
+        "--namespace", default="default", help="key namespace kvroute:NS:... (default: default)"
+    )
+    common.add_argument("--tls-ca", help="CA file that signed the server's TLS certificate")
+    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    check = sub.add_parser(
+        "check",
+        parents=[common],
+        help="compare the index with workers' /v1/snapshot (exit 1 on divergence)",
+        description="Compare the index with each kvroute worker's GET /v1/snapshot and "
+        "print missing, extra and tier-mismatched entries per worker; exit code 1 if any.",
+    )
+    check.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="ID=HTTP_URL",
+        help="a kvroute worker to check (repeatable); default: every registered worker "
+        "of kind kvroute with an HTTP URL",
+    )
+    check.add_argument(
+        "--seed", type=int, default=0, help="router key seed the cluster uses (default: 0)"
+    )
+    sub.add_parser(
+        "stats",
+        parents=[common],
+        help="print entries, keys, workers and Redis memory",
+        description="Print the index's entries, distinct keys, workers and Redis memory.",
+    )
+    register = sub.add_parser(
+        "register",
+        parents=[common],
+        help="register workers for every router replica to ingest (persisted in Redis)",
+        description="Add or replace worker registrations in Redis; running routers pick "
+        "them up at their next maintenance pass.",
+    )
+    register.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=kvroute|vllm][,block_size=N]"
+        "[,topic=T] (repeatable)",
+    )
+    register.add_argument(
+        "--config", help="JSON file: a list of {worker_id, events_endpoint, ...} objects"
+    )
+    unregister = sub.add_parser(
+        "unregister",
+        parents=[common],
+        help="remove worker registrations",
+        description="Remove worker registrations; their entries leave when their lease lapses.",
+    )
+    unregister.add_argument("worker_ids", nargs="+", metavar="ID", help="worker ids to remove")
+    sub.add_parser(
+        "workers",
+        parents=[common],
+        help="list registered workers, their lease holders and owners",
+        description="List the registered workers, their endpoints, lease holders (token "
+        "'<epoch>:<router>'; '<epoch>:' when a router that shut down parked it for whichever "
+        "router takes it next) and owners (the live router that should ingest each one, by "
+        "rendezvous hashing over the routers' heartbeats).",
+    )
+    return parser
+
+
+def _targets(specs: Sequence[str]) -> list[tuple[str, str]]:
+    out = []
+    for spec in specs:
+        worker_id, sep, url = spec.partition("=")
+        if not sep or not worker_id or not url:
+            raise RouterError(f"--worker {spec!r}: expected ID=HTTP_URL")
+        out.append((worker_id, url))
+    return out
+
+
+async def _run(args: argparse.Namespace) -> int:
+    client = await connect(args.redis, RedisOptions(tls_ca_file=args.tls_ca))
+    layout = KeyLayout(args.namespace)
+    try:
+        if args.action == "stats":
+            stats = await RedisPrefixIndex(client, layout).stats()
+            if args.json:
+                print(json.dumps(asdict(stats)))
+            else:
+                per_entry = (
+                    f"{stats.memory_bytes / stats.num_entries:.1f} bytes (upper bound)"
+                    if stats.memory_bytes and stats.num_entries
+                    else "-"
+                )
+                print(f"namespace      {args.namespace} on {redact_url(args.redis)}")
+                print(f"entries        {stats.num_entries}")
+                print(f"keys           {stats.num_keys}")
+                print(f"workers        {stats.num_workers}")
+                print(f"redis memory   {stats.memory_bytes} bytes (whole server)")
+                print(f"memory/entry   {per_entry}")
+            return 0
+        if args.action in ("register", "unregister", "workers"):
+            return await _registry_action(args, WorkerRegistry(client, layout))
+        index = RedisPrefixIndex(client, layout, RouterKeyer(args.seed))
+        targets = _targets(args.worker)
+        if not targets:
+            records = await WorkerRegistry(client, layout).records()
+            targets = [(r.worker_id, r.http_url) for r in records if r.has_snapshot and r.http_url]
+        if not targets:
+            raise RouterError("no kvroute worker to check: pass --worker ID=HTTP_URL")
+        async with aiohttp.ClientSession() as session:
+            checks = await check_workers(index, session, targets)
+        if args.json:
+            print(json.dumps([asdict(c) | {"num_divergent": c.num_divergent} for c in checks]))
+        else:
+            print(f"{'worker':<20} {'expected':>9} {'indexed':>9} {'missing':>8} {'extra':>8} "
+                  f"{'tier':>6}")  # fmt: skip
+            for c in checks:
+                print(
+                    f"{c.worker_id:<20} {c.num_expected:>9} {c.num_indexed:>9} "
+                    f"{c.num_missing:>8} {c.num_extra:>8} {c.num_tier_mismatch:>6}"
+                )
+            total = sum(c.num_divergent for c in checks)
+            print(f"{total} divergent entries")
+        return 1 if any(c.num_divergent for c in checks) else 0
+    finally:
+        await client.aclose()
+
+
+async def _registry_action(args: argparse.Namespace, registry: WorkerRegistry) -> int:
+    if args.action == "register":
+        records = [parse_worker_spec(spec) for spec in args.worker]
+        if args.config:
+            records += load_records(args.config)
+        if not records:
+            raise RouterError("nothing to register: pass --worker SPEC or --config FILE")
+        for record in records:
+            await registry.register(record)
+        print(f"registered {len(records)} worker(s)")
+        return 0
+    if args.action == "unregister":
+        missing = [w for w in args.worker_ids if not await registry.unregister(WorkerId(w))]
+        for worker_id in missing:
+            print(f"kvroute index: worker {worker_id!r} was not registered", file=sys.stderr)
+        return 1 if missing else 0
+    records = await registry.records()
+    routers = await registry.live_routers()
+    rows = [msgspec.to_builtins(r) for r in records]
+    for row in rows:
+        row["lease"] = await registry.holder(WorkerId(row["worker_id"]))
+        row["owner"] = owner_of(row["worker_id"], routers)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    for record, row in zip(records, rows, strict=True):
+        print(
+            f"{record.worker_id:<20} {record.kind:<8} events={record.events_endpoint} "
+            f"replay={record.replay_endpoint or '-'} http={record.http_url or '-'} "
+            f"block_size={record.block_size} lease={row['lease'] or '-'} "
+            f"owner={row['owner'] or '-'}"
+        )
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """Run ``kvroute index ACTION ...``; returns the exit code (2 on errors)."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(_run(args))
+    except RouterError as exc:
+        print(f"kvroute index: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

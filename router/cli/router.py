@@ -1,0 +1,328 @@
+"""``kvroute router``: run one cache-aware router replica from flags and an optional config file.
+
+Settings come from, in increasing priority: defaults, ``--config FILE`` (TOML or JSON,
+keys named like the flags with underscores), environment variables ``KVROUTE_REDIS_URL``
+and ``KVROUTE_NAMESPACE``, then the flags. Without ``--redis`` an embedded Redis is
+started on a free loopback port and stopped on exit. Once serving, one JSON line
+``{"router": URL, "redis": URL, "replica_id": ID}`` is printed on stdout; logs go to
+stderr. SIGTERM or SIGINT stop the router cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from events.curve import CurveKeyError, CurveKeyPair, load_public_key
+from events.errors import EventsError
+from events.hashing import NATIVE_KEYS
+from router.cli.cost_flags import add_cost_arguments, cost_weights_from
+from router.errors import PrefixIndexError, RouterError
+from router.front.config import RequestLimits, RouterConfig
+from router.front.proxy import ProxyConfig
+from router.front.service import RouterService
+from router.ingest._native.runs import NATIVE_RUNS
+from router.routing.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig
+from router.store.connection import redact_url
+from router.store.layout import check_name
+from router.store.server import RedisServer
+from router.workers.registry import WorkerRecord
+
+__all__ = ["build_parser", "config_from_args", "main", "parse_worker_flag"]
+
+logger = logging.getLogger(__name__)
+
+_WORKER_USAGE = (
+    "ID=HTTP_URL,events=ENDPOINT[,replay=ENDPOINT][,topic=T][,block-size=N][,kind=vllm]"
+    "[,server_key=FILE]"
+)
+
+
+class RouterCliError(RouterError, ValueError):
+    """A flag or the config file is invalid."""
+
+
+def parse_worker_flag(spec: str) -> WorkerRecord:
+    """Parse one ``--worker`` value (see :data:`_WORKER_USAGE`).
+
+    Raises:
+        RouterCliError: The value is malformed; the message shows the expected shape.
+    """
+    head, *options = spec.split(",")
+    worker_id, sep, url = head.partition("=")
+    if not sep or not worker_id or not url.startswith(("http://", "https://")):
+        raise RouterCliError(f"--worker {spec!r}: expected {_WORKER_USAGE}")
+    fields: dict[str, Any] = {"worker_id": worker_id, "http_url": url}
+    names = {"events": "events_endpoint", "replay": "replay_endpoint", "topic": "topic",
+             "block-size": "block_size", "block_size": "block_size", "kind": "kind",
+             "server_key": "server_key"}  # fmt: skip
+    for option in options:
+        name, sep, value = option.partition("=")
+        if not sep or name not in names:
+            raise RouterCliError(
+                f"--worker {spec!r}: bad option {option!r}; expected {_WORKER_USAGE}"
+            )
+        fields[names[name]] = value
+    if "events_endpoint" not in fields:
+        raise RouterCliError(
+            f"--worker {spec!r}: events=ENDPOINT is required; expected {_WORKER_USAGE}"
+        )
+    if "server_key" in fields:
+        try:
+            fields["server_key"] = load_public_key(fields["server_key"]).decode()
+        except CurveKeyError as exc:
+            raise RouterCliError(f"--worker {spec!r}: server_key: {exc}") from exc
+    return _record(fields, f"--worker {spec!r}")
+
+
+def _record(fields: dict[str, Any], where: str) -> WorkerRecord:
+    try:
+        if "block_size" in fields:
+            fields["block_size"] = int(fields["block_size"])
+        return WorkerRecord(**fields)
+    except (TypeError, ValueError, RouterError) as exc:
+        raise RouterCliError(f"{where}: {exc}") from exc
+
+
+def _config_workers(items: Any) -> list[WorkerRecord]:
+    """Workers of a config file: flag strings or tables like ``POST /v1/workers`` bodies."""
+    if not isinstance(items, list):
+        raise RouterCliError("config 'workers' must be a list")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(parse_worker_flag(item))
+        elif isinstance(item, dict):
+            renamed = {"url": "http_url", "events": "events_endpoint", "replay": "replay_endpoint"}
+            fields = {renamed.get(str(k), str(k)): v for k, v in item.items()}
+            out.append(_record(fields, f"config worker {item}"))
+        else:
+            raise RouterCliError(f"config worker {item!r} must be a string or a table")
+    return out
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or JSON config file into a dict of flag-named settings.
+
+    Raises:
+        RouterCliError: The file cannot be read or parsed, or is not a table.
+    """
+    try:
+        text = Path(path).read_text()
+        data = tomllib.loads(text) if path.endswith(".toml") else json.loads(text)
+    except (OSError, ValueError) as exc:
+        raise RouterCliError(f"--config {path!r}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RouterCliError(f"--config {path!r}: expected a table of settings")
+    return data
+
+
+def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
+    """``(flag, type, help)`` of every single-valued flag; help states the default."""
+    return [
+        ("--redis", str, "Redis URL (redis://, rediss:// for TLS, password in the URL); default: "
+         "$KVROUTE_REDIS_URL, else an embedded redis-server on loopback"),
+        ("--namespace", str, "key namespace shared by the replicas of one cluster (default: "
+         "$KVROUTE_NAMESPACE, else 'default')"),
+        ("--host", str, "address to listen on (default: 127.0.0.1, loopback only)"),
+        ("--port", int, "port to listen on; 0 picks a free one (default: 8000)"),
+        ("--config", str, "TOML or JSON file with any of these settings (keys with underscores; "
+         "'workers' a list of --worker specs or POST /v1/workers tables); flags override it"),
+        ("--predicted-ttl", float, "seconds a routed prefix is credited to its worker before "
+         f"its events confirm it (default: {PolicyConfig().predicted_ttl_s})"),
+        ("--predicted-max-entries", int, "most (prefix block, worker) credits the predicted "
+         "entries keep, up to ~350 bytes each; past it the oldest are forgotten early "
+         f"(default: {RouterConfig.predicted_max_entries})"),
+        ("--seed", int, "seed of the sampling policies (default: 0)"),
+        ("--decision-log", str, "append one JSON line per routing decision to this file "
+         "(read by kvroute explain)"),
+        ("--tokenizer", str, "Hugging Face tokenizer.json; must be the workers' own (default: "
+         "the byte-level tokenizer, as the workers')"),
+        ("--chat-template", str, "tokenizer_config.json whose chat_template renders chat "
+         "requests (default: a built-in <|role|> template)"),
+        ("--max-body-bytes", int, "largest request body accepted (default: 4194304)"),
+        ("--max-prompt-tokens", int, "longest prompt accepted, in tokens (default: 131072)"),
+        ("--lease-ttl", float, "seconds of a worker's index lease; a dead worker or router is "
+         "dropped after it (default: 10)"),
+        ("--route-hold", float, "seconds a POST /v1/route decision counts as load on its worker "
+         "(the gateway sends the request itself; default: 2)"),
+        ("--replica-id", str, "this replica's id, naming its leases, heartbeat and shared "
+         "load in Redis and metrics ([A-Za-z0-9_.:@-]; default: $KVROUTE_REPLICA_ID, else a "
+         "random one)"),
+        ("--client-key", str, "the router's CURVE secret key file (NAME.key_secret from `kvroute "
+         "keys`), presented to workers registered with server_key= (default: "
+         "$KVROUTE_CLIENT_KEY, else a fresh key pair, admitted only by workers without "
+         "--curve-allow)"),
+    ]  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``kvroute router``."""
+    p = argparse.ArgumentParser(
+        prog="kvroute router",
+        description="Run a cache-aware router: ingests workers' KV events into a Redis prefix "
+        "index and routes each request to the worker that holds most of its prefix without "
+        "overloading it. Several replicas may share one Redis and namespace.",
+    )
+    for flag, kind, help_text in _flags():
+        p.add_argument(flag, type=kind, help=help_text)
+    add_cost_arguments(p)
+    p.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help=f"register a worker: {_WORKER_USAGE} (repeatable)",
+    )
+    p.add_argument(
+        "--policy", choices=POLICY_NAMES, help=f"routing policy (default: {DEFAULT_POLICY})"
+    )
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
+    """Merge defaults, the config file, the environment and flags into a :class:`RouterConfig`.
+
+    Raises:
+        RouterCliError: A setting is invalid.
+    """
+    file = load_config_file(args.config) if args.config else {}
+    known = {a.dest for a in build_parser()._actions} | {"workers"}
+    unknown = sorted(set(file) - known)
+    if unknown:
+        raise RouterCliError(f"--config {args.config!r}: unknown settings {', '.join(unknown)}")
+
+    def pick(name: str, default: Any, env: str | None = None) -> Any:
+        flag = getattr(args, name, None)
+        if flag is not None:
+            return flag
+        if env is not None and os.environ.get(env):
+            return os.environ[env]
+        return file.get(name, default)
+
+    try:
+        weights = cost_weights_from(pick)
+        policy_config = PolicyConfig(
+            weights=weights,
+            seed=pick("seed", 0),
+            predicted_ttl_s=pick("predicted_ttl", PolicyConfig().predicted_ttl_s),
+        )
+        limits = RequestLimits(
+            max_body_bytes=pick("max_body_bytes", RequestLimits().max_body_bytes),
+            max_prompt_tokens=pick("max_prompt_tokens", RequestLimits().max_prompt_tokens),
+        )
+    except (TypeError, ValueError) as exc:
+        raise RouterCliError(f"invalid setting: {exc}") from exc
+    workers = _config_workers(file.get("workers", [])) + [parse_worker_flag(s) for s in args.worker]
+    return RouterConfig(
+        redis_url=redis_url,
+        namespace=pick("namespace", "default", "KVROUTE_NAMESPACE"),
+        host=pick("host", "127.0.0.1"),
+        port=pick("port", 8000),
+        workers=tuple(workers),
+        policy=pick("policy", DEFAULT_POLICY),
+        policy_config=policy_config,
+        tokenizer=pick("tokenizer", None),
+        chat_template=pick("chat_template", None),
+        decision_log=pick("decision_log", None),
+        limits=limits,
+        proxy=ProxyConfig(),
+        lease_ttl_s=float(pick("lease_ttl", 10.0)),
+        predicted_max_entries=int(
+            pick("predicted_max_entries", RouterConfig.predicted_max_entries)
+        ),
+        route_hold_s=float(pick("route_hold", 2.0)),
+        client_keys=_client_keys(pick("client_key", None, "KVROUTE_CLIENT_KEY")),
+        replica_id=_replica_id(pick("replica_id", None, "KVROUTE_REPLICA_ID")),
+    )
+
+
+def _replica_id(value: str | None) -> str | None:
+    """A valid ``--replica-id`` (it appears in key names and lease tokens), or None."""
+    if value is None:
+        return None
+    try:
+        return check_name("--replica-id", str(value))
+    except PrefixIndexError as exc:
+        raise RouterCliError(str(exc)) from None
+
+
+def _client_keys(path: str | None) -> CurveKeyPair:
+    """The router's CURVE key pair: loaded from ``--client-key``, else a fresh one."""
+    return CurveKeyPair.load(path) if path else CurveKeyPair.generate()
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    redis_url = args.redis or os.environ.get("KVROUTE_REDIS_URL")
+    if redis_url is None and args.config:
+        redis_url = load_config_file(args.config).get("redis")
+    embedded: RedisServer | None = None
+    if redis_url is None:
+        embedded = RedisServer().start()
+        redis_url = embedded.url
+        logger.info("no --redis given: started an embedded Redis at %s", redis_url)
+    try:
+        config = config_from_args(args, redis_url)
+        if config.host not in ("127.0.0.1", "::1", "localhost"):
+            logger.warning(
+                "listening on %s: the router is reachable from other machines", config.host
+            )
+        service = RouterService(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await service.start()
+            if not (NATIVE_KEYS and NATIVE_RUNS):
+                logger.warning(
+                    "kvroute's C modules were not built (no C compiler at install time): "
+                    "router keys and the index ingest run in Python, slower per block; "
+                    "reinstall kvroute where gcc and the Python headers are present"
+                )
+            # Long-lived startup objects leave the GC's scans: collections triggered by
+            # per-request garbage then stay short (bench_router: p50 at 64 workers).
+            gc.freeze()
+            ready = {"router": service.url, "redis": redact_url(redis_url),
+                     "replica_id": service.load.replica_id}  # fmt: skip
+            print(json.dumps(ready), flush=True)
+            await stop.wait()
+            logger.info("stopping the router")
+        finally:
+            with contextlib.suppress(AttributeError):  # start() failed before building it all
+                await service.close()
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``kvroute router``; returns the exit code."""
+    args = build_parser().parse_args(list(argv))
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return asyncio.run(_serve(args))
+    except (RouterError, EventsError, OSError, ValueError) as exc:
+        logger.error("router failed: %s", exc)
+        return 1

@@ -1,0 +1,1 @@
+"""The local cluster: processes, the workload that drives it, and its report."""

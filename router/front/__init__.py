@@ -1,0 +1,1 @@
+"""The router's HTTP front: the service behind it, its config, the proxy, chat, metrics."""

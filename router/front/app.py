@@ -1,0 +1,343 @@
+"""The router's HTTP API (aiohttp): validates requests, asks the service, shapes the answers.
+
+Endpoints:
+
+* ``POST /v1/completions``: OpenAI-style body, ``prompt`` as text (tokenized exactly as
+  the workers do) or token ids; routed, then proxied (streams passed through).
+* ``POST /v1/chat/completions``: ``messages`` rendered by the chat template into one
+  prompt, routed and proxied as a completion, answered in ``chat.completion`` shape.
+* ``POST /v1/route``: the decision only, body like ``/v1/completions`` plus optional
+  ``"dry_run": true`` (decide and explain, record nothing). Answer: ``{"worker_id",
+  "url", "matched_tokens", "candidates": [{"worker_id", "matched_tokens",
+  "predicted_tokens", "load", "score"}, ...]}``.
+* ``GET /v1/workers``, ``POST /v1/workers`` (``{"worker_id", "url", "events",
+  "replay", "topic", "block_size"}``, optional ``"kind": "vllm"`` and ``"server_key"``,
+  the worker's z85 CURVE public key for CURVE-secured event streams),
+  ``DELETE /v1/workers/{id}``.
+* ``GET /health`` (200, with ``"index": "live" | "degraded"``), ``GET /metrics``.
+
+Every error is JSON ``{"error": {"message", "type"}}``: 400 for a malformed body, 413
+for one above the size limit, 404 for an unknown worker, 502 when no worker could serve,
+503 when none is registered. The prefix index never causes a 5xx: without it the service
+routes on load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
+
+from events.identity import WorkerId
+from events.tokenizer import TokenizerError
+from router.errors import PrefixIndexError
+from router.front.chat import ChatMessage, ChatRewriter, ChatTemplateError
+from router.front.proxy import ResponseRewriter, WorkersUnavailableError
+from router.front.service import NoWorkersError, Routed
+from router.workers.registry import WorkerRecord
+
+if TYPE_CHECKING:
+    from router.front.service import RouterService
+
+__all__ = ["ChatBody", "CompletionBody", "RouteBody", "WorkerBody", "make_app"]
+
+logger = logging.getLogger(__name__)
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+_SERVICE: Final = web.AppKey("service", object)
+# Sampling fields of a chat request that carry over to the completion sent to the worker.
+_CHAT_PASSTHROUGH: Final = (
+    "temperature", "top_p", "seed", "stop", "ignore_eos", "stream_options", "model", "n",
+)  # fmt: skip
+
+
+class CompletionBody(msgspec.Struct, kw_only=True):
+    """The fields of a completion the router reads (the rest go to the worker untouched)."""
+
+    prompt: str | list[TokenId]
+    max_tokens: NonNegative = 16
+    stream: bool = False
+    cache_salt: str | None = None
+
+
+class RouteBody(CompletionBody, kw_only=True):
+    """A ``/v1/route`` body: a completion plus ``dry_run``."""
+
+    dry_run: bool = False
+
+
+class ChatBody(msgspec.Struct, kw_only=True):
+    """The fields of a chat completion the router reads."""
+
+    messages: list[ChatMessage]
+    max_tokens: NonNegative | None = None
+    max_completion_tokens: NonNegative | None = None
+    stream: bool = False
+    cache_salt: str | None = None
+
+
+class WorkerBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A ``POST /v1/workers`` body (also the shape ``GET /v1/workers`` lists)."""
+
+    worker_id: str
+    url: str
+    events: str
+    replay: str | None = None
+    topic: str = ""
+    block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    kind: Literal["kvroute", "vllm"] = "kvroute"
+    server_key: str | None = None
+
+
+class _ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+
+
+def _decode(raw: bytes, kind: type[Any]) -> Any:
+    if not raw.strip():
+        raise _ApiError(400, "request body is empty: send a JSON object")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise _ApiError(400, f"invalid request body: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise _ApiError(400, f"request body is not valid JSON: {exc}") from exc
+
+
+def _worker_view(record: WorkerRecord) -> dict[str, Any]:
+    view: dict[str, Any] = msgspec.to_builtins(
+        WorkerBody(
+            worker_id=record.worker_id,
+            url=record.http_url or "",
+            events=record.events_endpoint,
+            replay=record.replay_endpoint,
+            topic=record.topic,
+            block_size=record.block_size,
+            kind=record.kind,
+            server_key=record.server_key,
+        )
+    )
+    return view
+
+
+class _Handlers:
+    """Request handlers bound to one :class:`RouterService`."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.svc = service
+        self.limits = service.config.limits
+
+    async def _body(self, request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise _ApiError(
+                413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes"
+            ) from exc
+
+    def _tokens(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            try:
+                tokens = self.svc.tokenizer.encode(prompt)
+            except (TokenizerError, UnicodeError) as exc:
+                raise _ApiError(400, f"prompt cannot be tokenized: {exc}") from exc
+        else:
+            tokens = prompt
+        if not tokens:
+            raise _ApiError(400, "prompt is empty: send at least one token")
+        if len(tokens) > self.limits.max_prompt_tokens:
+            raise _ApiError(
+                400,
+                f"prompt has {len(tokens)} tokens; the limit is {self.limits.max_prompt_tokens}",
+            )
+        return tokens
+
+    def _check_output(self, max_tokens: int) -> None:
+        if max_tokens > self.limits.max_output_tokens:
+            raise _ApiError(
+                400, f"max_tokens {max_tokens} exceeds the limit {self.limits.max_output_tokens}"
+            )
+
+    async def _proxy(
+        self,
+        request: web.Request,
+        routed: Routed,
+        body: bytes,
+        rewriter: ResponseRewriter | None = None,
+    ) -> web.StreamResponse:
+        try:
+            response, result = await self.svc.proxy.forward(
+                request, "/v1/completions", body, routed.targets, self.svc.accounting(routed),
+                rewriter,
+            )  # fmt: skip
+        except WorkersUnavailableError as exc:
+            raise _ApiError(502, str(exc), "worker_unavailable") from exc
+        self.svc.actual_hits(result.worker_id, result.usage)
+        return response
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await self._body(request)
+        body: CompletionBody = _decode(raw, CompletionBody)
+        self._check_output(body.max_tokens)
+        tokens = self._tokens(body.prompt)
+        routed = await self.svc.decide(tokens, body.max_tokens, cache_salt=body.cache_salt)
+        return await self._proxy(request, routed, raw)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        raw = await self._body(request)
+        body: ChatBody = _decode(raw, ChatBody)
+        if not body.messages:
+            raise _ApiError(400, "messages is empty: send at least one message")
+        if len(body.messages) > self.limits.max_messages:
+            raise _ApiError(
+                400, f"{len(body.messages)} messages; the limit is {self.limits.max_messages}"
+            )
+        max_tokens = body.max_completion_tokens or body.max_tokens or 16
+        self._check_output(max_tokens)
+        try:
+            prompt = self.svc.chat_template.render(body.messages)
+        except ChatTemplateError as exc:
+            raise _ApiError(400, str(exc)) from exc
+        tokens = self._tokens(prompt)
+        extra = msgspec.json.decode(raw)
+        completion: dict[str, Any] = {k: extra[k] for k in _CHAT_PASSTHROUGH if k in extra}
+        completion.update(prompt=prompt, max_tokens=max_tokens, stream=body.stream)
+        routed = await self.svc.decide(tokens, max_tokens, cache_salt=body.cache_salt)
+        return await self._proxy(request, routed, msgspec.json.encode(completion), ChatRewriter())
+
+    async def route(self, request: web.Request) -> web.Response:
+        body: RouteBody = _decode(await self._body(request), RouteBody)
+        self._check_output(body.max_tokens)
+        tokens = self._tokens(body.prompt)
+        routed = await self.svc.decide(
+            tokens, body.max_tokens, cache_salt=body.cache_salt, record=not body.dry_run
+        )
+        if not body.dry_run:
+            await self.svc.hold(routed)
+        decision = routed.decision
+        answer = {
+            "worker_id": decision.worker_id,
+            "url": routed.targets[0].url,
+            "matched_tokens": decision.chosen.matched_tokens,
+            "candidates": decision.candidates,
+        }
+        return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        return web.json_response({"workers": [_worker_view(r) for r in self.svc.workers]})
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        body: WorkerBody = _decode(await self._body(request), WorkerBody)
+        if not body.url.startswith(("http://", "https://")):
+            raise _ApiError(400, f"url {body.url!r} must start with http:// or https://")
+        try:
+            record = WorkerRecord(
+                worker_id=body.worker_id,
+                events_endpoint=body.events,
+                replay_endpoint=body.replay,
+                http_url=body.url,
+                kind=body.kind,
+                block_size=body.block_size,
+                topic=body.topic,
+                server_key=body.server_key,
+            )
+            await self.svc.add_worker(record)
+        except (ValueError, PrefixIndexError) as exc:
+            raise _ApiError(400, f"invalid worker: {exc}") from exc
+        except (RedisError, OSError) as exc:
+            raise _ApiError(
+                503, f"cannot register now, Redis failed: {exc}", "unavailable"
+            ) from exc
+        return web.json_response({"worker": _worker_view(record)}, status=201)
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        worker_id = WorkerId(request.match_info["worker_id"])
+        try:
+            known = await self.svc.remove_worker(worker_id)
+        except (RedisError, OSError) as exc:
+            raise _ApiError(
+                503, f"cannot unregister now, Redis failed: {exc}", "unavailable"
+            ) from exc
+        if not known:
+            raise _ApiError(404, f"worker {worker_id!r} is not registered", "not_found")
+        return web.json_response({"removed": worker_id})
+
+    async def health(self, request: web.Request) -> web.Response:
+        svc = self.svc
+        live = svc.index_live
+        return web.json_response(
+            {
+                "status": "ok" if live else "degraded",
+                "index": "live" if live else "degraded",
+                "shared_load": "live" if svc.load.is_shared else "local",
+                "policy": svc.policy.name,
+                "replica_id": svc.load.replica_id,
+                "num_workers": len(svc.workers),
+            }
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.svc.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turns every failure into a JSON error and counts answers per endpoint."""
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "unmatched"
+    try:
+        response = await handler(request)
+    except _ApiError as exc:
+        response = _error(exc.status, str(exc), exc.kind)
+    except NoWorkersError as exc:
+        response = _error(503, str(exc), "no_workers")
+    except web.HTTPException as exc:  # aiohttp's own 404/405/413
+        response = _error(exc.status, exc.reason, "invalid_request_error")
+    except Exception:
+        logger.exception("%s %s failed", request.method, request.path)
+        response = _error(500, "internal router error (logged)", "internal_error")
+    service: RouterService = request.app[_SERVICE]  # type: ignore[assignment]
+    service.metrics.requests.labels(endpoint, str(response.status)).inc()
+    return response
+
+
+def make_app(service: RouterService) -> web.Application:
+    """The aiohttp application of a router service."""
+    app = web.Application(
+        middlewares=[_errors], client_max_size=service.config.limits.max_body_bytes
+    )
+    app[_SERVICE] = service
+    h = _Handlers(service)
+    app.add_routes(
+        [
+            web.post("/v1/completions", h.completions),
+            web.post("/v1/chat/completions", h.chat),
+            web.post("/v1/route", h.route),
+            web.get("/v1/workers", h.list_workers),
+            web.post("/v1/workers", h.add_worker),
+            web.delete("/v1/workers/{worker_id}", h.remove_worker),
+            web.get("/health", h.health),
+            web.get("/metrics", h.metrics),
+        ]
+    )
+    return app

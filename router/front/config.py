@@ -1,0 +1,99 @@
+"""Configuration of one router replica: what ``kvroute router`` flags and config files set.
+
+:class:`RouterConfig` is the one frozen dataclass of the router service
+(:mod:`router.front.service`); :class:`RequestLimits` bounds what clients may send.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from events.curve import CurveKeyPair
+from router.front.proxy import ProxyConfig
+from router.routing.policies import DEFAULT_POLICY, PolicyConfig
+from router.workers.registry import WorkerRecord
+
+__all__ = ["RequestLimits", "RouterConfig"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on what clients may send (a violation is a 4xx, never a crash).
+
+    Attributes:
+        max_body_bytes: Largest request body (413 above it).
+        max_prompt_tokens: Longest prompt in tokens.
+        max_output_tokens: Largest ``max_tokens``.
+        max_messages: Most messages in a chat request.
+    """
+
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_prompt_tokens: int = 131_072
+    max_output_tokens: int = 65_536
+    max_messages: int = 1_024
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything one router replica needs; flags of ``kvroute router`` map onto it.
+
+    Attributes:
+        redis_url: The Redis holding index, registry and shared load.
+        namespace: Key namespace shared by the replicas of one cluster.
+        host: Address the HTTP API binds (loopback by default).
+        port: Its port (0: any free one).
+        workers: Workers registered at start (more via ``POST /v1/workers``).
+        policy: Routing policy name (see :data:`router.routing.policies.POLICY_NAMES`).
+        policy_config: Cost weights and policy settings.
+        key_seed: Router key seed (must match across replicas).
+        tokenizer: ``tokenizer.json`` path, or ``None`` for the byte-level default; must
+            be the workers' own.
+        chat_template: ``tokenizer_config.json`` whose ``chat_template`` renders chat
+            requests, or ``None`` for the built-in template.
+        decision_log: File that gets one JSON line per routing decision.
+        limits: Request size limits.
+        proxy: Forwarding timeouts and attempts.
+        lease_ttl_s: Lease of a worker's index entries (a dead router's workers are
+            reaped after it).
+        lookup_timeout_s: Longest index lookup before routing without it.
+        probe_interval_s: While degraded, how often a lookup tries Redis again.
+        route_hold_s: How long a ``/v1/route`` decision counts as load on its worker
+            (the gateway, not the router, sends the request).
+        suspect_s: How long a worker that failed a forwarded request is skipped.
+        dead_after_s: A worker unreachable for this long loses its index entries and
+            registration until it answers again (``None``: the lease TTL).
+        predicted_max_entries: Bound on the predicted entries' (key, worker) credits
+            (up to ~350 bytes each, 35 MB at the default); past it the oldest are
+            forgotten early, which only costs possible cache misses.
+        load_refresh_s: How often other replicas' load is re-read.
+        health_poll_s: How often workers' own load reports are polled.
+        replica_id: This replica's id (random by default); it names the replica's leases,
+            its ingest heartbeat and its shared-load hash.
+        client_keys: The router's CURVE key pair for workers registered with a
+            ``server_key`` (a fresh one by default).
+    """
+
+    redis_url: str
+    namespace: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: tuple[WorkerRecord, ...] = ()
+    policy: str = DEFAULT_POLICY
+    policy_config: PolicyConfig = field(default_factory=PolicyConfig)
+    key_seed: int = 0
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    decision_log: str | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    lease_ttl_s: float = 10.0
+    lookup_timeout_s: float = 0.5
+    probe_interval_s: float = 1.0
+    route_hold_s: float = 2.0
+    suspect_s: float = 5.0
+    dead_after_s: float | None = None
+    predicted_max_entries: int = 100_000
+    load_refresh_s: float = 0.05
+    health_poll_s: float = 1.0
+    replica_id: str | None = None
+    client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)

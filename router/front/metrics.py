@@ -1,0 +1,97 @@
+"""Prometheus metrics of the router service (routing, proxying, index health, shared load).
+
+They live in the same caller-owned ``CollectorRegistry`` as the ingest's
+:class:`router.ingest.metrics.IngestMetrics` (events applied, skipped, replayed, resynced), so
+one ``GET /metrics`` shows both. Labels are bounded: worker ids, policy names, fixed
+outcome words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["RouterMetrics"]
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+
+
+@dataclass
+class RouterMetrics:
+    """Metrics of routing decisions and proxying (``kvroute_router_*``).
+
+    Args:
+        registry: Where the metrics are registered (a fresh one by default).
+    """
+
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.decision_seconds = Histogram(
+            "kvroute_router_decision_seconds",
+            "Time to decide a route (keys, index lookup, load, policy).",
+            ["policy"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvroute_router_decisions",
+            "Routing decisions, by chosen worker and policy (dry runs excluded).",
+            ["worker", "policy"],
+            registry=r,
+        )
+        self.matched_tokens = Counter(
+            "kvroute_router_matched_tokens",
+            "Prompt tokens the chosen worker's events confirmed cached at decision time.",
+            ["worker"],
+            registry=r,
+        )
+        self.predicted_tokens = Counter(
+            "kvroute_router_predicted_tokens",
+            "Prompt tokens the router expected the chosen worker to hit (predicted "
+            "entries included).",
+            ["worker"],
+            registry=r,
+        )
+        self.actual_hit_tokens = Counter(
+            "kvroute_router_actual_hit_tokens",
+            "Prompt tokens the worker reported as prefix-cache hits (usage.cached_tokens).",
+            ["worker"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvroute_router_prompt_tokens",
+            "Prompt tokens of proxied requests.",
+            ["worker"],
+            registry=r,
+        )
+        self.index_live = Gauge(
+            "kvroute_router_index_live",
+            "1 while the Redis prefix index answers, 0 while routing is degraded to load only.",
+            registry=r,
+        )
+        self.index_errors = Counter(
+            "kvroute_router_index_errors",
+            "Index operations that failed on the routing path, by operation.",
+            ["operation"],
+            registry=r,
+        )
+        self.shared_load_live = Gauge(
+            "kvroute_router_shared_load_live",
+            "1 while load is shared with other replicas through Redis, 0 when local only.",
+            registry=r,
+        )
+        self.proxy_attempts = Counter(
+            "kvroute_router_proxy_attempts",
+            "Attempts to forward a request to a worker, by outcome (ok, failed).",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.requests = Counter(
+            "kvroute_router_http_requests",
+            "HTTP requests answered by the router, by endpoint and status.",
+            ["endpoint", "status"],
+            registry=r,
+        )

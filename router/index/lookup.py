@@ -1,0 +1,125 @@
+"""Index reads on the routing path, in degraded mode when Redis fails: a request never does.
+
+When the index lookup fails (Redis unreachable or slow), the decision is made without
+cached prefixes, i.e. on load (and predicted entries) alone: :attr:`IndexLookup.live`
+turns False (``/health`` says ``"index": "degraded"``, the ``kvroute_router_index_live``
+gauge drops to 0). A lookup is retried at most once per ``probe_interval_s`` until one
+succeeds; the ingest rebuilds the index by itself when Redis is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from redis.exceptions import RedisError
+
+from events.hashing import BlockKey, RouterKeyer
+from events.identity import WorkerId
+from router.errors import PrefixIndexError
+from router.front.metrics import RouterMetrics
+from router.index.base import PrefixMatch
+from router.index.redis_index import RedisPrefixIndex
+from router.workers.registry import WorkerRecord
+
+__all__ = ["INDEX_ERRORS", "IndexLookup"]
+
+logger = logging.getLogger(__name__)
+
+INDEX_ERRORS: Final = (RedisError, OSError, PrefixIndexError, asyncio.TimeoutError)
+"""What a failing or slow Redis raises on the routing path (handled, never a 5xx)."""
+
+
+class IndexLookup:
+    """Looks up a request's cached prefixes, or answers ``{}`` while the index is down.
+
+    Args:
+        index: The index, on a client that fails fast (its socket timeout bounds a lookup).
+        keyer: The router key function (workers with another block size need other keys).
+        metrics: Where ``index_live`` and ``index_errors`` go.
+        probe_interval_s: While degraded, the least time between two lookup attempts.
+    """
+
+    def __init__(
+        self,
+        index: RedisPrefixIndex,
+        keyer: RouterKeyer,
+        metrics: RouterMetrics,
+        probe_interval_s: float,
+    ) -> None:
+        self._index = index
+        self._keyer = keyer
+        self._metrics = metrics
+        self._probe_interval_s = probe_interval_s
+        self._live = True
+        self._next_probe = 0.0
+
+    @property
+    def live(self) -> bool:
+        """False while routing is degraded to load only."""
+        return self._live
+
+    async def matches(
+        self,
+        token_ids: Sequence[int],
+        records: Sequence[WorkerRecord],
+        keys: Sequence[BlockKey],
+        cache_salt: str | None,
+    ) -> Mapping[WorkerId, PrefixMatch]:
+        """Index matches in units of ``records[0].block_size`` blocks (possibly also of
+        holders that are not among ``records``); {} while degraded."""
+        now = time.monotonic()
+        if not self._live and now < self._next_probe:
+            return {}
+        base = records[0].block_size
+        groups: dict[int, list[WorkerId]] = {}
+        for r in records:
+            groups.setdefault(r.block_size, []).append(WorkerId(r.worker_id))
+        out: dict[WorkerId, PrefixMatch] = {}
+        try:
+            for size, members in groups.items():
+                group_keys = (
+                    keys
+                    if size == base
+                    else self._keyer.keys(token_ids, size, cache_salt=cache_salt)
+                )
+                # Bounded by the fast client's socket timeout (lookup_timeout_s); no
+                # wait_for, which would cost a task per decision. With one block size
+                # the family's holders are read instead of sending every candidate's id
+                # (fewer bytes, no HMGET); holders that are not candidates are ignored
+                # by build_candidates.
+                asked = None if len(groups) == 1 else members
+                found = await self._index.lookup(group_keys, asked)
+                for wid, match in found.items():
+                    out[wid] = match if size == base else _rescale(match, size, base)
+        except Exception as exc:  # whatever the index does, it never causes a 5xx
+            self._metrics.index_errors.labels("lookup").inc()
+            self._next_probe = now + self._probe_interval_s
+            if not isinstance(exc, INDEX_ERRORS):
+                logger.exception("index lookup raised unexpectedly; routing on load only")
+            elif self._live:
+                logger.warning(
+                    "index lookup failed (%s); routing on load only until it answers", exc
+                )
+            self._set_live(False)
+            return {}
+        if not self._live:
+            logger.info("index lookup answers again; cache-aware routing resumed")
+        self._set_live(True)
+        return out
+
+    def _set_live(self, live: bool) -> None:
+        self._live = live
+        self._metrics.index_live.set(1 if live else 0)
+
+
+def _rescale(match: PrefixMatch, size: int, base: int) -> PrefixMatch:
+    """A match in blocks of ``size`` tokens expressed in (whole) blocks of ``base`` tokens."""
+    return PrefixMatch(
+        match.num_blocks * size // base,
+        match.num_gpu_blocks * size // base,
+        match.num_cpu_blocks * size // base,
+    )

@@ -1,0 +1,436 @@
+"""One worker's ingest: folds its batches into the index and rebuilds its entries after a loss.
+
+:class:`WorkerIngest` holds what the router knows of one registered worker (its lease, how
+far its stream is folded, whether it needs a rebuild) and runs its batch path and recovery
+paths; :class:`router.ingest.service.IndexIngest` owns one per worker, serialises the calls with the
+worker's :attr:`WorkerIngest.lock` and turns errors into :meth:`WorkerIngest.failed`. Which
+rebuild follows which loss is decided by :mod:`router.ingest.recovery`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import aiohttp
+from prometheus_client import Counter
+from redis.exceptions import RedisError
+
+from events.identity import WorkerId
+from events.schema import KVEventBatch
+from events.subscriber import EventSubscriber, ReceivedBatch
+from router.errors import OrphanParentError, PrefixIndexError
+from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridge import BridgeCounters
+from router.ingest.handoff import HandoffError, decode_handoff, encode_handoff
+from router.ingest.metrics import IngestMetrics
+from router.ingest.recovery import KeptStream, Rebuild, RecoveryRules, Restart, StreamPosition
+from router.ingest.task_lock import TaskLock
+from router.store.scripts import StaleLeaseError
+from router.workers.lifetime import LifetimeTracker
+from router.workers.registry import Lease, WorkerRecord
+from router.workers.snapshot import fetch_snapshot, snapshot_events
+
+__all__ = ["IngestServices", "WorkerIngest"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class IngestServices:
+    """What every worker's ingest shares (made by ``IndexIngest.start``).
+
+    Attributes:
+        index: The Redis prefix index written.
+        metrics: Where counters go.
+        subscriber: The event subscriber, asked for replays.
+        session: The HTTP session snapshots are fetched with.
+        lifetimes: The kvroute workers' recorded publisher lifetimes.
+        snapshot_timeout_s: Timeout of one ``GET /v1/snapshot``.
+        snapshot_chunk_runs: Snapshot runs written per index batch.
+    """
+
+    index: RedisPrefixIndex
+    metrics: IngestMetrics
+    subscriber: EventSubscriber
+    session: aiohttp.ClientSession
+    lifetimes: LifetimeTracker
+    snapshot_timeout_s: float
+    snapshot_chunk_runs: int
+
+
+class WorkerIngest:
+    """The ingest of one registered worker (callers hold :attr:`lock` around every call).
+
+    Args:
+        record: The worker's registration.
+        services: What all workers' ingests share.
+    """
+
+    def __init__(self, record: WorkerRecord, services: IngestServices) -> None:
+        self.record = record
+        self.rules = RecoveryRules(
+            has_snapshot=record.has_snapshot, can_replay=record.replay_endpoint is not None
+        )
+        self.lease: Lease | None = None
+        self.position = StreamPosition()
+        self.needs_rebuild = False
+        self.in_batch = False
+        # NOTE: held by whatever changes the worker's entries (see TaskLock).
+        self.lock = TaskLock()
+        self._services = services
+        self._seen = BridgeCounters()
+        # NOTE: what is delivered without the lease while a handoff is expected (see
+        # keep_batches), applied before the next batch once the lease is held.
+        self._kept: KeptStream | None = None
+        self._draining = False
+        # NOTE: the per-batch counters' labelled children, looked up once: a labels() call
+        # costs about a microsecond, as much as folding two blocks.
+        wid, metrics = self.worker_id, services.metrics
+        outcomes = ("applied", "covered", "not_owner")
+        self._batches = {o: metrics.batches.labels(wid, o) for o in outcomes}
+        self._events: dict[type, Counter] = {}
+
+    @property
+    def worker_id(self) -> WorkerId:
+        """The worker's id."""
+        return WorkerId(self.record.worker_id)
+
+    # -- batch path ----------------------------------------------------------------------
+
+    def keep_batches(self, keep: bool) -> None:
+        """Keep (or stop keeping) the batches delivered while this router does not hold the
+        lease: set while a handoff to this router is expected, so the batches the previous
+        holder did not apply are applied from here, not lost."""
+        if not keep:
+            self._kept = None
+        elif self._kept is None:
+            self._kept = KeptStream()
+
+    def note_restart(self, seq: int) -> bool:
+        """The subscriber saw the publisher restart (a seq drop to ``seq``): if batches
+        are being kept, it joins them in order (applied there) and True is returned."""
+        if self._kept is None:
+            return False
+        self._kept.add(Restart(seq))
+        return True
+
+    async def apply_batch(self, received: ReceivedBatch) -> None:
+        """Apply one delivered batch (see :mod:`router.ingest.service` for the recovery paths),
+        after any batches kept while the lease was on its way."""
+        if self.lease is None:
+            if self._kept is not None:
+                self._kept.add(received)
+            self._batches["not_owner"].inc()
+            return
+        await self._apply_kept(in_batch=True)
+        await self._apply_one(received, in_batch=True)
+
+    async def catch_up(self) -> None:
+        """After a resumed takeover, from the maintenance pass that took the lease: reset a
+        kvroute worker whose publisher lifetime is no longer the handed-over one (it
+        restarted meanwhile, quiet since), then apply the batches kept while the lease
+        was on its way, up to the first that needs a replay (only the batch path may ask
+        for one); the rest go in before the next delivered batch."""
+        if self.rules.has_snapshot and await self._services.lifetimes.changed(self.record):
+            await self._reset_lifetime("since the handoff")
+        await self._apply_kept(in_batch=False)
+
+    async def _apply_kept(self, *, in_batch: bool) -> None:
+        if self._draining:
+            # A replay asked for by a kept batch is being delivered: the batches it
+            # redelivers go in on their own, and the outer drain skips what they cover.
+            return
+        self._draining = True
+        try:
+            await self._drain_kept(in_batch=in_batch)
+        finally:
+            self._draining = False
+
+    async def _drain_kept(self, *, in_batch: bool) -> None:
+        kept = self._kept
+        while kept:
+            item = kept.first()
+            if isinstance(item, Restart):
+                await self._restarted_unseen(item.seq)
+            elif not await self._apply_one(item, in_batch=in_batch):
+                return
+            kept.pop()
+        self._kept = None
+
+    async def _apply_one(self, received: ReceivedBatch, *, in_batch: bool) -> bool:
+        """Apply one batch; False (nothing more done) where it needs a replay and
+        ``in_batch`` is False: outside the subscriber's delivery, asking for one could
+        deadlock with it."""
+        wid, index, metrics = self.worker_id, self._services.index, self._services.metrics
+        if self.lease is None:
+            return True  # lost while applying the batches kept before this one
+        if self.needs_rebuild:
+            if not in_batch:
+                return False
+            await self.rebuild()
+        if self.position.restarted(received.seq, received.batch.ts):
+            await self._restarted_unseen(received.seq)
+        first_missing = self.position.first_missing(received.seq)
+        if first_missing is not None:
+            if not in_batch:
+                return False
+            if await self._services.lifetimes.changed(self.record):
+                await self._reset_lifetime(f"at seq {received.seq}")
+            else:
+                # Batches before this one never reached the index (a late join, a
+                # snapshot older than the stream): fetch them; the replay redelivers
+                # this one too.
+                await self._replay(first_missing, clear=False)
+        if self._covered(received):
+            return True
+        try:
+            await index.apply(wid, received.batch)
+        except OrphanParentError as exc:
+            metrics.orphans.labels(wid).inc()
+            self._sync_counters()
+            how = self.rules.after_orphan(replaying=self.position.replaying)
+            if how is Rebuild.REPLAY_FROM_START and not in_batch:
+                log.warning("%s; worker %s will be rebuilt at its next batch", exc, wid)
+                self.needs_rebuild = True
+                return False
+            if how is Rebuild.REPLAY_FROM_START:
+                log.warning("%s; replaying worker %s from seq 0", exc, wid)
+            else:
+                log.warning("%s; resyncing worker %s", exc, wid)
+            await self._rebuild_as(how, "orphan_parent")
+            if self._covered(received):
+                return True
+            # Rebuilt without this batch (tolerant mode now, or a snapshot older than
+            # it): apply it once more; an orphan left now is claimed by nobody (safe).
+            try:
+                await index.apply(wid, received.batch)
+            except OrphanParentError:
+                metrics.orphans.labels(wid).inc()
+        self._applied(received)
+        return True
+
+    def _covered(self, received: ReceivedBatch) -> bool:
+        """True (and counted) when the index already holds the batch's effect."""
+        if not self.position.covers(received.seq):
+            return False
+        self._batches["covered"].inc()
+        return True
+
+    def _applied(self, received: ReceivedBatch) -> None:
+        self.position.applied_through = received.seq
+        self.position.applied_ts = received.batch.ts
+        self._batches["applied"].inc()
+        kinds: dict[type, int] = {}
+        for event in received.batch.events:
+            kinds[type(event)] = kinds.get(type(event), 0) + 1
+        for kind, count in kinds.items():
+            counter = self._events.get(kind)
+            if counter is None:
+                events = self._services.metrics.events
+                counter = self._events[kind] = events.labels(self.worker_id, kind.__name__)
+            counter.inc(count)
+        self._sync_counters()
+
+    def _sync_counters(self) -> None:
+        now = self._services.index.bridge(self.worker_id).counters
+        before = self._seen
+        if now == before:  # the common case: nothing skipped
+            return
+        for reason in ("malformed", "unknown_removals", "detached", "ignored_groups"):
+            delta = getattr(now, reason) - getattr(before, reason)
+            if delta > 0:
+                self._services.metrics.skipped.labels(self.worker_id, reason).inc(delta)
+        self._seen = replace(now)
+
+    # -- lease handoff -------------------------------------------------------------------
+
+    async def handoff(self) -> bytes | None:
+        """This router's state of the worker, for the next holder of its lease.
+
+        ``None`` when the state is not known to match the worker's entries (a rebuild is
+        pending, or a replay is being delivered); call it after the worker's queued writes
+        landed. Encoded in a thread (a large worker's state takes a while, which the event
+        loop need not wait on): the caller's hold on :attr:`lock` keeps the bridge still.
+        """
+        if self.lease is None or self.needs_rebuild or self.position.replaying:
+            return None
+        return await asyncio.to_thread(
+            encode_handoff,
+            self._services.index.bridge(self.worker_id),
+            self.lease.epoch,
+            self.position.applied_through,
+            self.position.applied_ts,
+            self._services.lifetimes.recorded(self.worker_id),
+        )
+
+    async def resume(self, lease: Lease, data: bytes | None) -> bool:
+        """Continue from the state the lease's previous holder handed over (``data``).
+
+        True when it was taken: the bridge, the stream position and the lifetime id are
+        the previous holder's, and the worker's entries stay as they are; the kept
+        batches the previous holder did not apply (and restarts seen since) follow, from
+        :meth:`catch_up` or the next batch. False (counted and logged) when there was
+        none, it is unreadable, or it is stale; then the caller rebuilds the worker.
+        """
+        wid, services = self.worker_id, self._services
+        if data is None:
+            return False
+        try:
+            # In a thread: checking a large worker's state takes a while (about 2 µs per
+            # block), which the event loop need not wait on; decoding builds new objects.
+            handoff = await asyncio.to_thread(decode_handoff, data, services.index.keyer)
+        except HandoffError as exc:
+            services.metrics.handoffs.labels(wid, "invalid").inc()
+            log.error("worker %s: %s; rebuilding it instead", wid, exc)
+            return False
+        if handoff.epoch + 1 != lease.epoch:
+            services.metrics.handoffs.labels(wid, "stale").inc()
+            log.warning(
+                "worker %s: handoff of epoch %d is stale (lease epoch %d: it was held in "
+                "between); rebuilding it instead",
+                wid,
+                handoff.epoch,
+                lease.epoch,
+            )
+            return False
+        services.index.adopt_bridge(wid, handoff.bridge)
+        services.lifetimes.adopt(wid, handoff.lifetime_id)
+        self.position.applied_through = handoff.applied_through
+        self.position.applied_ts = handoff.applied_ts
+        self.needs_rebuild = False
+        self._seen = BridgeCounters()
+        services.metrics.handoffs.labels(wid, "resumed").inc()
+        log.info(
+            "worker %s: resumed from the handed-over state (through seq %s); entries kept",
+            wid,
+            handoff.applied_through,
+        )
+        if self._kept is not None:
+            self._kept.drop_through(handoff.applied_through, handoff.applied_ts)
+        return True
+
+    # -- recovery ------------------------------------------------------------------------
+
+    async def resync(self, reason: str) -> None:
+        """Batches were lost for good: clear the worker and rebuild what can be."""
+        await self._rebuild_as(self.rules.after_loss(), reason)
+
+    async def rebuild(self) -> None:
+        """After a lease (re)acquisition or a failure: rebuild the worker from scratch."""
+        self.needs_rebuild = False
+        await self._rebuild_as(self.rules.after_takeover(in_batch=self.in_batch), "rebuild")
+
+    async def clear(self, applied_through: int | None) -> None:
+        """Drop the worker's entries; the stream continues after ``applied_through``."""
+        index = self._services.index
+        await index.clear_worker(self.worker_id)
+        index.bridge(self.worker_id).tolerate_orphans = False
+        self.position.applied_through = applied_through
+        self.position.applied_ts = None
+
+    def failed(self, exc: Exception) -> None:
+        """A write failed (``exc``): drop a lost lease, rebuild the worker later."""
+        wid, metrics = self.worker_id, self._services.metrics
+        if isinstance(exc, StaleLeaseError):
+            metrics.lease_lost.labels(wid).inc()
+            log.warning("worker %s: lost its lease (%s); maintenance will retake it", wid, exc)
+            self.lease = None
+            self._services.index.forget_lease(wid)
+        else:
+            if isinstance(exc, RedisError):
+                metrics.redis_errors.labels(wid).inc()
+            log.warning("worker %s: index write failed (%s); it will be rebuilt", wid, exc)
+        self.needs_rebuild = True
+
+    async def _rebuild_as(self, how: Rebuild, reason: str) -> None:
+        """Clear the worker and rebuild it ``how``; a resync is counted under ``reason``."""
+        if how is Rebuild.REPLAY_FROM_START:
+            await self._replay(0, clear=True)
+            return
+        self._services.metrics.resyncs.labels(self.worker_id, reason).inc()
+        log.warning("worker %s: resync (%s)", self.worker_id, reason)
+        await self._reload(how)
+
+    async def _replay(self, from_seq: int, *, clear: bool) -> None:
+        """Ask the subscriber for batches from ``from_seq`` (they come back to on_batch)."""
+        if clear:
+            await self.clear(applied_through=-1)
+        self.position.replaying = True
+        try:
+            ok = await self._services.subscriber.request_replay(self.record.worker_id, from_seq)
+        finally:
+            self.position.replaying = False
+        self._services.metrics.replays.labels(self.worker_id, "ok" if ok else "failed").inc()
+        # On failure the subscriber has already called on_resync_needed.
+
+    async def _restarted_unseen(self, seq: int) -> None:
+        """The publisher restarted while another router held the lease (a seq drop seen
+        meanwhile, or a batch that reuses a seq the index holds, stamped later): the
+        worker's entries are of the old lifetime."""
+        self._services.metrics.resets.labels(self.worker_id).inc()
+        log.warning(
+            "worker %s: its publisher restarted (at seq %d) while the lease moved; "
+            "clearing it",
+            self.worker_id,
+            seq,
+        )
+        await self.clear(applied_through=-1)
+        await self._services.lifetimes.record(self.record)
+
+    async def _reset_lifetime(self, when: str) -> None:
+        """A kvroute worker restarted and its new lifetime's first batches were lost (or
+        reached another router)."""
+        self._services.metrics.resets.labels(self.worker_id).inc()
+        log.warning(
+            "worker %s: a new publisher lifetime %s: it restarted; resetting it from its "
+            "snapshot",
+            self.worker_id,
+            when,
+        )
+        await self._reload(self.rules.after_loss())
+
+    async def _reload(self, how: Rebuild) -> None:
+        """Clear the worker, then load its snapshot or keep what arrives from now on."""
+        await self.clear(applied_through=None)
+        if how is Rebuild.LOAD_SNAPSHOT:
+            await self._load_snapshot()
+        else:
+            self._services.index.bridge(self.worker_id).tolerate_orphans = True
+
+    async def _load_snapshot(self) -> None:
+        wid, record, services = self.worker_id, self.record, self._services
+        assert record.http_url is not None
+        bridge = services.index.bridge(wid)
+        await services.lifetimes.record(record)  # before: never newer than the snapshot's
+        try:
+            snapshot = await fetch_snapshot(
+                services.session, record.http_url, services.snapshot_timeout_s
+            )
+        except PrefixIndexError as exc:
+            services.metrics.snapshots.labels(wid, "failed").inc()
+            log.error("worker %s: %s; keeping only what arrives from now on", wid, exc)
+            bridge.tolerate_orphans = True
+            return
+        events = snapshot_events(snapshot)
+        bridge.tolerate_orphans = True  # runs under an evicted ancestor are unreachable
+        try:
+            step = services.snapshot_chunk_runs
+            for start in range(0, len(events), step):
+                batch = KVEventBatch(ts=time.time(), events=list(events[start : start + step]))
+                await services.index.apply(wid, batch)
+        finally:
+            bridge.tolerate_orphans = False
+        await services.index.flush(wid)  # the snapshot is in Redis before the stream resumes
+        self.position.applied_through = snapshot.next_seq - 1
+        self.position.applied_ts = None
+        services.metrics.snapshots.labels(wid, "ok").inc()
+        self._sync_counters()
+        log.info(
+            "worker %s: loaded snapshot of %d runs (next seq %d)",
+            wid,
+            len(events),
+            snapshot.next_seq,
+        )

@@ -1,0 +1,59 @@
+"""Load accounting of one forwarded request: what each attempt adds to and removes from a worker.
+
+The service hands a :class:`LoadAccounting` to the proxy as its attempt observer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from events.identity import WorkerId
+from router.front.proxy import ProxyTarget
+from router.load.model import finished, prefilled, routed
+
+if TYPE_CHECKING:
+    from router.front.service import Routed, RouterService
+
+__all__ = ["LoadAccounting"]
+
+
+class LoadAccounting:
+    """Accounts one forwarded request's load on each worker it is sent to.
+
+    Routed load is added when an attempt starts, its prefill leaves the queue at the first
+    byte of the answer, and the rest when the attempt ends (a failed attempt leaves no
+    load behind). Local figures change at once; Redis hears of it without delaying the
+    request. Implements :class:`router.front.proxy.AttemptObserver`.
+    """
+
+    def __init__(self, service: RouterService, routed_: Routed) -> None:
+        self._service = service
+        self._routed = routed_
+        self._prefilled: set[WorkerId] = set()
+
+    async def attempt_started(self, target: ProxyTarget) -> None:
+        """Add the request's load to ``target`` (a retry also moves the prefix credit)."""
+        if target.worker_id != self._routed.decision.worker_id:
+            self._service.credit(target.worker_id, self._routed.keys)
+        prefill = self._routed.prefill_of(target.worker_id)
+        self._service.load.add_nowait(
+            target.worker_id, routed(prefill, self._routed.num_output_tokens)
+        )
+
+    async def first_byte(self, target: ProxyTarget) -> None:
+        """The prefill is done: it leaves ``target``'s queue."""
+        self._prefilled.add(target.worker_id)
+        self._service.load.add_nowait(
+            target.worker_id, prefilled(self._routed.prefill_of(target.worker_id))
+        )
+
+    async def attempt_ended(self, target: ProxyTarget, ok: bool) -> None:
+        """Remove the rest of the request's load; a failing worker becomes suspect."""
+        wid = target.worker_id
+        delta = finished(self._routed.num_output_tokens)
+        if wid not in self._prefilled:
+            delta = delta + prefilled(self._routed.prefill_of(wid))
+        self._service.load.add_nowait(wid, delta)
+        self._service.metrics.proxy_attempts.labels(wid, "ok" if ok else "failed").inc()
+        if not ok:
+            self._service.mark_suspect(wid)

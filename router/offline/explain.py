@@ -1,0 +1,268 @@
+"""Explain one routing decision: score a request against an index replayed to a moment.
+
+Given the index as it stood (see :mod:`router.offline.replay`), a prompt and the candidate
+workers, :func:`explain_request` computes the router keys, looks them up, and runs the
+real routing policy on the result, so the figures are those the router would have used.
+With the router's decision record for that request, the candidates' loads and predicted
+prefixes are taken from it (the log of KV events does not hold them), and the replayed
+matches and pick are compared with what the router saw and did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from events.hashing import RouterKeyer
+from events.identity import WorkerId
+from router.index.base import PrefixIndex
+from router.load.model import WorkerLoad
+from router.offline.replay import ReplayError
+from router.routing.cost import CostBreakdown, score_candidate
+from router.routing.policies import (
+    Decision,
+    PolicyConfig,
+    RouteRequest,
+    build_candidates,
+    make_policy,
+)
+
+__all__ = [
+    "Explanation",
+    "RecordedCandidate",
+    "RecordedDecision",
+    "explain_request",
+    "find_decision",
+    "read_decisions",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedCandidate:
+    """One candidate as the router's decision record shows it.
+
+    Attributes:
+        worker_id: The candidate.
+        matched_tokens: Prompt tokens its confirmed prefix covered.
+        predicted_tokens: Prompt tokens covered counting predicted entries.
+        load: Its load at decision time.
+        score: The score the policy gave it.
+    """
+
+    worker_id: str
+    matched_tokens: int
+    predicted_tokens: int
+    load: WorkerLoad
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedDecision:
+    """What the router did for one request (one record of its decision log).
+
+    Attributes:
+        ts: When it decided (seconds since the epoch).
+        worker_id: The worker it chose.
+        policy: The policy it used.
+        num_prompt_tokens: The request's prompt length.
+        candidates: Every candidate as it scored them.
+        index_live: False when the router's index was unreachable and it routed on load
+            alone (matched tokens are then all 0).
+    """
+
+    ts: float
+    worker_id: str
+    policy: str
+    num_prompt_tokens: int
+    candidates: tuple[RecordedCandidate, ...] = ()
+    index_live: bool = True
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """A decision re-made on the replayed index, and why it came out that way.
+
+    Attributes:
+        at_ts: The moment of the replayed index.
+        num_prompt_tokens: The request's prompt length.
+        block_size: Tokens per block of its keys.
+        decision: The policy's decision on the replayed state.
+        costs: For cost-based policies, each candidate's cost terms.
+        reason: Why the policy picked that worker, in one paragraph.
+        recorded: The router's own decision, when a decision log was given.
+    """
+
+    at_ts: float
+    num_prompt_tokens: int
+    block_size: int
+    decision: Decision
+    costs: Mapping[WorkerId, CostBreakdown] = field(default_factory=dict)
+    reason: str = ""
+    recorded: RecordedDecision | None = None
+
+    @property
+    def disagreements(self) -> list[str]:
+        """Where the replayed state differs from what the router saw (empty: none)."""
+        recorded = self.recorded
+        if recorded is None:
+            return []
+        out: list[str] = []
+        if recorded.worker_id != self.decision.worker_id:
+            out.append(
+                f"the router chose {recorded.worker_id}, the replayed state picks "
+                f"{self.decision.worker_id}"
+            )
+        replayed = {c.worker_id: c.matched_tokens for c in self.decision.candidates}
+        for c in recorded.candidates:
+            mine = replayed.get(WorkerId(c.worker_id))
+            if mine is None:
+                out.append(f"{c.worker_id} was a candidate of the router, not of the replay")
+            elif mine != c.matched_tokens:
+                out.append(
+                    f"{c.worker_id}: the router matched {c.matched_tokens} tokens, the replayed "
+                    f"index {mine}"
+                )
+        return out
+
+    @property
+    def agrees(self) -> bool | None:
+        """Whether the replay reproduces the router's view and pick; None without a record."""
+        return None if self.recorded is None else not self.disagreements
+
+
+def _reason(
+    decision: Decision, costs: Mapping[WorkerId, CostBreakdown], num_prompt_tokens: int
+) -> str:
+    chosen = decision.chosen
+    if not costs:
+        return (
+            f"{decision.policy} does not read the prefix index; on the replayed inputs it "
+            f"picks {chosen.worker_id} (score {chosen.score:g}). Its own state (rotation, "
+            "sampling, route history) is not in the event log, so only the router's decision "
+            "log says which worker it really picked."
+        )
+    mine = costs[chosen.worker_id]
+    text = (
+        f"{decision.policy} picks {chosen.worker_id}: the lowest cost, {mine.score:,.0f} "
+        f"tokens of work. It caches {mine.cached_tokens:,.0f} of the {num_prompt_tokens:,} "
+        f"prompt tokens, so it would compute {mine.prefill_tokens:,.0f}; it has "
+        f"{mine.queued_prefill_tokens:,} prefill tokens queued, {mine.decode_tokens:,} decode "
+        f"tokens and {mine.num_requests} requests in flight."
+    )
+    others = sorted(
+        (c for c in decision.candidates if c.worker_id != chosen.worker_id),
+        key=lambda c: c.score,
+    )
+    if not others:
+        return text + " It is the only candidate."
+    runner = costs[others[0].worker_id]
+    text += (
+        f" Next best: {others[0].worker_id} at {runner.score:,.0f} (caches "
+        f"{runner.cached_tokens:,.0f}, {runner.queued_prefill_tokens:,} queued, "
+        f"{runner.num_requests} in flight)."
+    )
+    if runner.score == mine.score:
+        text += " The scores tie; the router breaks ties by rotation."
+    return text
+
+
+async def explain_request(
+    index: PrefixIndex,
+    token_ids: Sequence[int],
+    workers: Sequence[WorkerId],
+    *,
+    at_ts: float,
+    policy: str = "cache_aware",
+    config: PolicyConfig | None = None,
+    block_size: int = 16,
+    keyer: RouterKeyer | None = None,
+    num_output_tokens: int = 0,
+    recorded: RecordedDecision | None = None,
+) -> Explanation:
+    """Re-make the routing decision for one prompt on a replayed index.
+
+    Args:
+        index: The index as it stood at ``at_ts``.
+        token_ids: The prompt.
+        workers: The candidates (all workers the router knew).
+        at_ts: The moment the index was replayed to.
+        policy: The routing policy (one of ``router.routing.policies.POLICY_NAMES``).
+        config: The policy settings the router ran with.
+        block_size: Tokens per block.
+        keyer: The router key function (its seed); default seed 0.
+        num_output_tokens: Expected output tokens (decode load).
+        recorded: The router's decision for this request: its candidates' loads and
+            predicted prefixes are used, and its matches and pick compared.
+
+    Returns:
+        The explanation.
+
+    Raises:
+        CostConfigError: ``policy`` is unknown.
+    """
+    config = config or PolicyConfig()
+    keyer = keyer or RouterKeyer()
+    chooser = make_policy(policy, config)
+    keys = keyer.keys(token_ids, block_size)
+    matches = await index.lookup(keys, list(workers)) if chooser.uses_index and keys else {}
+    loads: dict[WorkerId, WorkerLoad] = {}
+    predicted: dict[WorkerId, int] = {}
+    if recorded is not None:
+        for seen in recorded.candidates:
+            loads[WorkerId(seen.worker_id)] = seen.load
+            if seen.predicted_tokens > seen.matched_tokens:
+                predicted[WorkerId(seen.worker_id)] = seen.predicted_tokens // block_size
+    candidates = build_candidates(workers, loads, matches, predicted)
+    request = RouteRequest(keys, len(token_ids), block_size, num_output_tokens)
+    decision = chooser.decide(request, candidates)
+    costs: dict[WorkerId, CostBreakdown] = {}
+    if policy == "cache_aware":
+        weights = config.weights
+        for c in candidates:
+            cached = max(
+                float(c.num_predicted_blocks * block_size),
+                c.match.weighted_tokens(block_size, weights.cpu_hit),
+            )
+            costs[c.worker_id] = score_candidate(len(token_ids), cached, c.load, weights)
+        # NOTE: the terms shown must be the ones the policy scored with.
+        assert all(costs[c.worker_id].score == c.score for c in decision.candidates)
+    return Explanation(
+        at_ts=at_ts,
+        num_prompt_tokens=len(token_ids),
+        block_size=block_size,
+        decision=decision,
+        costs=costs,
+        reason=_reason(decision, costs, len(token_ids)),
+        recorded=recorded,
+    )
+
+
+def read_decisions(path: str | Path) -> list[RecordedDecision]:
+    """Read a router decision log (JSON lines, one routing decision each).
+
+    Raises:
+        ReplayError: A line is not a decision record.
+        OSError: The file cannot be read.
+    """
+    decoder = msgspec.json.Decoder(RecordedDecision)
+    out: list[RecordedDecision] = []
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(decoder.decode(line))
+            except msgspec.DecodeError as exc:
+                raise ReplayError(f"{path}:{lineno}: not a decision record ({exc})") from exc
+    return out
+
+
+def find_decision(
+    decisions: Iterable[RecordedDecision], at_ts: float, num_prompt_tokens: int
+) -> RecordedDecision | None:
+    """The router's last decision at or before ``at_ts`` for a prompt of that length."""
+    matching = [d for d in decisions if d.ts <= at_ts and d.num_prompt_tokens == num_prompt_tokens]
+    return max(matching, key=lambda d: d.ts, default=None)

@@ -1,0 +1,1 @@
+"""The routing decision, pure: the cost model, policies, candidates and predicted entries."""

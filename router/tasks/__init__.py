@@ -1,0 +1,1 @@
+"""Asyncio building blocks shared by the router's folders."""

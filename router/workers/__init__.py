@@ -1,0 +1,4 @@
+"""Worker membership and liveness.
+
+Registrations, leases and epochs, ownership, lifetime ids, load reports, snapshots.
+"""

@@ -1,0 +1,194 @@
+"""Which router replica ingests which worker: leases taken, renewed, handed over and on.
+
+Router replicas share the ingest. Every maintenance pass renews this router's heartbeat,
+and a worker is ingested by its owner among the live routers (rendezvous hashing,
+:func:`router.index.registry.owner_of`). :class:`LeaseKeeper` hands the lease of a worker
+this router holds but does not own to the owner, takes a worker it owns, and takes one it
+does not own only when the owner left it unclaimed for a whole lease TTL.
+
+A lease given up on purpose (a handover, a shutdown) carries this router's state of the
+worker (:mod:`router.ingest.handoff`): the next holder resumes the stream where it
+stopped and the worker's entries stay. A lease taken without a valid handoff (its holder
+crashed, or someone held it in between) means a rebuild of the worker.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from redis.exceptions import RedisError
+
+from events.identity import WorkerId
+from router.errors import PrefixIndexError
+from router.index.redis_index import RedisPrefixIndex
+from router.ingest.metrics import IngestMetrics
+from router.ingest.worker import WorkerIngest
+from router.store.scripts import StaleLeaseError
+from router.workers.registry import WorkerRegistry, owner_of
+
+__all__ = ["RECOVERY_ERRORS", "LeaseKeeper"]
+
+log = logging.getLogger(__name__)
+
+RECOVERY_ERRORS = (RedisError, StaleLeaseError, PrefixIndexError)
+"""What a worker's write or recovery step may raise; it marks the worker for a rebuild."""
+
+
+async def _guarded(worker: WorkerIngest, step: Callable[[], Awaitable[None]]) -> None:
+    """Run a step of ``worker``'s recovery; a failure marks it for a rebuild."""
+    try:
+        await step()
+    except RECOVERY_ERRORS as exc:
+        worker.failed(exc)
+
+
+class LeaseKeeper:
+    """The leases of one router replica over the workers it ingests.
+
+    Callers hold no worker lock; the keeper takes each worker's lock around what changes
+    the worker's entries.
+
+    Args:
+        index: The Redis prefix index (its lease tokens follow the leases held).
+        registry: Leases and router heartbeats of the namespace.
+        metrics: Where lease counters go.
+    """
+
+    def __init__(
+        self, index: RedisPrefixIndex, registry: WorkerRegistry, metrics: IngestMetrics
+    ) -> None:
+        self.index = index
+        self.registry = registry
+        self.metrics = metrics
+        # NOTE: the live routers as of this router's last heartbeat (empty before the
+        # first: then every worker counts as its own); per worker it does not own, when
+        # it first found the lease free (cleared once anyone holds it).
+        self._routers: list[str] = []
+        self._unclaimed_since: dict[str, float] = {}
+
+    async def heartbeat(self) -> None:
+        """Renew this router's membership and learn the live routers."""
+        self._routers = await self.registry.heartbeat()
+
+    def owns(self, worker_id: str) -> bool:
+        """Whether this router is the worker's owner among the live routers."""
+        return owner_of(worker_id, self._routers) in (None, self.registry.owner)
+
+    async def maintain(self, worker: WorkerIngest, current: Callable[[], bool]) -> None:
+        """Renew, hand over or take ``worker``'s lease as ownership says; for a worker
+        held and owned, surface a failed queued write and rebuild it if it needs one.
+
+        Args:
+            worker: The worker.
+            current: Whether the worker is still ingested here (checked after waits).
+        """
+        # NOTE: the lease says which router ingests the worker, not that the worker is
+        # alive: it is renewed while the worker is registered here, quiet or not (a SUB
+        # socket cannot tell a quiet publisher from a dead one). The service drops a
+        # worker it cannot reach (remove_worker), which releases the lease.
+        if worker.lease is not None and not await self.registry.renew(worker.lease):
+            self.metrics.lease_lost.labels(worker.worker_id).inc()
+            log.warning("worker %s: lease lapsed or taken; retaking it", worker.worker_id)
+            worker.lease = None
+            self.index.forget_lease(worker.worker_id)
+        owner = owner_of(worker.worker_id, self._routers)
+        if worker.lease is not None and owner not in (None, self.registry.owner):
+            await self._hand_over(worker, str(owner))
+            return
+        if worker.lease is None:
+            if owner in (None, self.registry.owner) or await self._unclaimed(worker):
+                await self.take_over(worker, current)
+            return
+        async with worker.lock.hold():
+            try:  # surfaces a failed queued write of an idle worker
+                await self.index.flush(worker.worker_id)
+            except RECOVERY_ERRORS as exc:
+                worker.failed(exc)
+            if worker.needs_rebuild and worker.record.has_snapshot:
+                await _guarded(worker, worker.rebuild)
+
+    async def take_over(self, worker: WorkerIngest, current: Callable[[], bool]) -> None:
+        """Take ``worker``'s lease if free (or handed to this router): resume from the
+        previous holder's handoff, else rebuild the worker."""
+        lease = await self.registry.acquire(worker.worker_id)
+        if lease is None:
+            return  # another router replica ingests this worker
+        self._unclaimed_since.pop(worker.worker_id, None)
+        async with worker.lock.hold():
+            if not current():
+                await self.registry.release(lease)  # removed while the lease was acquired
+                return
+            log.info("worker %s: lease acquired (epoch %d)", worker.worker_id, lease.epoch)
+            worker.lease = lease
+            self.index.use_lease(worker.worker_id, lease.token)
+            try:
+                handed = await self.registry.take_handoff(worker.worker_id)
+            except RedisError:
+                handed = None  # rebuilt below (which meets the same Redis trouble)
+            if await worker.resume(lease, handed):
+                await _guarded(worker, worker.catch_up)
+                return
+            worker.needs_rebuild = True
+            # Snapshot workers are rebuilt now (also when idle); others at their next batch,
+            # where a replay can be requested.
+            if worker.record.has_snapshot:
+                await _guarded(worker, worker.rebuild)
+            else:
+                await _guarded(worker, functools.partial(worker.clear, applied_through=-1))
+
+    async def pass_on(self, worker: WorkerIngest, next_owner: str) -> None:
+        """Give up a held lease (callers hold the worker's lock): to ``next_owner`` (``""``:
+        parked for any router) with this router's state of the worker once its queued
+        writes landed, or plainly when they did not (the next holder then rebuilds it)."""
+        lease = worker.lease
+        if lease is None:
+            return
+        try:
+            await self.index.flush(worker.worker_id)  # its queued writes land first
+            state = await worker.handoff()
+        except RECOVERY_ERRORS:
+            state = None
+        worker.lease = None
+        self.index.forget_lease(worker.worker_id)
+        if state is not None:
+            try:
+                if await self.registry.hand_off(lease, next_owner, state):
+                    self.metrics.handoffs.labels(worker.worker_id, "sent").inc()
+                return
+            except RedisError as exc:  # e.g. a state over Redis's bulk limit
+                log.warning(
+                    "worker %s: handing its state on failed (%s, %d bytes); releasing the "
+                    "lease plainly (the next holder rebuilds the worker)",
+                    worker.worker_id,
+                    exc,
+                    len(state),
+                )
+        await self.registry.release(lease)
+
+    def successor(self, worker_id: str) -> str:
+        """Who a leaving router hands the worker to: its owner among the other live
+        routers, or ``""`` (parked for any router) when none is left."""
+        others = [router for router in self._routers if router != self.registry.owner]
+        return owner_of(worker_id, others) or ""
+
+    async def _hand_over(self, worker: WorkerIngest, owner: str) -> None:
+        """Give the lease of a worker another live router owns to that router."""
+        async with worker.lock.hold():
+            if worker.lease is None:
+                return
+            await self.pass_on(worker, owner)
+        self.metrics.handovers.labels(worker.worker_id).inc()
+        log.info("worker %s: lease handed over to router %s (its owner)", worker.worker_id, owner)
+
+    async def _unclaimed(self, worker: WorkerIngest) -> bool:
+        """True once the worker's lease has been free for a whole TTL (its owner is not
+        taking it: stalled, or its ingest broken): then any router may."""
+        wid = worker.worker_id
+        if await self.registry.holder(WorkerId(wid)) is not None:
+            self._unclaimed_since.pop(wid, None)
+            return False
+        since = self._unclaimed_since.setdefault(wid, time.monotonic())
+        return time.monotonic() - since >= self.registry.lease_ttl_ms / 1000

@@ -1,0 +1,322 @@
+"""Worker registry in Redis: persistent registrations, single-writer leases with epoch fencing.
+
+* Registration (worker id -> endpoints, kind, block size, CURVE server key) persists in
+  one hash, so a restarted router resumes ingesting the same workers.
+* A lease (``SET`` with ``PX``, value ``"<epoch>:<owner>"``) makes one router the only
+  writer of a worker's index entries; every index write checks the token server-side,
+  so a router holding an old epoch cannot write (fencing).
+* The holder renews the lease while the worker's stream is alive; when it lapses, any
+  router replica's :meth:`WorkerRegistry.reap` removes the worker's entries.
+* Router replicas share the ingest: each renews a heartbeat (:meth:`WorkerRegistry.heartbeat`)
+  and :func:`owner_of` assigns every worker to one live replica by rendezvous hashing, so
+  N replicas ingest about 1/N of the workers each and a change of membership moves only
+  the workers of the replica that joined or left.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import xxhash
+
+from events.curve import Z85_KEY_LEN, load_public_key
+from events.identity import WorkerId
+from router.errors import PrefixIndexError
+from router.index.redis_index import RedisPrefixIndex
+from router.store.connection import RedisClient, reply_bytes
+from router.store.layout import KeyLayout, check_name
+from router.store.scripts import ACQUIRE, HAND_OFF, HEARTBEAT, RELEASE, RENEW, Script
+
+__all__ = [
+    "Lease",
+    "WorkerRecord",
+    "WorkerRegistry",
+    "live_members",
+    "load_records",
+    "owner_of",
+    "parse_worker_spec",
+]
+
+log = logging.getLogger(__name__)
+
+_acquire = Script(ACQUIRE)
+_renew = Script(RENEW)
+_release = Script(RELEASE)
+_hand_off = Script(HAND_OFF)
+_heartbeat = Script(HEARTBEAT)
+
+
+def owner_of(worker_id: str, routers: Sequence[str]) -> str | None:
+    """The live router that should ingest a worker (rendezvous hashing), or None if none.
+
+    Every replica computes the same answer from the same membership; when a router joins
+    or leaves, only the workers it wins or held change owner.
+    """
+    if not routers:
+        return None
+    weight = xxhash.xxh3_64_intdigest
+    return max(routers, key=lambda router: weight(f"{router}\0{worker_id}".encode()))
+
+
+class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the router reaches one worker.
+
+    Attributes:
+        worker_id: Unique id within the namespace.
+        events_endpoint: ZeroMQ PUB endpoint the router connects to.
+        replay_endpoint: ZeroMQ ROUTER replay endpoint, if the worker has one.
+        http_url: Base URL of the worker's HTTP API (``/v1/snapshot`` for kvroute workers).
+        kind: ``"kvroute"`` (serves snapshots) or ``"vllm"`` (events only).
+        block_size: Tokens per block.
+        topic: ZeroMQ topic prefix to subscribe to.
+        server_key: The worker's z85 CURVE server public key (40 characters) when its
+            event and replay sockets are CURVE servers; ``None``: plain ZeroMQ.
+    """
+
+    worker_id: str
+    events_endpoint: str
+    replay_endpoint: str | None = None
+    http_url: str | None = None
+    kind: Literal["kvroute", "vllm"] = "kvroute"
+    block_size: int = 16
+    topic: str = ""
+    server_key: str | None = None
+
+    def __post_init__(self) -> None:
+        check_name("worker id", self.worker_id)
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.server_key is not None and (
+            len(self.server_key) != Z85_KEY_LEN or not self.server_key.isascii()
+        ):
+            raise ValueError(
+                f"server_key must be a z85 CURVE public key of {Z85_KEY_LEN} characters "
+                "(the text of the worker's NAME.key file)"
+            )
+
+    @property
+    def has_snapshot(self) -> bool:
+        """True when the worker can serve ``GET /v1/snapshot``."""
+        return self.kind == "kvroute" and self.http_url is not None
+
+
+def parse_worker_spec(spec: str) -> WorkerRecord:
+    """Parse ``ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=K][,block_size=N][,topic=T]``.
+
+    A ``server_key=FILE`` option reads the worker's CURVE public key file.
+
+    Raises:
+        PrefixIndexError: The spec is malformed (the message shows the expected shape).
+    """
+    usage = (
+        "expected ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=vllm][,block_size=N]"
+        "[,server_key=FILE]"
+    )
+    head, _, rest = spec.partition(",")
+    worker_id, sep, endpoint = head.partition("=")
+    if not sep or not worker_id or not endpoint:
+        raise PrefixIndexError(f"worker spec {spec!r}: {usage}")
+    fields: dict[str, object] = {"worker_id": worker_id, "events_endpoint": endpoint}
+    names = {"replay": "replay_endpoint", "http": "http_url", "kind": "kind", "topic": "topic",
+             "server_key": "server_key"}  # fmt: skip
+    for item in filter(None, rest.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or name not in (*names, "block_size"):
+            raise PrefixIndexError(f"worker spec {spec!r}: bad option {item!r}; {usage}")
+        fields[names.get(name, name)] = int(value) if name == "block_size" else value
+    try:
+        if "server_key" in fields:
+            fields["server_key"] = load_public_key(str(fields["server_key"])).decode()
+        return msgspec.convert(fields, WorkerRecord)
+    except (msgspec.ValidationError, ValueError, PrefixIndexError) as exc:
+        raise PrefixIndexError(f"worker spec {spec!r}: {exc}") from exc
+
+
+def load_records(path: str | Path) -> list[WorkerRecord]:
+    """Worker records from a JSON file holding a list of record objects.
+
+    Raises:
+        PrefixIndexError: The file is missing or not a list of valid records.
+    """
+    try:
+        return msgspec.json.decode(Path(path).read_bytes(), type=list[WorkerRecord])
+    except (OSError, msgspec.DecodeError, ValueError) as exc:
+        raise PrefixIndexError(f"worker config {str(path)!r}: {exc}") from exc
+
+
+async def live_members(client: RedisClient, key: str, member: str, ttl_ms: int) -> list[str]:
+    """Renew ``member``'s heartbeat in the sorted set ``key`` for ``ttl_ms`` (``""``: only
+    read) and return the live members, sorted.
+
+    Heartbeats are scored by the Redis server's clock, so members' clocks never need to
+    agree; lapsed members are dropped on every call.
+    """
+    live = await _heartbeat(client, [key], [member, ttl_ms])
+    return sorted(reply_bytes(r).decode() for r in live)
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A held lease: the right to write one worker's entries.
+
+    Attributes:
+        worker_id: The worker.
+        epoch: Incremented on every acquisition; writes with an older one are refused.
+        owner: The router instance that holds it.
+    """
+
+    worker_id: WorkerId
+    epoch: int
+    owner: str
+
+    @property
+    def token(self) -> str:
+        """What the lease key holds and every fenced write must present."""
+        return f"{self.epoch}:{self.owner}"
+
+
+class WorkerRegistry:
+    """Registrations and leases of a namespace's workers.
+
+    Args:
+        client: A connected Redis client.
+        layout: Key names of the namespace.
+        owner: This router instance's id (random by default).
+        lease_ttl_ms: Lease lifetime; renew well within it (e.g. every third).
+    """
+
+    def __init__(
+        self,
+        client: RedisClient,
+        layout: KeyLayout | None = None,
+        *,
+        owner: str | None = None,
+        lease_ttl_ms: int = 10_000,
+    ) -> None:
+        self.client = client
+        self.layout = layout if layout is not None else KeyLayout()
+        self.owner = owner if owner is not None else uuid.uuid4().hex[:16]
+        self.lease_ttl_ms = lease_ttl_ms
+        # A restarting router may take longer than a lease TTL to come back for the state
+        # it handed itself; the epoch check still tells whether anyone came in between.
+        self.handoff_ttl_ms = 6 * lease_ttl_ms
+
+    async def register(self, record: WorkerRecord) -> None:
+        """Add or replace a worker's registration."""
+        await self.client.hset(self.layout.registry, record.worker_id, msgspec.json.encode(record))
+
+    async def unregister(self, worker_id: WorkerId) -> bool:
+        """Remove a registration; True when it existed (its entries go with its lease)."""
+        return bool(await self.client.hdel(self.layout.registry, worker_id))
+
+    async def records(self) -> list[WorkerRecord]:
+        """Every registration, sorted by worker id; unreadable ones are logged and skipped."""
+        raw = await self.client.hgetall(self.layout.registry)
+        out: list[WorkerRecord] = []
+        for worker_id, value in raw.items():
+            try:
+                out.append(msgspec.json.decode(value, type=WorkerRecord))
+            except (msgspec.DecodeError, ValueError) as exc:
+                log.error("skipping unreadable registration of %r: %s", worker_id, exc)
+        return sorted(out, key=lambda r: r.worker_id)
+
+    async def acquire(self, worker_id: WorkerId) -> Lease | None:
+        """Take the worker's lease with a new epoch, unless another owner holds it."""
+        lay = self.layout
+        epoch = await _acquire(
+            self.client,
+            [lay.lease(worker_id), lay.worker(worker_id)],
+            [self.owner, self.lease_ttl_ms],
+        )
+        if epoch is None:
+            return None
+        await self.client.sadd(lay.indexed, worker_id)
+        return Lease(worker_id, int(epoch), self.owner)
+
+    async def renew(self, lease: Lease) -> bool:
+        """Extend a held lease; False when it lapsed or was taken (stop writing then)."""
+        renewed = await _renew(
+            self.client, [self.layout.lease(lease.worker_id)], [lease.token, self.lease_ttl_ms]
+        )
+        return bool(renewed)
+
+    async def release(self, lease: Lease) -> None:
+        """Give a lease up now (its entries stay until reaped or cleared)."""
+        await _release(self.client, [self.layout.lease(lease.worker_id)], [lease.token])
+
+    async def hand_off(self, lease: Lease, next_owner: str, state: bytes) -> bool:
+        """Pass a held lease to ``next_owner`` with this router's ``state`` of the worker.
+
+        The lease stays taken in the next owner's name (``""``: parked, free for any
+        router) until it is acquired, or for one TTL, so the worker is not reaped in
+        between; ``state`` is kept for :attr:`handoff_ttl_ms`. False when this router no
+        longer held the lease.
+        """
+        lay = self.layout
+        done = await _hand_off(
+            self.client,
+            [lay.lease(lease.worker_id), lay.handoff(lease.worker_id)],
+            [lease.token, next_owner, self.lease_ttl_ms, self.handoff_ttl_ms, state],
+        )
+        return bool(done)
+
+    async def take_handoff(self, worker_id: WorkerId) -> bytes | None:
+        """Remove and return the state handed over with the worker's lease (None: none).
+
+        Call it right after :meth:`acquire`; whether the state is still valid is for the
+        caller to check against the acquired epoch (:mod:`router.ingest.handoff`).
+        """
+        state = await self.client.getdel(self.layout.handoff(worker_id))
+        return None if state is None else reply_bytes(state)
+
+    async def heartbeat(self) -> list[str]:
+        """Renew this router's membership for one lease TTL; returns the live routers."""
+        return await self._routers(self.owner)
+
+    async def live_routers(self) -> list[str]:
+        """The live routers, without joining them (for tools)."""
+        return await self._routers("")
+
+    async def _routers(self, joining: str) -> list[str]:
+        return await live_members(self.client, self.layout.routers, joining, self.lease_ttl_ms)
+
+    async def leave(self) -> None:
+        """Withdraw this router's membership (on shutdown), so others take its workers."""
+        await self.client.zrem(self.layout.routers, self.owner)
+
+    async def holder(self, worker_id: WorkerId) -> str | None:
+        """The current lease token of a worker, or None when nobody holds it."""
+        value = await self.client.get(self.layout.lease(worker_id))
+        return None if value is None else reply_bytes(value).decode()
+
+    async def reap(self, index: RedisPrefixIndex) -> list[WorkerId]:
+        """Remove the entries of every worker whose lease lapsed; returns those workers.
+
+        Any router replica may run it: it takes the lapsed lease itself (a new epoch, so
+        the previous holder can no longer write), clears the worker and releases it.
+        """
+        lay = self.layout
+        reaped: list[WorkerId] = []
+        for raw in await self.client.smembers(lay.indexed):
+            worker_id = WorkerId(reply_bytes(raw).decode())
+            if await self.client.exists(lay.lease(worker_id)):
+                continue
+            lease = await self.acquire(worker_id)
+            if lease is None:
+                continue
+            index.use_lease(worker_id, lease.token)
+            try:
+                await index.clear_worker(worker_id)
+                await self.client.srem(lay.indexed, worker_id)
+            finally:
+                index.forget_lease(worker_id)
+                await self.release(lease)
+            log.warning("reaped worker %r: its lease lapsed, its entries were removed", worker_id)
+            reaped.append(worker_id)
+        return reaped

@@ -1,0 +1,154 @@
+"""Workers' own load reports: ``/health`` of kvroute workers, ``/metrics`` of vLLM engines.
+
+:class:`WorkerReportPoller` polls every worker in the background and hands what each
+reports to the :class:`router.load.shared.RedisLoadTracker`, which merges it with the
+routers' own counts; a worker that gives no HTTP answer at all is marked unreachable (the
+service drops it from routing after a while).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from events.identity import WorkerId
+from router.load.model import WorkerLoad
+from router.load.shared import RedisLoadTracker
+from router.tasks.periodic import Periodic
+
+__all__ = ["WorkerReportPoller", "parse_health_load", "parse_vllm_metrics_load"]
+
+logger = logging.getLogger(__name__)
+
+
+def _as_int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value)
+
+
+def parse_health_load(body: Any) -> WorkerLoad | None:
+    """The load in a kvroute worker's ``/health`` JSON, or ``None`` if it has none.
+
+    Accepts the figures at the top level or under ``"load"``: ``running`` and
+    ``waiting`` (or ``num_running`` / ``num_waiting``) requests, and optionally
+    ``queued_prefill_tokens`` and ``decode_tokens``.
+    """
+    if not isinstance(body, dict):
+        return None
+    src = body.get("load") if isinstance(body.get("load"), dict) else body
+    assert isinstance(src, dict)
+    running = _as_int(src.get("running", src.get("num_running")))
+    waiting = _as_int(src.get("waiting", src.get("num_waiting")))
+    if running is None and waiting is None:
+        return None
+    return WorkerLoad(
+        (running or 0) + (waiting or 0),
+        _as_int(src.get("queued_prefill_tokens")) or 0,
+        _as_int(src.get("decode_tokens")) or 0,
+    )
+
+
+def parse_vllm_metrics_load(text: str) -> WorkerLoad | None:
+    """The load in a vLLM engine's Prometheus ``/metrics`` text, or ``None`` if absent.
+
+    Sums ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` over their
+    label sets (one per model / engine).
+    """
+    total = 0.0
+    found = False
+    for family in text_string_to_metric_families(text):
+        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            for sample in family.samples:
+                total += sample.value
+                found = True
+    return WorkerLoad(int(total)) if found else None
+
+
+class WorkerReportPoller:
+    """Polls each worker's own load report and hands it to a :class:`RedisLoadTracker`.
+
+    kvroute workers answer ``GET /health`` with JSON load figures; vLLM engines expose
+    ``GET /metrics``. The poller tries ``/health`` and falls back to ``/metrics`` when
+    the JSON carries no load. A worker that does not answer reports nothing (its figures
+    are dropped, the router's own count stays).
+
+    Args:
+        tracker: Where the reports go.
+        session: The aiohttp client session to poll with.
+        interval_s: Time between two polls of the whole cluster.
+        timeout_s: Per-request timeout.
+    """
+
+    def __init__(
+        self,
+        tracker: RedisLoadTracker,
+        session: aiohttp.ClientSession,
+        interval_s: float = 0.5,
+        timeout_s: float = 1.0,
+    ) -> None:
+        self._tracker = tracker
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._urls: dict[WorkerId, str] = {}
+        # NOTE: a worker is reachable until a poll of it fails (never polled: reachable).
+        self._unreachable: set[WorkerId] = set()
+        self._loop = Periodic(self.poll_once, interval_s)
+
+    def set_worker(self, worker_id: WorkerId, url: str | None) -> None:
+        """Start (``url``) or stop (``None``) polling a worker."""
+        if url is None:
+            self._urls.pop(worker_id, None)
+            self._unreachable.discard(worker_id)
+            self._tracker.report(worker_id, None)
+        else:
+            self._urls[worker_id] = url.rstrip("/")
+
+    def start(self) -> None:
+        """Start polling in the background."""
+        self._loop.start("worker-report-poller")
+
+    async def close(self) -> None:
+        """Stop polling."""
+        await self._loop.stop()
+
+    async def poll_once(self) -> None:
+        """Poll every worker once, concurrently."""
+        items = list(self._urls.items())
+        polls = await asyncio.gather(*(self._poll(url) for _, url in items))
+        for (worker_id, _), (reachable, load) in zip(items, polls, strict=True):
+            if worker_id in self._urls:  # not removed while polling
+                self._tracker.report(worker_id, load)
+                if reachable:
+                    self._unreachable.discard(worker_id)
+                else:
+                    self._unreachable.add(worker_id)
+
+    def is_reachable(self, worker_id: WorkerId) -> bool:
+        """False when the last poll of the worker got no HTTP answer at all."""
+        return worker_id not in self._unreachable
+
+    async def probe(self, url: str) -> bool:
+        """True when ``url/health`` gives any HTTP answer."""
+        return (await self._poll(url.rstrip("/")))[0]
+
+    async def _poll(self, url: str) -> tuple[bool, WorkerLoad | None]:
+        """Whether the worker answered at all, and the load it reports."""
+        reachable = False
+        try:
+            async with self._session.get(f"{url}/health", timeout=self._timeout) as resp:
+                reachable = True
+                if resp.status == 200 and resp.content_type == "application/json":
+                    load = parse_health_load(await resp.json())
+                    if load is not None:
+                        return True, load
+            async with self._session.get(f"{url}/metrics", timeout=self._timeout) as resp:
+                if resp.status == 200:
+                    return True, parse_vllm_metrics_load(await resp.text())
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            logger.debug("load report of %s unavailable: %s", url, exc)
+        return reachable, None
