@@ -3,6 +3,7 @@
 from events.curve import CurveClientConfig, CurveKeyPair, CurveServerConfig
 from events.endpoints import Endpoint
 from events.errors import EventDecodeError, EventsError, FramingError
+from events.extra_keys import LoraAdapter, RequestExtraKeys
 from events.framing import make_message, pack_seq, parse_message, unpack_seq
 from events.hashing import (
     BlockHash,
@@ -59,8 +60,10 @@ __all__ = [
     "KVCacheEvent",
     "KVEventBatch",
     "LogRecord",
+    "LoraAdapter",
     "PublisherConfig",
     "ReceivedBatch",
+    "RequestExtraKeys",
     "RouterKeyer",
     "SubscriberConfig",
     "Tokenizer",

@@ -2,9 +2,10 @@
 
 Two families live here because the worker and the router must agree on them:
 
-* ``sha256_cbor`` block hashes, byte-exact with vLLM: SHA-256 over canonical CBOR of
-  ``[parent_digest, [token ids...], extra_keys or None]``, chained from ``NONE_HASH``.
-  On the wire a hash is the last 8 bytes of its digest as an unsigned big-endian int.
+* ``sha256_cbor`` block hashes, byte-exact with vLLM 0.33: SHA-256 over canonical CBOR of
+  ``[parent_digest, [token ids...], extra_keys or None]``, chained from ``NONE_HASH``, with
+  the tagged extra keys of :mod:`events.extra_keys`. On the wire a hash is the last 8
+  bytes of its digest as an unsigned big-endian int.
 * Router keys: XXH3-64 of a block's tokens (little-endian uint32 bytes) seeded with the
   parent's key, top bit cleared; the chain starts from a root key seeded by a namespace
   seed with the LoRA name and cache salt folded in. They never depend on an engine's hash
@@ -23,6 +24,7 @@ from typing import Any, Final, NewType, cast
 import cbor2
 import xxhash
 
+from events.extra_keys import BlockExtraKeys, LoraAdapter, RequestExtraKeys
 from events.native import native_or
 
 __all__ = [
@@ -48,7 +50,7 @@ BlockKey = NewType("BlockKey", int)
 """A router key: a 63-bit chained XXH3 of a block's prefix (``0 <= key < 2**63``)."""
 
 DEFAULT_NONE_HASH_SEED: Final = "vllm-none-hash"
-"""vLLM's NONE_HASH seed when ``PYTHONHASHSEED`` is not set."""
+"""vLLM's NONE_HASH seed for ``sha256_cbor`` when ``PYTHONHASHSEED`` is not set at all."""
 
 _ARRAY3_BYTES32: Final = b"\x83\x58\x20"  # CBOR: array(3), then bytes(32) header
 _CBOR_NULL: Final = b"\xf6"
@@ -64,27 +66,29 @@ def none_hash(seed: str | None = None) -> BlockHash:
     """The parent digest of block 0.
 
     Args:
-        seed: The seed string; ``None`` means vLLM's rule: ``PYTHONHASHSEED`` when set,
-            else ``"vllm-none-hash"``.
+        seed: The seed string; ``None`` means vLLM 0.33's rule: the value of
+            ``PYTHONHASHSEED`` whenever it is set, the empty string included, else
+            ``"vllm-none-hash"``.
 
     Returns:
         ``sha256(cbor(seed))``.
     """
     if seed is None:
-        seed = os.environ.get("PYTHONHASHSEED") or DEFAULT_NONE_HASH_SEED
+        seed = os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)
     return BlockHash(hashlib.sha256(_cbor(seed)).digest())
 
 
 def hash_block_sha256_cbor(
-    parent: bytes, token_ids: Sequence[int], extra_keys: tuple[Any, ...] | None = None
+    parent: bytes, token_ids: Sequence[int], extra_keys: BlockExtraKeys | None = None
 ) -> BlockHash:
     """Hash one full block the way vLLM's ``sha256_cbor`` does.
 
     Args:
         parent: The parent block's digest (``none_hash()`` for block 0).
         token_ids: The block's token ids.
-        extra_keys: LoRA name, multimodal ``(id, offset)`` pairs, cache salt; ``None``
-            when the block has none.
+        extra_keys: The block's tagged extra keys (a tuple encodes as a CBOR array, so
+            ``(("lora", name, path),)`` is an array of one 3-element array); ``None``
+            when the block has none (see :class:`events.extra_keys.RequestExtraKeys`).
 
     Returns:
         The 32-byte SHA-256 digest.
@@ -103,34 +107,31 @@ def hash_blocks_sha256_cbor(
     block_size: int,
     *,
     parent: bytes | None = None,
-    lora_name: str | None = None,
+    lora: LoraAdapter | None = None,
     cache_salt: str | None = None,
     start_block: int = 0,
 ) -> list[BlockHash]:
-    """Hash every full block of ``token_ids``, chained, with vLLM's extra keys.
+    """Hash every full block of ``token_ids``, chained, with vLLM 0.33's extra keys.
 
     Args:
         token_ids: The tokens of the blocks to hash; a partial last block is ignored.
         block_size: Tokens per block.
         parent: Digest of the block before the first one; ``None`` means ``none_hash()``.
-        lora_name: LoRA adapter name, folded into every block's extra keys.
-        cache_salt: Cache salt, folded into block 0's extra keys only.
+        lora: The request's LoRA adapter: ``("lora", name, path)`` in every block's keys.
+        cache_salt: The request's cache salt: ``("cache_salt", salt)`` in block 0's keys
+            only, after the LoRA entry; ``None`` or ``""`` adds nothing.
         start_block: Index of the first block in its request (the salt applies only when
             this block is block 0).
 
     Returns:
         One digest per full block, in order.
     """
+    extra = RequestExtraKeys.of(lora, cache_salt)
     prev = none_hash() if parent is None else parent
     out: list[BlockHash] = []
     for i in range(len(token_ids) // block_size):
-        keys: list[Any] = []
-        if lora_name is not None:
-            keys.append(lora_name)
-        if cache_salt is not None and start_block + i == 0:
-            keys.append(cache_salt)
         chunk = list(token_ids[i * block_size : (i + 1) * block_size])
-        prev = hash_block_sha256_cbor(prev, chunk, tuple(keys) if keys else None)
+        prev = hash_block_sha256_cbor(prev, chunk, extra.hash_keys(start_block + i))
         out.append(prev)
     return out
 
@@ -149,10 +150,13 @@ def root_key(
         seed: Namespace seed shared by every router and worker of a cluster.
         lora_name: LoRA adapter name; requests of different adapters never share keys.
         cache_salt: Per-tenant cache salt; salted requests never share keys with others.
+            ``""`` is no salt, as for the engine (which hashes nothing for it), so the
+            keys a router computes for a request agree with the keys of its events.
 
     Returns:
         The root key.
     """
+    cache_salt = cache_salt or None
     if lora_name is None and cache_salt is None:
         return BlockKey(xxhash.xxh3_64_intdigest(b"kvroute-root", seed))
     material = _cbor(["kvroute-root", lora_name, cache_salt])
@@ -233,7 +237,7 @@ class RouterKeyer:
 
     def root(self, lora_name: str | None = None, cache_salt: str | None = None) -> BlockKey:
         """Root key for a request family (see :func:`root_key`)."""
-        if lora_name is None and cache_salt is None:
+        if lora_name is None and not cache_salt:
             return self._plain_root
         return root_key(self.seed, lora_name, cache_salt)
 

@@ -12,13 +12,18 @@ the ones a vLLM engine emits for the same requests:
 * The pool performs no I/O. Events accumulate in memory and the caller drains them with
   :meth:`BlockPool.take_events` once per engine step.
 
-Events carry what vLLM 0.33 sends for one full-attention group (``VLLM_WIRE.md``'s example):
-hashes in their 64-bit wire form, ``lora_id=None``, ``group_idx=0`` and, on
-``BlockStored``, ``extra_keys`` as a list with one entry per block (``None`` for a block
-without extra keys). Differences from vLLM, all deliberate: one KV cache group, so
-``touch`` and ``free_blocks`` take flat block sequences; and ``free_blocks`` puts
-never-cached blocks at the head of the free queue (issue 2), so memory nothing can hit is
-reused before any cached prefix is evicted.
+Events carry what vLLM 0.33's ``BlockPool`` sends for one full-attention group
+(``VLLM_WIRE.md``): hashes in their 64-bit wire form, ``group_idx=0`` and, on
+``BlockStored``, the request's LoRA int id and name as ``lora_id`` and ``lora_name``
+(``None`` without LoRA) and ``extra_keys`` as a list with one entry per block: the
+untagged form of what was hashed into it, ``None`` for a block without extra keys. The
+KV cache manager adds the group's spec kind
+(:meth:`pool.kv_cache_manager.KVCacheManager.take_events`), as vLLM's does.
+
+Differences from vLLM, all deliberate: one KV cache group, so ``touch`` and
+``free_blocks`` take flat block sequences; and ``free_blocks`` puts never-cached blocks at
+the head of the free queue, so memory nothing can hit is reused before any cached prefix
+is evicted.
 """
 
 from __future__ import annotations
@@ -151,10 +156,10 @@ class BlockPool:
                     num_cached_blocks * block_size : num_full_blocks * block_size
                 ],
                 block_size=block_size,
-                lora_id=None,
+                lora_id=request.lora_id,
                 medium=self.medium,
                 lora_name=request.lora_name,
-                extra_keys=request.block_extra_keys(num_cached_blocks, num_full_blocks),
+                extra_keys=request.event_extra_keys(num_cached_blocks, num_full_blocks),
                 group_idx=_GROUP_IDX,
             )
         )

@@ -13,21 +13,28 @@ loop written against vLLM's scheduler protocol drives it unchanged:
 3. Finished or preempted: ``free(request)``.
 
 Blocks are cached as soon as their tokens are scheduled (as vLLM does), and ``take_events``
-drains the pool's KV events once per step.
+drains the pool's KV events once per step, stamping each ``BlockStored`` with the group's
+KV cache spec (``kv_cache_spec_kind="full_attention"``, no sliding window) as vLLM 0.33's
+manager does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
+from events.extra_keys import LoraAdapter
 from events.hashing import hash_block_sha256_cbor, none_hash
-from events.schema import KVCacheEvent
+from events.schema import BlockStored, KVCacheEvent
 from pool.block import KVCacheBlock
 from pool.block_pool import MEDIUM_GPU, BlockPool
 from pool.request import BlockHasher, BlockHashFn, Request
 
-__all__ = ["KVCacheConfig", "KVCacheManager", "PrefixCacheStats"]
+__all__ = ["FULL_ATTENTION", "KVCacheConfig", "KVCacheManager", "PrefixCacheStats"]
+
+FULL_ATTENTION: Final = "full_attention"
+"""``BlockStored.kv_cache_spec_kind`` of a full-attention KV cache group (the only kind here)."""
 
 
 @dataclass(frozen=True)
@@ -126,17 +133,22 @@ class KVCacheManager:
         request_id: str,
         prompt_token_ids: Sequence[int],
         *,
-        lora_name: str | None = None,
+        lora: LoraAdapter | None = None,
         cache_salt: str | None = None,
     ) -> Request:
         """A new :class:`Request` hashed the way this manager caches blocks.
 
         Its block hashes are computed only when caching is enabled.
+
+        Args:
+            request_id: Unique id of the request within this worker.
+            prompt_token_ids: The prompt's token ids.
+            lora: The request's LoRA adapter (name and path are hashed, name and int id
+                published), or ``None``.
+            cache_salt: The request's cache salt (hashed into block 0), or ``None``.
         """
         hasher = self.block_hasher if self.enable_caching else None
-        return Request(
-            request_id, prompt_token_ids, hasher, lora_name=lora_name, cache_salt=cache_salt
-        )
+        return Request(request_id, prompt_token_ids, hasher, lora=lora, cache_salt=cache_salt)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of a new request.
@@ -254,8 +266,16 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVCacheEvent]:
-        """The pool's KV events since the last call, in emission order."""
-        return self.block_pool.take_events()
+        """The pool's KV events since the last call, in emission order.
+
+        Each ``BlockStored`` gets ``kv_cache_spec_kind="full_attention"`` (its
+        ``kv_cache_spec_sliding_window`` stays ``None``): the spec of the one group.
+        """
+        events = self.block_pool.take_events()
+        for event in events:
+            if type(event) is BlockStored:
+                event.kv_cache_spec_kind = FULL_ATTENTION
+        return events
 
     def _cache_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         request_id = request.request_id

@@ -6,23 +6,25 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+from events.extra_keys import BlockExtraKeys, LoraAdapter, RequestExtraKeys
 from events.hashing import hash_block_sha256_cbor, none_hash
 
 __all__ = ["BlockHashFn", "BlockHasher", "Request"]
 
-BlockHashFn: TypeAlias = Callable[[bytes, Sequence[int], "tuple[Any, ...] | None"], bytes]
+BlockHashFn: TypeAlias = Callable[[bytes, Sequence[int], "BlockExtraKeys | None"], bytes]
 """``hash_fn(parent_digest, block_token_ids, extra_keys) -> digest``, e.g. vLLM's
-``sha256_cbor`` (:func:`events.hashing.hash_block_sha256_cbor`)."""
+``sha256_cbor`` (:func:`events.hashing.hash_block_sha256_cbor`); ``extra_keys`` are the
+block's tagged entries (:mod:`events.extra_keys`)."""
 
 
 @dataclass(frozen=True)
 class BlockHasher:
     """How a worker hashes the full blocks of its requests.
 
-    The defaults reproduce vLLM's ``sha256_cbor`` prefix caching byte for byte: blocks are
-    chained from ``none_hash`` (vLLM's seed rule: ``PYTHONHASHSEED`` when set, else
-    ``"vllm-none-hash"``), the LoRA name is an extra key of every block and the cache salt
-    an extra key of block 0 only (the rule of
+    The defaults reproduce vLLM 0.33's ``sha256_cbor`` prefix caching byte for byte: blocks
+    are chained from ``none_hash`` (vLLM's seed rule: ``PYTHONHASHSEED`` whenever it is set,
+    even empty, else ``"vllm-none-hash"``), ``("lora", name, path)`` is an extra key of
+    every block and ``("cache_salt", salt)`` of block 0 only (the rule of
     :func:`events.hashing.hash_blocks_sha256_cbor`).
 
     Attributes:
@@ -53,28 +55,29 @@ class Request:
         prompt_token_ids: The prompt's token ids.
         block_hasher: How to hash full blocks; ``None`` computes no hashes (prefix caching
             off for this request).
-        lora_name: LoRA adapter name, or ``None``; an extra key of every block.
-        cache_salt: Per-tenant cache salt, or ``None``; an extra key of block 0.
+        lora: The LoRA adapter, or ``None``; its name and path are an extra key of every
+            block, its name and int id go into the events.
+        cache_salt: Per-tenant cache salt, or ``None``; an extra key of block 0 unless
+            empty.
 
     Attributes:
         request_id: Unique id of the request within its worker.
         prompt_token_ids: The prompt's token ids.
         output_token_ids: The generated token ids so far.
         all_token_ids: Prompt then generated token ids.
-        lora_name: LoRA adapter name, or ``None``.
+        lora: The LoRA adapter, or ``None``.
         cache_salt: Cache salt, or ``None``.
         num_computed_tokens: Tokens whose KV is computed (or was found in the cache).
         block_hashes: Digest of each full block of ``all_token_ids``, in order.
     """
 
     __slots__ = (
-        "_extra_keys_first",
-        "_extra_keys_rest",
+        "_extra_keys",
         "_hasher",
         "all_token_ids",
         "block_hashes",
         "cache_salt",
-        "lora_name",
+        "lora",
         "num_computed_tokens",
         "output_token_ids",
         "prompt_token_ids",
@@ -87,7 +90,7 @@ class Request:
         prompt_token_ids: Sequence[int],
         block_hasher: BlockHasher | None,
         *,
-        lora_name: str | None = None,
+        lora: LoraAdapter | None = None,
         cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
@@ -95,14 +98,11 @@ class Request:
         self.output_token_ids: list[int] = []
         # NOTE: all_token_ids == prompt_token_ids + output_token_ids at all times.
         self.all_token_ids = list(self.prompt_token_ids)
-        self.lora_name = lora_name
+        self.lora = lora
         self.cache_salt = cache_salt
         self.num_computed_tokens = 0
         self._hasher = block_hasher
-        rest = () if lora_name is None else (lora_name,)
-        first = rest if cache_salt is None else (*rest, cache_salt)
-        self._extra_keys_first: tuple[Any, ...] | None = first or None
-        self._extra_keys_rest: tuple[Any, ...] | None = rest or None
+        self._extra_keys = RequestExtraKeys.of(lora, cache_salt)
         # NOTE: len(block_hashes) == num_tokens // block_size when a hasher is set, else 0.
         self.block_hashes: list[bytes] = []
         self._hash_new_full_blocks()
@@ -128,13 +128,20 @@ class Request:
             self.all_token_ids.extend(new)
         self._hash_new_full_blocks()
 
-    def block_extra_keys(self, start: int, stop: int) -> list[tuple[Any, ...] | None]:
-        """The extra keys hashed into blocks ``start .. stop - 1``, one entry per block."""
-        rest = self._extra_keys_rest
-        keys: list[tuple[Any, ...] | None] = [rest] * (stop - start)
-        if start == 0 and stop > 0:
-            keys[0] = self._extra_keys_first
-        return keys
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter's name, or ``None``."""
+        return None if self.lora is None else self.lora.name
+
+    @property
+    def lora_id(self) -> int | None:
+        """The LoRA adapter's int id, or ``None``."""
+        return None if self.lora is None else self.lora.int_id
+
+    def event_extra_keys(self, start: int, stop: int) -> list[tuple[Any, ...] | None]:
+        """The ``BlockStored.extra_keys`` of blocks ``start .. stop - 1``: the untagged
+        form of what was hashed into each, one entry per block."""
+        return self._extra_keys.event_keys(start, stop)
 
     def _hash_new_full_blocks(self) -> None:
         hasher = self._hasher
@@ -148,12 +155,13 @@ class Request:
         if index >= stop:
             return
         hash_fn = hasher.hash_fn
+        extra = self._extra_keys
         parent = hashes[-1] if hashes else hasher.none_hash
         if index == 0:
-            parent = hash_fn(parent, tokens[:size], self._extra_keys_first)
+            parent = hash_fn(parent, tokens[:size], extra.first)
             hashes.append(parent)
             index = 1
-        rest = self._extra_keys_rest
+        rest = extra.rest
         for start in range(index * size, stop * size, size):
             parent = hash_fn(parent, tokens[start : start + size], rest)
             hashes.append(parent)

@@ -61,16 +61,19 @@ def tier_mask(medium: str | None) -> int:
 def cache_salt_of(event: BlockStored) -> str | None:
     """The cache salt a chain-starting ``BlockStored`` carries in block 0's extra keys.
 
-    vLLM puts the LoRA name, multimodal ``(id, offset)`` pairs and the cache salt
-    untagged into block 0's extra keys; the salt is the string that is not the LoRA name.
+    vLLM publishes block 0's extra keys untagged, in the order it hashes them: the LoRA
+    name (on a LoRA request), multimodal ``(id, offset)`` pairs as arrays, the cache salt,
+    a prompt-embeddings digest as bytes. So the salt is the first string after the
+    leading LoRA name, even when it equals that name.
     """
     if event.parent_block_hash is not None or not event.extra_keys:
         return None
     first = event.extra_keys[0]
     if not isinstance(first, (list, tuple)):
         return None
-    salts = [k for k in first if isinstance(k, str) and k != event.lora_name]
-    return salts[-1] if salts else None
+    lora = event.lora_name
+    start = 1 if lora is not None and first and first[0] == lora else 0
+    return next((k for k in first[start:] if isinstance(k, str)), None)
 
 
 @dataclass(slots=True)

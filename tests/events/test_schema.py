@@ -33,6 +33,9 @@ STORED = BlockStored(
     extra_keys=[None, None],
     group_idx=0,
 )
+# What a kvroute worker sends: the example's BlockStored plus the spec kind that the KV
+# cache manager stamps on it, as vLLM 0.33's does.
+WORKER_STORED = msgspec.structs.replace(STORED, kv_cache_spec_kind="full_attention")
 REMOVED = BlockRemoved(block_hashes=[1234], medium="GPU", group_idx=0)
 TS = 1700000000.5
 
@@ -45,7 +48,7 @@ def golden(name: str) -> bytes:
     ("name", "batch"),
     [
         ("vllm_wire_example_map", KVEventBatch(TS, [STORED, REMOVED, AllBlocksCleared()], 0)),
-        ("block_stored_map", KVEventBatch(TS, [STORED], 0)),
+        ("block_stored_map", KVEventBatch(TS, [WORKER_STORED], 0)),
         ("block_removed_map", KVEventBatch(TS, [REMOVED], 0)),
         ("all_blocks_cleared_map", KVEventBatch(TS, [AllBlocksCleared()], None)),
     ],
@@ -82,6 +85,12 @@ def test_map_shape_is_the_vllm_wire_example() -> None:
         "type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
         "lora_id", "medium", "lora_name", "extra_keys", "group_idx",
     ]  # fmt: skip
+
+
+def test_worker_block_stored_golden_ends_with_the_spec_kind() -> None:
+    (event,) = msgspec.msgpack.decode(golden("block_stored_map"))[1]
+    assert list(event.items())[-2:] == [("group_idx", 0), ("kv_cache_spec_kind", "full_attention")]
+    assert "kv_cache_spec_sliding_window" not in event  # None: omitted
 
 
 def test_decodes_legacy_array_shape_golden() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from events.extra_keys import LoraAdapter
 from events.hashing import hash_blocks_sha256_cbor, wire_hash
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from pool.block import KVCacheBlock
@@ -115,7 +116,8 @@ def test_touch_takes_a_free_cached_block_out_of_the_queue() -> None:
 def test_cache_full_blocks_covers_only_the_newly_full_range() -> None:
     pool = BlockPool(8, enable_kv_cache_events=True)
     blocks = pool.get_new_blocks(3)
-    request = Request("r", range(10), BlockHasher(BS), lora_name="sql")
+    sql = LoraAdapter(name="sql", int_id=5, path="/adapters/sql")
+    request = Request("r", range(10), BlockHasher(BS), lora=sql, cache_salt="tenant-a")
     digests = request.block_hashes
     pool.cache_full_blocks(request, blocks, 0, 1, BS)
     pool.cache_full_blocks(request, blocks, 1, 1, BS)  # nothing newly full: no event
@@ -127,10 +129,10 @@ def test_cache_full_blocks_covers_only_the_newly_full_range() -> None:
             parent_block_hash=None,
             token_ids=[0, 1, 2, 3],
             block_size=BS,
-            lora_id=None,
+            lora_id=5,
             medium="GPU",
             lora_name="sql",
-            extra_keys=[("sql",)],
+            extra_keys=[("sql", "tenant-a")],
             group_idx=0,
         ),
         BlockStored(
@@ -138,7 +140,7 @@ def test_cache_full_blocks_covers_only_the_newly_full_range() -> None:
             parent_block_hash=wire_hash(digests[0]),
             token_ids=list(range(4, 12)),
             block_size=BS,
-            lora_id=None,
+            lora_id=5,
             medium="GPU",
             lora_name="sql",
             extra_keys=[("sql",), ("sql",)],

@@ -161,6 +161,7 @@ def test_one_batch_per_step_with_events_and_evictions_first(model: DecoderModel)
             lora_name=None,
             extra_keys=[None, None],
             group_idx=0,
+            kv_cache_spec_kind="full_attention",
         ),
     ]
     assert len(sink.batches) == 2

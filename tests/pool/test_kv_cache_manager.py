@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from events.extra_keys import LoraAdapter
 from events.hashing import hash_blocks_sha256_cbor, wire_hash
 from events.schema import (
     AllBlocksCleared,
@@ -19,6 +20,7 @@ from pool.kv_cache_manager import KVCacheConfig, KVCacheManager, PrefixCacheStat
 from pool.request import Request
 
 BS = 4
+SQL = LoraAdapter(name="sql", int_id=3, path="/adapters/sql")
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +64,7 @@ def stored(
         lora_name=None,
         extra_keys=[None] * (stop - start),
         group_idx=0,
+        kv_cache_spec_kind="full_attention",
     )
 
 
@@ -136,11 +139,13 @@ def test_longest_hit_stops_at_the_first_miss_and_spares_the_last_token() -> None
 
 def test_lora_and_salt_separate_caches() -> None:
     manager = make_manager(16)
-    admit(manager, manager.make_request("a", range(9), lora_name="sql"))
+    admit(manager, manager.make_request("a", range(9), lora=SQL))
     assert manager.get_computed_blocks(manager.make_request("b", range(9)))[1] == 0
-    salted = manager.make_request("c", range(9), lora_name="sql", cache_salt="t")
+    salted = manager.make_request("c", range(9), lora=SQL, cache_salt="t")
     assert manager.get_computed_blocks(salted)[1] == 0
-    assert manager.get_computed_blocks(manager.make_request("d", range(9), lora_name="sql"))[1] == 8
+    assert manager.get_computed_blocks(manager.make_request("d", range(9), lora=SQL))[1] == 8
+    moved = LoraAdapter(name="sql", int_id=3, path="/elsewhere/sql")
+    assert manager.get_computed_blocks(manager.make_request("e", range(9), lora=moved))[1] == 0
 
 
 def test_allocate_counts_free_cached_hits_against_capacity() -> None:
@@ -234,11 +239,13 @@ def test_block_stored_has_vllm_033_shape_and_the_test_vector_hashes() -> None:
                 "lora_name": None,
                 "extra_keys": [None, None],
                 "group_idx": 0,
+                "kv_cache_spec_kind": "full_attention",
             }
         ],
         None,
     ]
-    # Key order as in VLLM_WIRE.md's map-encoded example.
+    # Key order: VLLM_WIRE.md's map-encoded example, then the spec kind that vLLM 0.33's
+    # KV cache manager adds (its sliding window, None, is omitted).
     assert list(raw[1][0]) == [
         "type",
         "block_hashes",
@@ -250,7 +257,41 @@ def test_block_stored_has_vllm_033_shape_and_the_test_vector_hashes() -> None:
         "lora_name",
         "extra_keys",
         "group_idx",
+        "kv_cache_spec_kind",
     ]
+    assert (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == (
+        "full_attention",
+        None,
+    )
+
+
+def test_block_stored_of_a_lora_request_with_a_cache_salt() -> None:
+    """vLLM 0.33's fields: lora_id is the adapter's int id, extra_keys untagged (LoRA name
+    on every block, the salt after it on block 0), hashes of the tagged keys."""
+    manager = KVCacheManager(
+        KVCacheConfig(num_blocks=8, block_size=16, enable_kv_cache_events=True)
+    )
+    lora = LoraAdapter(name="sql-adapter", int_id=7, path="/adapters/sql")
+    admit(manager, manager.make_request("r", range(1, 33), lora=lora, cache_salt="tenant-a"))
+    assert manager.take_events() == [
+        BlockStored(
+            block_hashes=[14092093597078032933, 6008205350856969516],
+            parent_block_hash=None,
+            token_ids=list(range(1, 33)),
+            block_size=16,
+            lora_id=7,
+            medium="GPU",
+            lora_name="sql-adapter",
+            extra_keys=[("sql-adapter", "tenant-a"), ("sql-adapter",)],
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        )
+    ]
+    salted = manager.make_request("s", range(101, 133), cache_salt="tenant-a")
+    admit(manager, salted)
+    (event,) = manager.take_events()
+    assert isinstance(event, BlockStored)
+    assert (event.lora_id, event.lora_name, event.extra_keys) == (None, None, [("tenant-a",), None])
 
 
 def test_chunked_prefill_caches_each_chunk_s_full_blocks() -> None:

@@ -17,6 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from events.extra_keys import LoraAdapter
 from events.hashing import wire_hash
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from pool.block import KVCacheBlock
@@ -27,6 +28,7 @@ from pool.request import Request
 NUM_BLOCKS = 13
 BS = 2
 TOKENS = st.integers(0, 3)
+LORA = LoraAdapter(name="l", int_id=1, path="/adapters/l")
 # Prompts that share prefixes, some an exact multiple of the block size (their last block
 # is recomputed by the next identical prompt: a hash cached in two physical blocks).
 PROMPTS = st.one_of(
@@ -70,13 +72,13 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(
         prompt=PROMPTS,
-        lora_name=st.sampled_from([None, None, "l"]),
+        lora=st.sampled_from([None, None, LORA]),
         cache_salt=st.sampled_from([None, None, "s"]),
     )
-    def admit(self, prompt: list[int], lora_name: str | None, cache_salt: str | None) -> None:
+    def admit(self, prompt: list[int], lora: LoraAdapter | None, cache_salt: str | None) -> None:
         self.num_requests += 1
         request = self.manager.make_request(
-            f"r{self.num_requests}", prompt, lora_name=lora_name, cache_salt=cache_salt
+            f"r{self.num_requests}", prompt, lora=lora, cache_salt=cache_salt
         )
         hits, num_hit_tokens = self.manager.get_computed_blocks(request)
         assert num_hit_tokens == len(hits) * BS <= request.num_tokens - 1

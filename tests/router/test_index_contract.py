@@ -7,9 +7,11 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 
+from events.extra_keys import LoraAdapter
 from events.hashing import RouterKeyer
 from events.identity import WorkerId
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
+from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from router.errors import OrphanParentError
 from router.index.base import IndexStats, PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
@@ -203,6 +205,43 @@ def test_lora_and_salt_get_their_own_keys(open_index: OpenIndex) -> None:
         salt_keys = KEYER.keys(TOKENS, BS, cache_salt="tenant-a")
         assert await idx.lookup(lora_keys) == {W1: m(2)}
         assert await idx.lookup(salt_keys) == {W2: m(2)}
+
+    run(open_index, body)
+
+
+SQL = LoraAdapter(name="sql", int_id=2, path="/adapters/sql")
+
+
+@pytest.mark.parametrize(
+    ("lora", "salt"),
+    [
+        (SQL, None),
+        (None, "tenant-a"),
+        (SQL, "tenant-a"),
+        (SQL, "sql"),  # a salt equal to the LoRA name is still a salt
+        (None, ""),  # an empty salt is no salt, for the engine and the router alike
+    ],
+)
+def test_worker_events_of_lora_and_salted_requests_meet_their_request_keys(
+    open_index: OpenIndex, lora: LoraAdapter | None, salt: str | None
+) -> None:
+    """The events a kvroute worker's KV cache manager publishes for a request land on
+    the keys the router computes for that request from its tokens, LoRA name and salt."""
+    manager = KVCacheManager(
+        KVCacheConfig(num_blocks=16, block_size=BS, enable_kv_cache_events=True)
+    )
+    request = manager.make_request("r", TOKENS[:21], lora=lora, cache_salt=salt)
+    hits, num_hit_tokens = manager.get_computed_blocks(request)
+    manager.allocate_slots(request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits)
+    events = manager.take_events()
+
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        await idx.apply(W1, KVEventBatch(ts=1.0, events=events))
+        lora_name = None if lora is None else lora.name
+        keys = KEYER.keys(TOKENS, BS, lora_name=lora_name, cache_salt=salt)
+        assert await idx.lookup(keys) == {W1: m(5)}
+        assert await idx.lookup(KEYS) == ({W1: m(5)} if lora is None and not salt else {})
 
     run(open_index, body)
 
