@@ -1,5 +1,6 @@
 """kvroute events: the vLLM-compatible KV event wire schema, hashing, framing and streaming."""
 
+from events.auth import AuthKeyError, BearerKey, KeySpec, load_key
 from events.curve import CurveClientConfig, CurveKeyPair, CurveServerConfig
 from events.endpoints import Endpoint
 from events.errors import EventDecodeError, EventsError, FramingError
@@ -39,6 +40,8 @@ from events.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_toke
 
 __all__ = [
     "AllBlocksCleared",
+    "AuthKeyError",
+    "BearerKey",
     "BlockHash",
     "BlockKey",
     "BlockRemoved",
@@ -58,6 +61,7 @@ __all__ = [
     "FramingError",
     "KVCacheEvent",
     "KVEventBatch",
+    "KeySpec",
     "LogRecord",
     "PublisherConfig",
     "ReceivedBatch",
@@ -71,6 +75,7 @@ __all__ = [
     "encode_batch",
     "hash_block_sha256_cbor",
     "hash_blocks_sha256_cbor",
+    "load_key",
     "load_tokenizer",
     "make_message",
     "none_hash",
