@@ -126,6 +126,8 @@ def test_challenges_follow_rfc_6750() -> None:
         ("LOCALHOST", True),
         ("::1", True),
         ("[::1]", True),
+        ("::ffff:127.0.0.1", True),
+        ("::ffff:10.0.0.1", False),
         ("0.0.0.0", False),
         ("", False),
         ("::", False),
