@@ -7,8 +7,13 @@ import http.client
 import json
 import logging
 import math
+import os
 import re
+import resource
+import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +34,7 @@ from tests.pool.test_worker_http import (
     _start_worker,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 40  # 39 usable blocks of 4 tokens
 VOCAB = 258
 
@@ -40,12 +46,16 @@ def worker() -> Iterator[RunningWorker]:
     running.stop()
 
 
-def _url(worker: RunningWorker, path: str) -> str:
-    return f"{worker.http}{path}"
+Target = RunningWorker | str
+"""A worker in this process, or the base URL of one in another."""
 
 
-def _connection(worker: RunningWorker) -> http.client.HTTPConnection:
-    host, port = worker.http.removeprefix("http://").split(":")
+def _url(worker: Target, path: str) -> str:
+    return f"{worker if isinstance(worker, str) else worker.http}{path}"
+
+
+def _connection(worker: Target) -> http.client.HTTPConnection:
+    host, port = _url(worker, "").removeprefix("http://").split(":")
     return http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
 
 
@@ -62,13 +72,13 @@ def _request(
     return response.status, response.headers, json.loads(raw)
 
 
-def _metrics(worker: RunningWorker) -> str:
+def _metrics(worker: Target) -> str:
     status, body = _get(_url(worker, "/metrics"))
     assert status == 200
     return body.decode()
 
 
-def _metric(worker: RunningWorker, sample: str) -> float:
+def _metric(worker: Target, sample: str) -> float:
     """The value of one sample line, e.g. ``kvroute_worker_x_total{k="v"}``."""
     for line in _metrics(worker).splitlines():
         name, _, value = line.rpartition(" ")
@@ -268,6 +278,61 @@ def test_a_streamed_request_that_fails_ends_with_an_error_event(
     assert events[0]["error"]["type"] == "request_failed"
     assert "non-finite logits" in events[0]["error"]["message"]
     assert_serving(poisoned_worker)
+
+
+MEMORY_MARGIN_BYTES = 128 * 2**20
+"""Address space the worker keeps for itself once warm: ample for small requests, a third
+of what one attention chunk of an 8,192-token prefill allocates."""
+
+
+def test_a_request_that_exhausts_memory_fails_alone_while_another_streams(
+    tmp_path: Path,
+) -> None:
+    """The worker's address space is capped (as a GPU's memory is): a huge prompt's forward
+    pass cannot allocate, which fails that request, not the batch it shared, nor the worker."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MALLOC_ARENA_MAX": "2"}
+    args = [sys.executable, "-m", "router.cli", "worker", "--port", "0", "--events", "none"]
+    args += ["--num-blocks", "1200", "--block-size", "16", "--torch-threads", "1", "--seed", "5"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout is not None
+        worker = json.loads(proc.stdout.readline())["http"]
+        assert _post(_url(worker, "/v1/completions"), {"prompt": "warm", "max_tokens": 2})[0] == 200
+        status_lines = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+        vm_kib = int(next(line for line in status_lines if line.startswith("VmSize")).split()[1])
+        limit = vm_kib * 1024 + MEMORY_MARGIN_BYTES
+        resource.prlimit(proc.pid, resource.RLIMIT_AS, (limit, limit))
+        conn = _connection(worker)
+        long_body = {"prompt": LONG_PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+        conn.request("POST", "/v1/completions", json.dumps(long_body), JSON_HEADERS)
+        response = conn.getresponse()
+        first = response.readline()
+        assert first.startswith(b"data: ") and response.readline() == b"\n"
+        huge = {"prompt": [7] * 17_000, "max_tokens": 1}
+        status, reply = _post(_url(worker, "/v1/completions"), huge)
+        assert status == 500, reply
+        assert reply["error"]["type"] == "request_failed"
+        assert reply["error"]["message"].startswith(
+            "this request failed in the worker's engine (forward): RuntimeError:"
+        )
+        assert "can't allocate memory" in reply["error"]["message"]
+        chunks = [json.loads(first.removeprefix(b"data: ")), *_read_stream(response)]
+        conn.close()
+        tokens = [t for chunk in chunks for t in chunk["choices"][0]["token_ids"]]
+        assert tokens == greedy_reference(DecoderModel(ModelConfig(seed=5)), LONG_PROMPT, 200)
+        assert _metric(worker, 'kvroute_worker_request_failures_total{reason="forward"}') == 1.0
+        health = json.loads(_get(_url(worker, "/health"))[1])
+        assert health["free_blocks"] == health["total_blocks"] == 1199
+        assert (
+            _post(_url(worker, "/v1/completions"), {"prompt": "after", "max_tokens": 2})[0] == 200
+        )
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=TIMEOUT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 # ---------------------------------------------------------------- clients that leave
