@@ -26,7 +26,8 @@ Endpoints:
   the liveness probe.
 * ``GET /metrics``: Prometheus text, from the worker's own ``CollectorRegistry``.
 * ``POST /v1/reset_prefix_cache``: ``{"success": true}`` (an ``AllBlocksCleared`` event
-  is published), or 409 ``{"success": false, "error"}`` while requests hold blocks.
+  is published), or 409 ``{"success": false, "error": {"message", "type": "conflict"}}``
+  while requests hold blocks.
 * ``GET /v1/snapshot``: every cached block as parent-first runs, each shaped like a
   ``BlockStored`` event::
 
@@ -437,13 +438,8 @@ class WorkerHTTP:
     async def _reset(self, request: web.Request) -> web.Response:
         if await self._on_engine(self.engine.reset_prefix_cache):
             return web.json_response({"success": True})
-        return web.json_response(
-            {
-                "success": False,
-                "error": "requests are running and hold KV blocks; retry when the worker is idle",
-            },
-            status=409,
-        )
+        message = "requests are running and hold KV blocks; retry when the worker is idle"
+        return web.json_response({"success": False, **error_body(message, "conflict")}, status=409)
 
     async def _snapshot(self, request: web.Request) -> web.Response:
         snap = await self._on_engine(self.engine.snapshot)

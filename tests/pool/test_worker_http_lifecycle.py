@@ -131,6 +131,36 @@ def test_a_dead_engine_loop_turns_health_and_ready_503_and_fails_requests_fast(
     asyncio.run(main())
 
 
+def test_a_reset_while_requests_hold_blocks_is_a_409_with_an_openai_error(
+    model: DecoderModel,
+) -> None:
+    engine = _engine(model)
+
+    async def main() -> None:
+        async with serving(engine) as (_, client):
+            body = {"prompt": [1, 2, 3], "max_tokens": 100, "stream": True, "ignore_eos": True}
+            async with client.post("/v1/completions", json=body) as stream:
+                assert (await stream.content.readline()).startswith(b"data: ")
+                # The engine runs its inbox between steps: the request still holds blocks.
+                running = await asyncio.wrap_future(engine.call(lambda: engine.stats().num_running))
+                assert running == 1
+                async with client.post("/v1/reset_prefix_cache") as resp:
+                    assert resp.status == 409
+                    assert await resp.json() == {
+                        "success": False,
+                        "error": {
+                            "message": "requests are running and hold KV blocks; retry when "
+                            "the worker is idle",
+                            "type": "conflict",
+                        },
+                    }
+                await stream.read()
+            async with client.post("/v1/reset_prefix_cache") as resp:
+                assert (resp.status, await resp.json()) == (200, {"success": True})
+
+    asyncio.run(main())
+
+
 def test_an_unexpected_handler_error_is_a_json_500_and_counted() -> None:
     """The outermost guard catches what no handler expected (here a route that raises)."""
     failures: list[str] = []
