@@ -387,9 +387,11 @@ class WorkerHTTP:
         self._collector.http_failures[reason] += 1
 
     async def _health(self, request: web.Request) -> web.Response:
-        try:
-            stats = await self._on_engine(self.engine.stats)
-        except EngineClosedError:
+        stats = None
+        if self.engine.is_running:
+            with contextlib.suppress(EngineClosedError):  # it stopped since
+                stats = await self._on_engine(self.engine.stats)
+        if stats is None:
             stopped = {
                 "status": "stopped",
                 "worker_id": self.info.worker_id,
