@@ -1,5 +1,6 @@
 """kvroute events: the vLLM-compatible KV event wire schema, hashing, framing and streaming."""
 
+from events.auth import AuthKeyError, BearerKey, KeySpec, load_key
 from events.curve import CurveClientConfig, CurveKeyPair, CurveServerConfig
 from events.endpoints import Endpoint
 from events.errors import EventDecodeError, EventsError, FramingError
@@ -40,6 +41,8 @@ from events.tokenizer import ByteTokenizer, Tokenizer, TokenizerError, load_toke
 
 __all__ = [
     "AllBlocksCleared",
+    "AuthKeyError",
+    "BearerKey",
     "BlockHash",
     "BlockKey",
     "BlockRemoved",
@@ -59,6 +62,7 @@ __all__ = [
     "FramingError",
     "KVCacheEvent",
     "KVEventBatch",
+    "KeySpec",
     "LogRecord",
     "LoraAdapter",
     "PublisherConfig",
@@ -74,6 +78,7 @@ __all__ = [
     "encode_batch",
     "hash_block_sha256_cbor",
     "hash_blocks_sha256_cbor",
+    "load_key",
     "load_tokenizer",
     "make_message",
     "none_hash",

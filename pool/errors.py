@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NoFreeBlocksError", "PoolError"]
+__all__ = ["InvalidRequestError", "NoFreeBlocksError", "PoolError"]
 
 
 class PoolError(Exception):
@@ -11,3 +11,7 @@ class PoolError(Exception):
 
 class NoFreeBlocksError(PoolError, ValueError):
     """The pool has fewer free blocks than were asked for (vLLM raises ``ValueError``)."""
+
+
+class InvalidRequestError(PoolError, ValueError):
+    """A request can never be served (empty, out of vocabulary, larger than the cache...)."""

@@ -10,7 +10,8 @@ loop written against vLLM's scheduler protocol drives it unchanged:
    it computed.
 2. Each decode step: ``request.append_output_token_ids(token)``, then
    ``allocate_slots(request, 1)``; ``None`` means preempt (``free`` it) or wait.
-3. Finished or preempted: ``free(request)``.
+3. Finished or preempted: ``free(request)``; failed (its forward pass or sampling raised):
+   ``discard(request)``.
 
 Blocks are cached as soon as their tokens are scheduled (as vLLM does), and ``take_events``
 drains the pool's KV events once per step, stamping each ``BlockStored`` with the group's
@@ -252,6 +253,19 @@ class KVCacheManager:
         self._num_cached_block.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def discard(self, request: Request) -> None:
+        """Release the blocks of a request whose computation failed.
+
+        Its blocks that no other request holds leave the prefix cache first (a
+        ``BlockRemoved`` each): they were cached when scheduled, before the failed step
+        wrote their K/V, so a later hit would read garbage. Blocks other requests hold
+        stay cached (they are theirs as much). Discarding a request that holds no blocks
+        does nothing.
+        """
+        blocks = self._req_to_blocks.get(request.request_id, ())
+        self.block_pool.evict_blocks(block.block_id for block in blocks if block.ref_cnt == 1)
+        self.free(request)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The block ids a request holds, in token order: its row of the block table."""

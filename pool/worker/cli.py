@@ -11,7 +11,10 @@ Logs go to stderr. SIGTERM or SIGINT drains the worker: new requests get 503, ru
 queued ones finish, queued event batches are sent, then the process exits 0.
 
 Every flag also reads an environment variable ``KVROUTE_WORKER_<FLAG>`` (upper case,
-dashes as underscores) as its default.
+dashes as underscores) as its default, except the bearer keys: ``--admin-key`` and
+``--api-key`` (or their ``-file`` forms) fall back to ``$KVROUTE_ADMIN_KEY`` and
+``$KVROUTE_API_KEY`` (or ``$..._FILE``), the names the router reads too
+(:mod:`events.auth`).
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
 
+from events.auth import ADMIN_KEY, API_KEY, AuthKeyError, add_key_arguments, is_loopback, load_key
 from events.curve import CurveKeyError, CurveKeyPair, CurveServerConfig, load_public_key
 from events.endpoints import Endpoint, EndpointError
 from events.publisher import EventPublisher, PublisherConfig
@@ -38,10 +42,18 @@ from pool.block_pool import MEDIUM_GPU
 from pool.errors import PoolError
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.worker.engine import Engine, EngineConfig
+from pool.worker.guards import ADMIN_PATHS, INFERENCE_PATHS, AccessKeys
 from pool.worker.http import DEFAULT_MAX_BODY_BYTES, WorkerHTTP, WorkerInfo
 from pool.worker.model import DecoderModel, ModelConfig
 
-__all__ = ["WorkerConfig", "build_parser", "config_from_args", "main", "serve"]
+__all__ = [
+    "WorkerConfig",
+    "build_parser",
+    "config_from_args",
+    "exposure_warning",
+    "main",
+    "serve",
+]
 
 logger = logging.getLogger("kvroute.worker")
 
@@ -82,6 +94,8 @@ class WorkerConfig:
         curve_allow: Comma-separated public key files of the clients allowed to
             subscribe; ``None`` admits any client that knows the server's public key.
         max_body_bytes: Largest HTTP request body accepted (larger: a JSON 413).
+        keys: Bearer keys of the admin and inference endpoints (flags ``--admin-key``,
+            ``--api-key`` and their ``-file`` forms); none by default.
     """
 
     worker_id: str = "worker-0"
@@ -111,6 +125,7 @@ class WorkerConfig:
     curve_secret_key: str | None = None
     curve_allow: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    keys: AccessKeys = field(default_factory=AccessKeys)
 
     def model_config(self, tokenizer: Tokenizer) -> ModelConfig:
         """The model's config, its vocabulary sized by the tokenizer unless given."""
@@ -127,6 +142,8 @@ class WorkerConfig:
 
 _FLAGS: Final[dict[str, str]] = {"worker_id": "id"}
 """Flags whose name differs from their config field."""
+_KEY_FIELD: Final = "keys"
+"""The config field set by the key flags of :func:`events.auth.add_key_arguments`."""
 
 _HELP: Final[dict[str, str]] = {
     "worker_id": "worker id in the cluster",
@@ -172,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM-compatible prefix caching, an OpenAI-style HTTP API and live KV events.",
     )
     for f in dataclasses.fields(WorkerConfig):
+        if f.name == _KEY_FIELD:
+            continue
         name = _FLAGS.get(f.name, f.name)
         flag = "--" + name.replace("_", "-")
         env = "KVROUTE_WORKER_" + name.upper()
@@ -198,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
             help=help_text,
             **extra,
         )
+    add_key_arguments(parser, ADMIN_KEY)
+    add_key_arguments(parser, API_KEY)
     parser.add_argument(
         "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)"
     )
@@ -205,12 +226,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
-    """Map parsed flags onto a :class:`WorkerConfig` (``none`` disables an endpoint)."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(WorkerConfig)}
+    """Map parsed flags onto a :class:`WorkerConfig` (``none`` disables an endpoint).
+
+    Raises:
+        AuthKeyError: A key is given twice, unreadable or malformed.
+    """
+    values = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(WorkerConfig)
+        if f.name != _KEY_FIELD
+    }
     for name in ("events", "replay"):
         if values[name] in ("", "none"):
             values[name] = None
-    return WorkerConfig(**values)
+    keys = AccessKeys(
+        admin=load_key(ADMIN_KEY, args.admin_key, args.admin_key_file),
+        api=load_key(API_KEY, args.api_key, args.api_key_file),
+    )
+    return WorkerConfig(**values, keys=keys)
 
 
 async def serve(
@@ -267,7 +300,7 @@ async def serve(
         eos_token_id=tokenizer.eos_token_id,
     )
     info = WorkerInfo(config.worker_id, config.model_name, config.hash_algo, MEDIUM_GPU)
-    http = WorkerHTTP(engine, tokenizer, info, config.max_body_bytes)
+    http = WorkerHTTP(engine, tokenizer, info, config.max_body_bytes, config.keys)
     engine.start()
     engine_exited = asyncio.ensure_future(asyncio.to_thread(engine.join))
     try:
@@ -279,13 +312,17 @@ async def serve(
             "replay": None if publisher is None else publisher.replay_address,
         }
         logger.info("worker ready: %s", ready)
+        exposure = exposure_warning(config.host, config.keys)
+        if exposure is not None:
+            logger.warning("%s", exposure)
         if on_ready is not None:
             on_ready(ready)
         stop_asked = asyncio.ensure_future(stop.wait())
         await asyncio.wait({engine_exited, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
         stop_asked.cancel()
         if not stop.is_set():
-            raise PoolError("the engine loop failed (see the log above); the worker stops")
+            failure = engine.failure or "the engine loop ended"
+            raise PoolError(f"{failure} (traceback above); the worker exits")
         logger.info("draining: finishing running and queued requests")
     finally:
         drained = await asyncio.to_thread(engine.stop, _DRAIN_TIMEOUT_S)
@@ -297,6 +334,28 @@ async def serve(
         if publisher is not None:
             publisher.close()
     logger.info("worker %s stopped", config.worker_id)
+
+
+def exposure_warning(host: str, keys: AccessKeys) -> str | None:
+    """The warning for an HTTP API bound beyond loopback without an admin key, else ``None``.
+
+    Names the endpoints left open (the inference ones too when they have no key either)
+    and the flags that close them.
+    """
+    if is_loopback(host) or keys.admin is not None:
+        return None
+    open_paths = sorted(ADMIN_PATHS)
+    harm = "reset the prefix cache and read every cached token id"
+    fix = "--admin-key-file PATH (or $KVROUTE_ADMIN_KEY)"
+    if keys.api is None:
+        open_paths += sorted(INFERENCE_PATHS)
+        harm += ", and run completions"
+        fix += " and --api-key-file PATH (or $KVROUTE_API_KEY)"
+    return (
+        f"the HTTP API listens on {host!r}, beyond loopback, without an admin key: anyone "
+        f"who reaches it can call {', '.join(open_paths)} ({harm}); set {fix}, or bind "
+        "--host 127.0.0.1"
+    )
 
 
 def _check_device(name: str) -> None:
@@ -333,7 +392,15 @@ def main(argv: Sequence[str]) -> int:
     try:
         config = config_from_args(args)
         return asyncio.run(_main(config))
-    except (PoolError, TokenizerError, EndpointError, OSError, ValueError, RuntimeError) as exc:
+    except (
+        PoolError,
+        TokenizerError,
+        EndpointError,
+        AuthKeyError,
+        OSError,
+        ValueError,
+        RuntimeError,
+    ) as exc:
         logger.error("worker failed: %s", exc)
         return 1
 

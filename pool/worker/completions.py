@@ -1,8 +1,10 @@
 """The OpenAI-style completions wire format: request bodies in, response and stream chunks out.
 
 Request body: ``{"prompt": str | list[int], "max_tokens": int = 16, "stream": bool =
-false, "temperature": float = 0.0, "ignore_eos": bool = false, "seed": int | null}``;
-unknown keys are ignored, ``null`` means the default. Response (and each stream chunk):
+false, "temperature": float = 0.0, "top_p": float = 1.0, "top_k": int = 0, "ignore_eos":
+bool = false, "seed": int | null}`` (ranges: :mod:`pool.worker.sampling`); unknown keys are
+ignored, ``null`` means the default, and ``NaN`` / ``Infinity`` are refused as the
+non-JSON they are. Response (and each stream chunk):
 ``{"id", "object": "text_completion", "created", "model", "choices": [{"index": 0,
 "text", "token_ids", "finish_reason"}]}``, plus on the final one ``"usage":
 {"prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens",
@@ -59,7 +61,7 @@ def parse_completion_request(raw: bytes, tokenizer: Tokenizer) -> CompletionRequ
             wrong type.
     """
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_refuse_constant)
     except ValueError as exc:
         raise CompletionRequestError(f"the body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
@@ -81,6 +83,8 @@ def parse_completion_request(raw: bytes, tokenizer: Tokenizer) -> CompletionRequ
         temperature=_float_field(body, "temperature", 0.0),
         ignore_eos=_bool_field(body, "ignore_eos", False),
         seed=None if body.get("seed") is None else _int_field(body, "seed", 0),
+        top_p=_float_field(body, "top_p", 1.0),
+        top_k=_int_field(body, "top_k", 0),
     )
     return CompletionRequest(tokens, params, _bool_field(body, "stream", False))
 
@@ -152,7 +156,17 @@ def _float_field(body: dict[str, Any], name: str, default: float) -> float:
         return default
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise CompletionRequestError(f"{name!r} must be a number, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond float range, e.g. 10**400
+        digits = len(str(abs(value)))
+        raise CompletionRequestError(
+            f"{name!r} is out of range: got an integer of {digits} digits"
+        ) from None
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:

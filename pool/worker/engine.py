@@ -12,6 +12,7 @@ events (evictions before the stores of the same allocation) as one batch, if any
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -24,12 +25,13 @@ from typing import Final, Protocol, TypeVar
 import torch
 
 from events.schema import KVEventBatch
-from pool.errors import PoolError
+from pool.errors import InvalidRequestError, PoolError
 from pool.kv_cache_manager import KVCacheManager
 from pool.snapshot import CachedChains
 from pool.worker.model import DecoderModel, ForwardItem
-from pool.worker.outputs import EngineStats, OutputSink, RequestOutput, Snapshot
+from pool.worker.outputs import EngineStats, OutputSink, RequestFailure, RequestOutput, Snapshot
 from pool.worker.paged_cache import PagedKVCache
+from pool.worker.sampling import Sampler, SamplingError, SamplingParams
 from pool.worker.scheduler import Scheduled, Scheduler
 
 __all__ = [
@@ -40,15 +42,13 @@ __all__ = [
     "InvalidRequestError",
     "SamplingParams",
 ]
+# InvalidRequestError and SamplingParams live in pool.errors and pool.worker.sampling; they are
+# named here too because callers of the engine's API meet them with it.
 
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S: Final = 0.05
 T = TypeVar("T")
-
-
-class InvalidRequestError(PoolError, ValueError):
-    """A request can never be served (empty, out of vocabulary, larger than the cache...)."""
 
 
 class EngineClosedError(PoolError, RuntimeError):
@@ -61,23 +61,6 @@ class BatchPublisher(Protocol):
     def publish(self, batch: KVEventBatch) -> bool:
         """Send ``batch``; ``False`` when it had to be dropped."""
         ...
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to generate the tokens of one request.
-
-    Attributes:
-        max_tokens: Tokens to generate at most (at least 1).
-        temperature: 0 for greedy decoding, else the softmax temperature.
-        ignore_eos: Keep generating after the end-of-sequence token.
-        seed: Seed of this request's sampler; ``None`` uses the engine's generator.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    ignore_eos: bool = False
-    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -107,8 +90,23 @@ class _Sequence(Scheduled):
     generator: torch.Generator | None
 
 
+@dataclass(frozen=True)
+class _Job:
+    """Work for the engine thread, and what to do instead once the engine has stopped."""
+
+    run: Callable[[], None]
+    cancel: Callable[[], None] = lambda: None
+
+
 class Engine:
     """The worker's engine loop.
+
+    A failure while computing or sampling one request fails that request only: it gets a
+    last output with ``finish_reason == "error"`` and a :class:`RequestFailure`, its
+    blocks are released (:meth:`KVCacheManager.discard`), and the step goes on for the
+    others. When a batched forward pass raises, each request of the batch is computed
+    alone to find which one failed. Anything else that raises on the engine thread ends
+    the loop: every request then gets ``"abort"`` and :attr:`failure` says why.
 
     Args:
         model: The model.
@@ -146,7 +144,8 @@ class Engine:
         self.eos_token_id = eos_token_id
         self._sink = event_sink
         self.step_observer = step_observer
-        self._generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
+        generator = torch.Generator(device=model.device).manual_seed(self.config.seed)
+        self._sampler = Sampler(generator)
         self._chains = CachedChains(kv_cache_manager.block_size)
         # NOTE: touched only by the engine thread (or by step() callers when not started).
         self._scheduler: Scheduler[_Sequence] = Scheduler(
@@ -158,8 +157,14 @@ class Engine:
         self._num_steps = 0
         self._num_batches = 0
         self._num_dropped = 0
-        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._failures: collections.Counter[str] = collections.Counter()
+        self._inbox: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        # NOTE: once _closed is set (under _lock) no job enters the inbox: each is
+        # cancelled instead, and the loop's exit cancels what was left in it.
+        self._lock = threading.Lock()
+        self._closed = False
         self._accepting = True
+        self._failure: str | None = None
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- thread-safe API
@@ -179,6 +184,11 @@ class Engine:
         """Whether the loop thread is alive (outputs can still come)."""
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def failure(self) -> str | None:
+        """Why the loop ended on an error (``None`` while it runs or after a clean drain)."""
+        return self._failure
+
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Reject a request that could never be served.
 
@@ -193,10 +203,7 @@ class Engine:
             raise InvalidRequestError(
                 f"token ids must be in [0, {vocab}), got {bad[:5]}{'...' if len(bad) > 5 else ''}"
             )
-        if params.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {params.temperature}")
+        params.check()
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_request_tokens:
             raise InvalidRequestError(
@@ -214,6 +221,9 @@ class Engine:
     ) -> None:
         """Queue a request; its outputs go to ``sink`` on the engine thread.
 
+        Should the loop end before taking the request, ``sink`` gets ``"abort"`` on the
+        calling thread.
+
         Raises:
             InvalidRequestError: The request could never be served.
             EngineClosedError: The engine is draining or stopped.
@@ -222,21 +232,25 @@ class Engine:
         if not self._accepting:
             raise EngineClosedError("the worker is shutting down and takes no new requests")
         request = self.kv.make_request(request_id, prompt_token_ids)
-        generator = None
-        if params.temperature > 0 and params.seed is not None:
-            generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        generator = params.make_generator(self.model.device)
         seq = _Sequence(request, params=params, sink=sink, generator=generator)
-        self._inbox.put(lambda: self._scheduler.add(seq))
+        self._put(
+            _Job(
+                lambda: self._scheduler.add(seq),
+                cancel=lambda: self._deliver(seq, self._output(seq, [], "abort")),
+            )
+        )
 
     def abort(self, request_id: str) -> None:
         """Stop a request (e.g. its client went away); its sink gets ``"abort"``."""
-        self._inbox.put(lambda: self._abort(request_id))
+        self._put(_Job(lambda: self._abort(request_id)))
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the engine thread between two steps.
 
         Returns:
-            A future with ``fn``'s result or exception.
+            A future with ``fn``'s result or exception; :class:`EngineClosedError` when
+            the loop has ended (or ends) before running it.
         """
         future: Future[T] = Future()
 
@@ -247,7 +261,11 @@ class Engine:
                 except BaseException as exc:
                     future.set_exception(exc)
 
-        self._inbox.put(run)
+        def cancel() -> None:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineClosedError("the engine loop has stopped"))
+
+        self._put(_Job(run, cancel))
         return future
 
     def start(self) -> None:
@@ -258,7 +276,7 @@ class Engine:
     def drain(self) -> None:
         """Take no new requests; the loop exits once every queued request has finished."""
         self._accepting = False
-        self._inbox.put(lambda: None)  # wake the loop
+        self._put(_Job(lambda: None))  # wake the loop
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Drain, then wait for the loop thread to exit.
@@ -307,6 +325,7 @@ class Engine:
                 seq.params.max_tokens - len(seq.request.output_token_ids)
                 for seq in (*scheduler.running, *scheduler.waiting)
             ),
+            num_failures=dict(self._failures),
         )
 
     def snapshot(self) -> Snapshot:
@@ -331,10 +350,10 @@ class Engine:
             job = self._inbox.get(timeout=_IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
-        job()
+        job.run()
         while True:
             try:
-                self._inbox.get_nowait()()
+                self._inbox.get_nowait().run()
             except queue.Empty:
                 return
 
@@ -349,6 +368,13 @@ class Engine:
         if self.step_observer is not None:
             self.step_observer(time.perf_counter() - started)
 
+    def _put(self, job: _Job) -> None:
+        with self._lock:
+            if not self._closed:
+                self._inbox.put(job)
+                return
+        job.cancel()
+
     def _run(self) -> None:
         try:
             while True:
@@ -357,60 +383,127 @@ class Engine:
                     self.step()
                 elif not self._accepting:
                     return
-        except Exception:
+        except Exception as exc:
             # The thread ends here: is_running turns False, which the worker watches.
             logger.exception("engine loop failed; the worker stops serving")
+            self._failure = f"the engine loop failed: {type(exc).__name__}: {exc}"
             self._accepting = False
             for seq in [*self._scheduler.running, *self._scheduler.waiting]:
-                seq.sink(self._output(seq, [], "abort"))
+                self._deliver(seq, self._output(seq, [], "abort"))
+        finally:
+            with self._lock:
+                self._closed = True
+            while True:
+                try:
+                    self._inbox.get_nowait().cancel()
+                except queue.Empty:
+                    break
 
     def _execute(self, scheduled: list[_Sequence]) -> None:
-        items = []
-        for seq in scheduled:
-            request = seq.request
-            start = request.num_computed_tokens
-            items.append(
-                ForwardItem(
-                    request.all_token_ids[start : start + seq.num_scheduled_tokens],
-                    start,
-                    self.kv.get_block_ids(request.request_id),
-                )
-            )
-        logits = self.model.forward_paged(items, self.cache)
+        logits, scheduled = self._forward(scheduled)
         rows: list[int] = []
         for row, seq in enumerate(scheduled):
             seq.request.num_computed_tokens += seq.num_scheduled_tokens
             # A prefill chunk that leaves prompt tokens uncomputed samples nothing.
             if seq.request.num_computed_tokens == seq.request.num_tokens:
                 rows.append(row)
+        if not rows:
+            return
         sampling = [scheduled[row] for row in rows]
-        tokens = self._sample(logits[rows], sampling)
+        tokens = self._sampler.sample(
+            logits[rows], [seq.params for seq in sampling], [seq.generator for seq in sampling]
+        )
         for seq, token in zip(sampling, tokens, strict=True):
-            request = seq.request
-            request.append_output_token_ids(token)
-            reason = None
-            if token == self.eos_token_id and not seq.params.ignore_eos:
-                reason = "stop"
-            elif len(request.output_token_ids) >= seq.params.max_tokens:
-                reason = "length"
-            if reason is not None:
-                self._scheduler.finish(seq)
-            seq.sink(self._output(seq, [token], reason))
+            if isinstance(token, SamplingError):
+                self._fail(seq, "sampling", token)
+                continue
+            try:
+                self._append(seq, token)
+            except Exception as exc:
+                self._fail(seq, "engine", exc)
 
-    def _sample(self, logits: torch.Tensor, scheduled: list[_Sequence]) -> list[int]:
-        tokens: list[int] = logits.argmax(-1).tolist()
-        for row, seq in enumerate(scheduled):
-            temperature = seq.params.temperature
-            if temperature > 0:
-                probs = torch.softmax(logits[row] / temperature, -1)
-                generator = seq.generator or self._generator
-                tokens[row] = int(torch.multinomial(probs, 1, generator=generator))
-        return tokens
+    def _forward(self, scheduled: list[_Sequence]) -> tuple[torch.Tensor, list[_Sequence]]:
+        """The logits of ``scheduled``; requests whose forward pass raises are failed.
+
+        Returns:
+            The logits of the requests that computed, and those requests, in order.
+        """
+        items = [self._forward_item(seq) for seq in scheduled]
+        try:
+            return self.model.forward_paged(items, self.cache), scheduled
+        except Exception as exc:
+            if len(items) == 1:
+                self._fail(scheduled[0], "forward", exc)
+                return torch.empty(0), []
+            logger.warning(
+                "a forward pass over %d requests failed (%s: %s); computing them one by one "
+                "to fail only the request that causes it",
+                len(items),
+                type(exc).__name__,
+                exc,
+            )
+        # Rewriting the K/V slots the failed pass may have written is harmless: the same
+        # tokens at the same positions give the same values.
+        rows: list[torch.Tensor] = []
+        computed: list[_Sequence] = []
+        for seq, item in zip(scheduled, items, strict=True):
+            try:
+                rows.append(self.model.forward_paged([item], self.cache))
+            except Exception as exc:
+                self._fail(seq, "forward", exc)
+            else:
+                computed.append(seq)
+        return (torch.cat(rows) if rows else torch.empty(0)), computed
+
+    def _forward_item(self, seq: _Sequence) -> ForwardItem:
+        request = seq.request
+        start = request.num_computed_tokens
+        return ForwardItem(
+            request.all_token_ids[start : start + seq.num_scheduled_tokens],
+            start,
+            self.kv.get_block_ids(request.request_id),
+        )
+
+    def _append(self, seq: _Sequence, token: int) -> None:
+        request = seq.request
+        request.append_output_token_ids(token)
+        reason = None
+        if token == self.eos_token_id and not seq.params.ignore_eos:
+            reason = "stop"
+        elif len(request.output_token_ids) >= seq.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._scheduler.finish(seq)
+        seq.sink(self._output(seq, [token], reason))
+
+    def _fail(self, seq: _Sequence, stage: str, exc: Exception) -> None:
+        """End one request with ``"error"``: release its blocks, count it, tell its sink."""
+        request_id = seq.request.request_id
+        # A sampling error is fully described by its message; anything else is a surprise.
+        logger.error(
+            "request %s failed in %s: %s",
+            request_id,
+            stage,
+            exc,
+            exc_info=None if isinstance(exc, SamplingError) else exc,
+        )
+        if seq in self._scheduler.running:  # not when it failed after finishing
+            self._scheduler.discard(seq)
+        self._failures[stage] += 1
+        failure = RequestFailure(stage, f"{type(exc).__name__}: {exc}")
+        self._deliver(seq, self._output(seq, [], "error", failure))
+
+    def _deliver(self, seq: _Sequence, out: RequestOutput) -> None:
+        """Hand ``out`` to the request's sink; a sink that raises loses only its output."""
+        try:
+            seq.sink(out)
+        except Exception:
+            logger.exception("the output sink of request %s failed", out.request_id)
 
     def _abort(self, request_id: str) -> None:
         seq = self._scheduler.remove(request_id)
         if seq is not None:
-            seq.sink(self._output(seq, [], "abort"))
+            self._deliver(seq, self._output(seq, [], "abort"))
 
     def _publish_events(self) -> None:
         events = self.kv.take_events()
@@ -426,7 +519,12 @@ class Engine:
             logger.warning("KV event batch dropped: the publisher queue is full")
 
     @staticmethod
-    def _output(seq: _Sequence, tokens: list[int], reason: str | None) -> RequestOutput:
+    def _output(
+        seq: _Sequence,
+        tokens: list[int],
+        reason: str | None,
+        failure: RequestFailure | None = None,
+    ) -> RequestOutput:
         request = seq.request
         return RequestOutput(
             request_id=request.request_id,
@@ -435,4 +533,5 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             num_output_tokens=len(request.output_token_ids),
+            failure=failure,
         )

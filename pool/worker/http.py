@@ -10,6 +10,9 @@ Endpoints:
   body and response); with ``"stream": true``, Server-Sent Events: one ``data: {chunk}``
   per generated token (``choices[0].text`` the new text, ``token_ids`` the new ids), the
   last chunk with ``finish_reason`` and ``usage``, then ``data: [DONE]``.
+  A request that fails in the engine (its forward pass or its sampling raised) gets 500
+  ``{"error": {"message", "type": "request_failed"}}`` (in a stream: a last ``data:
+  {"error": ...}`` event, then ``data: [DONE]``); the engine and other requests go on.
 * ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "lifetime_id", "running",
   "waiting", "free_blocks", "total_blocks", "usage", "queued_prefill_tokens",
   "decode_tokens"}`` (the load figures the router's cost model reads); 503 while draining,
@@ -17,9 +20,14 @@ Endpoints:
   exited. ``lifetime_id`` (32 hex digits, random per worker process) names the publisher
   lifetime: a router that sees it change knows the worker restarted, even when the new
   lifetime's first event batches never reached it.
+* ``GET /ready``: 200 ``{"status": "ready", "worker_id", "lifetime_id"}`` while the engine
+  loop runs and takes requests; 503 ``{"status": "draining" | "stopped", "reason", ...}``
+  while draining (after SIGTERM) or once the engine loop has stopped. ``/health`` stays
+  the liveness probe.
 * ``GET /metrics``: Prometheus text, from the worker's own ``CollectorRegistry``.
 * ``POST /v1/reset_prefix_cache``: ``{"success": true}`` (an ``AllBlocksCleared`` event
-  is published), or 409 ``{"success": false, "error"}`` while requests hold blocks.
+  is published), or 409 ``{"success": false, "error": {"message", "type": "conflict"}}``
+  while requests hold blocks.
 * ``GET /v1/snapshot``: every cached block as parent-first runs, each shaped like a
   ``BlockStored`` event::
 
@@ -32,23 +40,24 @@ Endpoints:
   range). The snapshot reflects exactly the event batches with seq < ``next_seq``: a
   router applies it, then the live stream from ``next_seq`` on.
 
-Errors are JSON ``{"error": {"message", "type"}}`` with a 4xx status for bad requests;
-a body above the size limit gets 413 ``{"error": {"message", "type":
-"request_too_large"}}``, the message naming the limit and the flag that raises it.
+Errors are JSON ``{"error": {"message", "type"}}``, aiohttp's own included; keys, JSON-only
+bodies and error shapes are :mod:`pool.worker.guards`'. A body above the size limit gets
+413 ``request_too_large``, the message naming the limit and the flag that raises it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -63,6 +72,7 @@ from pool.worker.completions import (
     usage,
 )
 from pool.worker.engine import Engine, EngineClosedError, InvalidRequestError
+from pool.worker.guards import AccessKeys, error_body, error_response, guard_middlewares
 from pool.worker.outputs import EngineStats, RequestOutput
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "WorkerHTTP", "WorkerInfo"]
@@ -71,9 +81,14 @@ logger = logging.getLogger(__name__)
 
 _ENGINE_TIMEOUT_S: Final = 30.0
 _LIVENESS_CHECK_S: Final = 5.0
-_JSON: Final = "application/json"
 DEFAULT_MAX_BODY_BYTES: Final = 8 * 1024 * 1024
 T = TypeVar("T")
+FAILURE_REASONS: Final = ("forward", "sampling", "engine", "engine_stopped", "handler")
+"""Labels of ``kvroute_worker_request_failures_total``: the engine's failure stages (see
+:class:`~pool.worker.outputs.RequestFailure`), requests cut off by the engine loop stopping, and
+unexpected errors in an HTTP handler."""
+CLIENT_ABORT_STAGES: Final = ("request_body", "response")
+"""Labels of ``kvroute_worker_client_aborts_total``: when the client closed its connection."""
 
 
 @dataclass(frozen=True)
@@ -97,16 +112,31 @@ class WorkerInfo:
 
 
 class _EngineCollector(Collector):
-    """Exposes the engine's gauges and counters as of the last scrape."""
+    """Exposes the engine's gauges and counters as of the last scrape, and request failures.
+
+    Failures come from two counts: the engine's (by stage) and the HTTP layer's own
+    (``engine_stopped``, ``handler``), merged under one family.
+    """
 
     def __init__(self) -> None:
         self.stats: EngineStats | None = None
+        self.http_failures: collections.Counter[str] = collections.Counter()
 
     def collect(self) -> list[Metric]:
+        failures = CounterMetricFamily(
+            "kvroute_worker_request_failures",
+            "Requests that failed on the worker (a JSON 500 or 503), by reason.",
+            labels=["reason"],
+        )
+        engine_failures = self.stats.num_failures if self.stats is not None else {}
+        for reason in FAILURE_REASONS:
+            count = engine_failures.get(reason, 0) + self.http_failures[reason]
+            failures.add_metric([reason], count)
         s = self.stats
         if s is None:
-            return []
+            return [failures]
         return [
+            failures,
             _gauge("kvroute_worker_requests_running", "Requests running.", s.num_running),
             _gauge("kvroute_worker_requests_waiting", "Requests waiting.", s.num_waiting),
             _gauge("kvroute_worker_free_blocks", "Free KV blocks.", s.num_free_blocks),
@@ -161,6 +191,7 @@ class WorkerHTTP:
         tokenizer: Turns text prompts into ids and ids into text.
         info: Identity of the worker.
         max_body_bytes: Largest request body accepted; larger ones get a JSON 413.
+        keys: The bearer keys asked for (none by default).
     """
 
     def __init__(
@@ -169,6 +200,7 @@ class WorkerHTTP:
         tokenizer: Tokenizer,
         info: WorkerInfo,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        keys: AccessKeys | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -192,13 +224,26 @@ class WorkerHTTP:
         self._tokens = Counter(
             "kvroute_worker_tokens", "Tokens served, by kind.", ["kind"], registry=self.registry
         )
-        self.app = web.Application(
-            middlewares=[_body_limit(max_body_bytes)], client_max_size=max_body_bytes
+        self._client_aborts = Counter(
+            "kvroute_worker_client_aborts",
+            "Requests whose client closed the connection before the end, by stage.",
+            ["stage"],
+            registry=self.registry,
         )
+        for stage in CLIENT_ABORT_STAGES:
+            self._client_aborts.labels(stage)
+        middlewares = guard_middlewares(
+            keys or AccessKeys(),
+            max_body_bytes,
+            on_failure=self._count_failure,
+            on_client_abort=lambda stage: self._client_aborts.labels(stage).inc(),
+        )
+        self.app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
         self.app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
                 web.get("/health", self._health),
+                web.get("/ready", self._ready),
                 web.get("/metrics", self._metrics),
                 web.post("/v1/reset_prefix_cache", self._reset),
                 web.get("/v1/snapshot", self._snapshot),
@@ -233,7 +278,7 @@ class WorkerHTTP:
             parsed = parse_completion_request(await request.read(), self.tokenizer)
             self.engine.validate(parsed.prompt_token_ids, parsed.params)
         except (CompletionRequestError, InvalidRequestError) as exc:
-            return _error(400, str(exc))
+            return error_response(400, str(exc))
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -244,7 +289,7 @@ class WorkerHTTP:
         try:
             self.engine.submit(request_id, parsed.prompt_token_ids, parsed.params, deliver)
         except EngineClosedError as exc:
-            return _error(503, str(exc), "unavailable")
+            return error_response(503, str(exc), "unavailable")
         finished = False
         try:
             if parsed.stream:
@@ -267,8 +312,10 @@ class WorkerHTTP:
             token_ids.extend(last.new_token_ids)
         assert last is not None  # the iterator always ends with a finished output
         self._count(last)
-        if last.finish_reason == "abort":
-            return _error(503, "the request was aborted: the engine stopped", "unavailable")
+        failed = self._failure(last)
+        if failed is not None:
+            status, error = failed
+            return web.json_response(error, status=status)
         text = self.tokenizer.decode(token_ids)
         body = completion_chunk(
             request_id, self.info.model_name, text, token_ids, last.finish_reason
@@ -284,6 +331,11 @@ class WorkerHTTP:
         await response.prepare(request)
         text = IncrementalText(self.tokenizer)
         async for out in self._until_finished(request_id, outputs):
+            failed = self._failure(out) if out.finished else None
+            if failed is not None:  # the status line is sent: the error is the last event
+                self._count(out)
+                await response.write(f"data: {json.dumps(failed[1])}\n\n".encode())
+                break
             delta = text.push(out.new_token_ids, out.finished)
             chunk = completion_chunk(
                 request_id, self.info.model_name, delta, out.new_token_ids, out.finish_reason
@@ -295,6 +347,20 @@ class WorkerHTTP:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    def _failure(self, last: RequestOutput) -> tuple[int, dict[str, Any]] | None:
+        """Status and JSON error of a request the engine failed or cut off; else ``None``."""
+        if last.finish_reason == "error":
+            assert last.failure is not None
+            message = (
+                f"this request failed in the worker's engine ({last.failure.stage}): "
+                f"{last.failure.message}; the worker and its other requests go on"
+            )
+            return 500, error_body(message, "request_failed")
+        if last.finish_reason == "abort":
+            self._count_failure("engine_stopped")
+            return 503, error_body("the request was aborted: the engine stopped", "unavailable")
+        return None
 
     async def _until_finished(
         self, request_id: str, outputs: asyncio.Queue[RequestOutput]
@@ -317,15 +383,21 @@ class WorkerHTTP:
         self._tokens.labels("prompt").inc(last.num_prompt_tokens)
         self._tokens.labels("generated").inc(last.num_output_tokens)
 
+    def _count_failure(self, reason: str) -> None:
+        self._collector.http_failures[reason] += 1
+
     async def _health(self, request: web.Request) -> web.Response:
-        if not self.engine.is_running:
+        stats = None
+        if self.engine.is_running:
+            with contextlib.suppress(EngineClosedError):  # it stopped since
+                stats = await self._on_engine(self.engine.stats)
+        if stats is None:
             stopped = {
                 "status": "stopped",
                 "worker_id": self.info.worker_id,
                 "lifetime_id": self.info.lifetime_id,
             }
             return web.json_response(stopped, status=503)
-        stats = await self._on_engine(self.engine.stats)
         accepting = self.engine.is_accepting
         body = {
             "status": "ok" if accepting else "draining",
@@ -341,8 +413,25 @@ class WorkerHTTP:
         }
         return web.json_response(body, status=200 if accepting else 503)
 
+    async def _ready(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        identity = {"worker_id": self.info.worker_id, "lifetime_id": self.info.lifetime_id}
+        if not engine.is_running:
+            reason = engine.failure or "the engine loop has stopped"
+            return web.json_response(
+                {"status": "stopped", "reason": reason, **identity}, status=503
+            )
+        if not engine.is_accepting:
+            reason = "the worker is draining: it finishes its requests and takes no new ones"
+            return web.json_response(
+                {"status": "draining", "reason": reason, **identity}, status=503
+            )
+        return web.json_response({"status": "ready", **identity})
+
     async def _metrics(self, request: web.Request) -> web.Response:
-        self._collector.stats = await self._on_engine(self.engine.stats)
+        # With the engine stopped, the last figures it gave stay (its failures included).
+        with contextlib.suppress(EngineClosedError):
+            self._collector.stats = await self._on_engine(self.engine.stats)
         return web.Response(
             body=generate_latest(self.registry),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
@@ -351,13 +440,8 @@ class WorkerHTTP:
     async def _reset(self, request: web.Request) -> web.Response:
         if await self._on_engine(self.engine.reset_prefix_cache):
             return web.json_response({"success": True})
-        return web.json_response(
-            {
-                "success": False,
-                "error": "requests are running and hold KV blocks; retry when the worker is idle",
-            },
-            status=409,
-        )
+        message = "requests are running and hold KV blocks; retry when the worker is idle"
+        return web.json_response({"success": False, **error_body(message, "conflict")}, status=409)
 
     async def _snapshot(self, request: web.Request) -> web.Response:
         snap = await self._on_engine(self.engine.snapshot)
@@ -372,26 +456,3 @@ class WorkerHTTP:
             "runs": snap.runs,
         }
         return web.json_response(body)
-
-
-def _body_limit(max_body_bytes: int) -> Middleware:
-    """A middleware answering aiohttp's plain-text 413 as a JSON error that names the limit."""
-
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except web.HTTPRequestEntityTooLarge:
-            return _error(
-                413,
-                f"request body exceeds the worker's limit of {max_body_bytes} bytes; "
-                "raise it with kvroute worker --max-body-bytes N "
-                "(or $KVROUTE_WORKER_MAX_BODY_BYTES)",
-                "request_too_large",
-            )
-
-    return middleware
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from pool.snapshot import ChainRun
 
-__all__ = ["EngineStats", "OutputSink", "RequestOutput", "Snapshot"]
+__all__ = ["EngineStats", "OutputSink", "RequestFailure", "RequestOutput", "Snapshot"]
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why the engine failed one request (the others and the engine went on).
+
+    Attributes:
+        stage: Where it failed, a short metric label: ``"forward"`` (the model's forward
+            pass for this request alone), ``"sampling"`` (its logits could not be
+            sampled) or ``"engine"`` (handling its output).
+        message: What happened, for the client and the log.
+    """
+
+    stage: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -18,10 +33,12 @@ class RequestOutput:
         request_id: The request.
         new_token_ids: Tokens generated in this step (empty when only finishing).
         finish_reason: ``"stop"`` (end of sequence), ``"length"`` (``max_tokens``),
-            ``"abort"``, or ``None`` while running.
+            ``"abort"`` (aborted, or the engine stopped), ``"error"`` (this request failed:
+            see ``failure``), or ``None`` while running.
         num_prompt_tokens: Prompt length.
         num_cached_tokens: Prompt tokens found in the prefix cache at first admission.
         num_output_tokens: Tokens generated so far.
+        failure: Why the request failed, with ``finish_reason == "error"`` only.
     """
 
     request_id: str
@@ -30,6 +47,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    failure: RequestFailure | None = None
 
     @property
     def finished(self) -> bool:
@@ -60,6 +78,7 @@ class EngineStats:
         queued_prefill_tokens: Prompt tokens still to compute: waiting requests' cache
             misses and running chunked prefills' remainders.
         decode_tokens: Tokens still to generate by running and waiting requests, at most.
+        num_failures: Requests the engine failed, by :attr:`RequestFailure.stage`.
     """
 
     num_running: int
@@ -75,6 +94,7 @@ class EngineStats:
     num_batches_dropped: int
     queued_prefill_tokens: int
     decode_tokens: int
+    num_failures: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

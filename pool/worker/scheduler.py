@@ -163,6 +163,11 @@ class Scheduler(Generic[S]):
         self.running.remove(entry)
         self.kv.free(entry.request)
 
+    def discard(self, entry: S) -> None:
+        """Retire a running request whose computation failed (see ``KVCacheManager.discard``)."""
+        self.running.remove(entry)
+        self.kv.discard(entry.request)
+
     def remove(self, request_id: str) -> S | None:
         """Take a request out of either queue (freeing its blocks); ``None`` if unknown."""
         for entry in self.running:

@@ -41,7 +41,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_FORWARDED_HEADERS: Final = ("Content-Type", "Accept", "Authorization", "X-Request-Id")
+_FORWARDED_HEADERS: Final = ("Accept", "Authorization", "X-Request-Id")
+# The body sent is the JSON the router parsed (or rewrote), whatever type the client named;
+# kvroute workers refuse a body of any other type.
+_BODY_HEADERS: Final = {"Content-Type": "application/json"}
 _SSE: Final = "text/event-stream"
 WORKER_HEADER: Final = "X-Kvroute-Worker"
 """Response header naming the worker that served a proxied request."""
@@ -185,6 +188,7 @@ class WorkerProxy:
             WorkersUnavailableError: Every attempt failed before answering.
         """
         headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+        headers.update(_BODY_HEADERS)
         failures: list[str] = []
         for attempt, target in enumerate(targets[: self.config.max_attempts], 1):
             await observer.attempt_started(target)

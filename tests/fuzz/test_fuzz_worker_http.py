@@ -33,18 +33,19 @@ NUM_BLOCKS = 32
 BLOCK_SIZE = 8
 MAX_REQUEST_TOKENS = (NUM_BLOCKS - 1) * BLOCK_SIZE
 """What the worker's KV cache can ever hold for one request (the null block excluded)."""
+VOCAB_SIZE = 258
+"""The byte tokenizer's vocabulary: every generated id is below it."""
 BODY_LIMIT_BYTES = 1024**2
 """The worker's ``--max-body-bytes`` in these tests."""
 
 
 def error_message(body: Any) -> str:
-    """The message of a JSON error body (or the text of a plain one)."""
+    """The message of a JSON error body; a plain-text error fails the test."""
     if isinstance(body, dict):
         assert set(body) == {"error"}, body
         assert set(body["error"]) == {"message", "type"}, body
         return str(body["error"]["message"])
-    assert isinstance(body, str)
-    return body
+    raise AssertionError(f"not an OpenAI-shaped JSON error: {body!r}")
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,81 @@ def test_any_json_body_gets_200_or_a_clear_4xx(worker_port: int, body: Any) -> N
         return
     assert 400 <= status < 500, (status, reply)
     assert len(error_message(reply)) >= 10
+
+
+def _edges(*values: float) -> st.SearchStrategy[float]:
+    return st.sampled_from(values)
+
+
+temperatures = st.one_of(
+    _edges(0.0, 5e-324, 1e-300, 1e-40, 1e-3, 0.01, 1.0, 2.0, 2.0000001, 1e308, -1e-300, -1.0),
+    st.floats(min_value=-1e308, max_value=1e308),
+    st.integers(min_value=-3, max_value=3),
+)
+top_ps = st.one_of(
+    _edges(5e-324, 1e-300, 0.0, 0.5, 1.0, 1.0000001, 1e308, -1.0), st.floats(-2.0, 2.0)
+)
+top_ks = st.one_of(
+    st.sampled_from([-2, -1, 0, 1, 2, 257, 258, 259, 2**63, 2**70]), st.integers(-3, 300)
+)
+seeds = st.one_of(
+    st.sampled_from([-(2**63) - 1, -(2**63), -1, 0, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**64 + 1]),
+    st.integers(min_value=-(2**66), max_value=2**66),
+)
+sampling_fields = {
+    "temperature": temperatures,
+    "top_p": top_ps,
+    "top_k": top_ks,
+    "seed": seeds,
+    "max_tokens": st.one_of(st.integers(-2, 6), st.sampled_from([10**6, 2**64, 10**30])),
+    "stream": st.booleans(),
+    "ignore_eos": st.booleans(),
+}
+sampling_bodies = st.fixed_dictionaries(
+    {
+        "prompt": st.one_of(
+            st.text(min_size=1, max_size=12), st.lists(st.integers(0, 257), min_size=1, max_size=12)
+        )
+    },
+    optional=sampling_fields,
+)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(sampling_bodies)
+def test_any_sampling_values_get_valid_tokens_or_a_400_never_a_5xx(
+    worker_port: int, body: dict[str, Any]
+) -> None:
+    """Every accepted value samples safely (1e-40 once killed the engine): a 200 with
+    valid tokens, or a 400 naming the value; the engine never dies."""
+    status, reply = post(worker_port, "/v1/completions", json.dumps(body).encode())
+    if status == 400:
+        assert len(error_message(reply)) >= 10
+        return
+    assert status == 200, (status, reply)
+    if body.get("stream"):
+        events = [e for e in reply.split("\n\n") if e]
+        assert events[-1] == "data: [DONE]", reply
+        chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+        assert all("error" not in chunk for chunk in chunks), reply
+        token_ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        token_ids = reply["choices"][0]["token_ids"]
+        finish = reply["choices"][0]["finish_reason"]
+    assert finish in ("stop", "length")
+    assert 1 <= len(token_ids) <= body.get("max_tokens", 16)
+    assert all(isinstance(t, int) and 0 <= t < VOCAB_SIZE for t in token_ids)
+
+
+def test_the_engine_outlived_the_sampling_fuzz(worker_port: int) -> None:
+    assert_alive(worker_port)
+    status, reply = post(worker_port, "/v1/completions", b'{"prompt": "ok", "max_tokens": 1}')
+    assert status == 200, reply
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from events.hashing import hash_blocks_sha256_cbor, wire_hash
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -339,31 +338,3 @@ def test_thread_drains_queued_work_then_refuses_new(threaded: Engine, model: Dec
     assert outputs.tokens("a") == greedy_reference(model, _prompt(6, 1), 6)
     with pytest.raises(EngineClosedError, match="shutting down"):
         threaded.submit("b", _prompt(6, 1), GREEDY, sink)
-
-
-class _FailingModel(DecoderModel):
-    """Fault injection: a forward pass that fails (as a device error would)."""
-
-    def forward_paged(self, items: object, cache: object) -> torch.Tensor:  # type: ignore[override]
-        raise RuntimeError("injected device failure")
-
-
-def test_a_failing_loop_aborts_its_requests_and_refuses_new_ones() -> None:
-    model = _FailingModel(ModelConfig(seed=3))
-    engine = Engine(model, model.make_cache(8, BLOCK_SIZE), KVCacheManager(KVCacheConfig(8, 4)))
-    finished = threading.Event()
-    outputs = Outputs()
-
-    def sink(out: RequestOutput) -> None:
-        outputs(out)
-        if out.finished:
-            finished.set()
-
-    engine.start()
-    engine.submit("a", _prompt(6, 1), GREEDY, sink)
-    assert finished.wait(timeout=60)
-    assert outputs.last("a").finish_reason == "abort"
-    assert engine.join(timeout_s=60)
-    assert not engine.is_accepting
-    with pytest.raises(EngineClosedError):
-        engine.submit("b", _prompt(6, 1), GREEDY, sink)

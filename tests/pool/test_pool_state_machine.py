@@ -118,6 +118,17 @@ class PoolMachine(RuleBasedStateMachine):
         request_id = data.draw(st.sampled_from(sorted(self.running)))
         self.manager.free(self.running.pop(request_id))
 
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def discard(self, data: st.DataObject) -> None:
+        # A request whose forward pass failed: its blocks nobody else holds leave the cache.
+        request_id = data.draw(st.sampled_from(sorted(self.running)))
+        blocks = [self.pool.blocks[i] for i in self.manager.get_block_ids(request_id)]
+        shared = {b.block_id: b.block_hash for b in blocks if b.ref_cnt > 1}
+        self.manager.discard(self.running.pop(request_id))
+        assert all(b.block_hash is None for b in blocks if b.block_id not in shared)
+        assert {b.block_id: b.block_hash for b in blocks if b.block_id in shared} == shared
+
     @rule(num_blocks=st.integers(0, 3))
     def pool_get_new_blocks(self, num_blocks: int) -> None:
         num_free = self.pool.get_num_free_blocks()

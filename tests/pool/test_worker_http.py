@@ -42,6 +42,7 @@ from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
 
 BLOCK_SIZE = 4
 TIMEOUT_S = 60.0
+JSON_HEADERS = {"Content-Type": "application/json"}
 # vLLM 0.33's consumers decode with a typed msgspec decoder: the strictest reading.
 STRICT = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -114,7 +115,7 @@ def model() -> DecoderModel:
 
 def _post(url: str, body: object, raw: bytes | None = None) -> tuple[int, Any]:
     data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="POST")
+    request = urllib.request.Request(url, data=data, method="POST", headers=JSON_HEADERS)
     try:
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
             return response.status, json.loads(response.read())
@@ -303,7 +304,7 @@ def test_streaming_sends_one_chunk_per_token_then_usage_and_done(
     host, port = worker.http.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
     body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 5, "stream": True, "ignore_eos": True}
-    conn.request("POST", "/v1/completions", json.dumps(body))
+    conn.request("POST", "/v1/completions", json.dumps(body), JSON_HEADERS)
     response = conn.getresponse()
     assert response.status == 200
     assert response.headers["Content-Type"] == "text/event-stream"
@@ -378,7 +379,7 @@ def test_cli_worker_drains_on_sigterm(tmp_path: Path, model: DecoderModel) -> No
         host, port = ready["http"].removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
         body = {"prompt": [1, 2, 3], "max_tokens": 40, "stream": True, "ignore_eos": True}
-        conn.request("POST", "/v1/completions", json.dumps(body))
+        conn.request("POST", "/v1/completions", json.dumps(body), JSON_HEADERS)
         response = conn.getresponse()
         first = response.readline()  # the request is running: now ask the worker to stop
         assert first.startswith(b"data: ")
@@ -421,7 +422,7 @@ def test_a_client_that_goes_away_aborts_its_request(worker: RunningWorker) -> No
     host, port = worker.http.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=TIMEOUT_S)
     body = {"prompt": [1, 2, 3], "max_tokens": 70, "stream": True, "ignore_eos": True}
-    conn.request("POST", "/v1/completions", json.dumps(body))
+    conn.request("POST", "/v1/completions", json.dumps(body), JSON_HEADERS)
     response = conn.getresponse()
     assert response.readline().startswith(b"data: ")
     conn.close()  # mid-stream: the worker notices at its next write and aborts

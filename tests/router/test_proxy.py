@@ -100,6 +100,7 @@ async def run_proxy(
     body: dict[str, object],
     rewriter_factory: Callable[[], ResponseRewriter] | None = None,
     config: ProxyConfig | None = None,
+    content_type: str = "application/json",
 ) -> tuple[int, dict[str, str], bytes, Recorder, list[object]]:
     """Put a WorkerProxy behind a real front server and send it one client request."""
     recorder = Recorder()
@@ -124,7 +125,11 @@ async def run_proxy(
         async with (
             serve(front) as url,
             aiohttp.ClientSession() as client,
-            client.post(f"{url}/v1/completions", json=body) as resp,
+            client.post(
+                f"{url}/v1/completions",
+                data=json.dumps(body),
+                headers={"Content-Type": content_type},
+            ) as resp,
         ):
             return resp.status, dict(resp.headers), await resp.read(), recorder, results
 
@@ -146,6 +151,27 @@ def test_passes_answer_through_and_names_the_worker() -> None:
         (result,) = results
         assert result.worker_id == "w1" and result.num_attempts == 1  # type: ignore[attr-defined]
         assert result.usage == _USAGE  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+
+
+def test_workers_get_a_json_body_whatever_type_the_client_named() -> None:
+    """curl -d says application/x-www-form-urlencoded; workers take JSON bodies only."""
+    seen: list[str | None] = []
+
+    async def strict(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Content-Type"))
+        return await echo(request)
+
+    async def scenario() -> None:
+        async with serve(strict) as url:
+            code, _, body, _, _ = await run_proxy(
+                [ProxyTarget(WorkerId("w1"), url)],
+                {"prompt": "hi"},
+                content_type="application/x-www-form-urlencoded",
+            )
+        assert code == 200, body
+        assert seen == ["application/json"]
 
     asyncio.run(scenario())
 

@@ -157,7 +157,9 @@ def test_worker_cli_curve_flags_end_to_end(tmp_path: Path) -> None:
 
     def complete() -> None:
         body = json.dumps({"prompt": next(prompts), "max_tokens": 1}).encode()
-        request = urllib.request.Request(f"{url}/v1/completions", body, method="POST")
+        request = urllib.request.Request(
+            f"{url}/v1/completions", body, {"Content-Type": "application/json"}, method="POST"
+        )
         with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
             assert response.status == 200
 
