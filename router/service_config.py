@@ -71,6 +71,12 @@ class RouterConfig:
             its ingest heartbeat and its shared-load hash.
         client_keys: The router's CURVE key pair for workers registered with a
             ``server_key`` (a fresh one by default).
+        admin_key: Bearer key of the worker-registry endpoints (``None``: open); see
+            :mod:`router.access`.
+        api_key: Bearer key of the inference endpoints (``None``: open); the admin key
+            is accepted there too.
+        allow_worker_nets: Networks (CIDR) and host names workers may be at; empty: any.
+        require_curve: Admit only workers registered with a CURVE ``server_key``.
     """
 
     redis_url: str
@@ -97,3 +103,7 @@ class RouterConfig:
     health_poll_s: float = 1.0
     replica_id: str | None = None
     client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)
+    admin_key: str | None = field(default=None, repr=False)
+    api_key: str | None = field(default=None, repr=False)
+    allow_worker_nets: tuple[str, ...] = ()
+    require_curve: bool = False

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 import pytest
@@ -102,9 +102,14 @@ async def running_router(
         await service.close()
 
 
-async def post(client: aiohttp.ClientSession, path: str, body: Any) -> tuple[int, Any]:
+JSON: Final = {"Content-Type": "application/json"}
+
+
+async def post(
+    client: aiohttp.ClientSession, path: str, body: Any, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with client.post(path, data=data) as resp:
+    async with client.post(path, data=data, headers={**JSON, **(headers or {})}) as resp:
         return resp.status, await resp.json()
 
 
@@ -302,15 +307,35 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
                "topic": "kv", "block_size": 32}  # fmt: skip
         status, added = await post(client, "/v1/workers", new)
         assert status == 201
-        assert added["worker"] == {**new, "kind": "kvroute", "server_key": None}
+        assert added == {
+            "worker": {**new, "kind": "kvroute", "server_key": None},
+            "outcome": "created",
+        }
         async with client.get("/v1/workers") as resp:
             assert [w["worker_id"] for w in (await resp.json())["workers"]] == ["w0", "w9"]
-        assert await post(client, "/v1/workers", new) == (201, added)  # idempotent
+        # The same registration again is idempotent: 200, nothing created.
+        assert await post(client, "/v1/workers", new) == (200, {**added, "outcome": "unchanged"})
+        # The same id on other endpoints is a conflict, not a silent replacement.
         moved = {**new, "events": "tcp://127.0.0.1:2", "topic": "kv2"}  # restarted elsewhere
-        assert await post(client, "/v1/workers", moved) == (
-            201,
-            {"worker": {**moved, "kind": "kvroute", "server_key": None}},
-        )
+        status, conflict = await post(client, "/v1/workers", moved)
+        assert status == 409
+        assert conflict["error"]["type"] == "conflict"
+        assert conflict["error"]["differences"] == {
+            "events": {"saved": "tcp://127.0.0.1:1", "requested": "tcp://127.0.0.1:2"},
+            "topic": {"saved": "kv", "requested": "kv2"},
+        }
+        assert "send PUT /v1/workers/w9" in conflict["error"]["message"]
+        assert [r.topic for r in await svc.registry.records() if r.worker_id == "w9"] == ["kv"]
+        # PUT replaces it explicitly.
+        async with client.put("/v1/workers/w9", json=moved) as resp:
+            assert resp.status == 200
+            assert await resp.json() == {
+                "worker": {**moved, "kind": "kvroute", "server_key": None},
+                "outcome": "replaced",
+            }
+        async with client.put("/v1/workers/other", json=moved) as resp:
+            assert resp.status == 400
+            assert "differs from 'other' in the path" in (await resp.json())["error"]["message"]
         async with client.get("/v1/workers") as resp:
             listed = (await resp.json())["workers"]
         assert [(w["worker_id"], w["topic"]) for w in listed] == [("w0", ""), ("w9", "kv2")]
@@ -319,7 +344,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
         secured = {**new, "worker_id": "w8", "server_key": server_key}
         assert await post(client, "/v1/workers", secured) == (
             201,
-            {"worker": {**secured, "kind": "kvroute"}},
+            {"worker": {**secured, "kind": "kvroute"}, "outcome": "created"},
         )
         assert {r.worker_id: r.server_key for r in await svc.registry.records()} == {
             "w0": None,
@@ -333,7 +358,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
             ({"worker_id": "x", "url": ws[0].url}, "Object missing required field `events`"),
             ({**new, "worker_id": "a b"}, "worker id 'a b' is not valid"),
             ({**new, "url": "ftp://x"}, "must start with http:// or https://"),
-            ({**new, "block_size": 0}, "Expected `int` >= 1 - at `$.block_size`"),
+            ({**new, "block_size": 0}, "block_size must be 1-4096 tokens"),
             ({**new, "server_key": "short"}, "server_key must be a z85 CURVE public key of 40"),
         ]:
             status, err = await post(client, "/v1/workers", bad)

@@ -49,7 +49,7 @@ def test_worker_flag_maps_onto_a_record() -> None:
         ("w1=127.0.0.1:8000,events=tcp://h:1", "expected ID=HTTP_URL,events=ENDPOINT"),
         ("w1=http://h:1", "events=ENDPOINT is required"),
         ("w1=http://h:1,events=tcp://h:1,colour=red", "bad option 'colour=red'"),
-        ("w1=http://h:1,events=tcp://h:1,block-size=x", "invalid literal for int()"),
+        ("w1=http://h:1,events=tcp://h:1,block-size=x", "Expected `int`, got `str`"),
         ("w 1=http://h:1,events=tcp://h:1", "worker id 'w 1' is not valid"),
     ],
 )
