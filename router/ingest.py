@@ -140,6 +140,11 @@ class IndexIngest:
         self._leases = LeaseKeeper(index, registry, self.metrics)
 
     @property
+    def ingested_workers(self) -> list[str]:
+        """Workers whose event streams this router reads, sorted."""
+        return sorted(self._workers)
+
+    @property
     def owned_workers(self) -> list[WorkerId]:
         """Workers whose lease this router holds, sorted."""
         return sorted(w.worker_id for w in self._workers.values() if w.lease is not None)

@@ -189,7 +189,7 @@ def normalize_url(url: str) -> str:
         RegistrationError: Not http(s), no host, a bad port, credentials, or a wildcard.
     """
     where = f"url {url!r}"
-    if not url.startswith(("http://", "https://")):
+    if not url.lower().startswith(("http://", "https://")):
         raise RegistrationError(f"{where} must start with http:// or https://")
     try:
         parts = urlsplit(url)

@@ -149,11 +149,11 @@ def parse_worker_spec(spec: str) -> WorkerRecord:
         name, sep, value = item.partition("=")
         if not sep or name not in (*names, "block_size"):
             raise PrefixIndexError(f"worker spec {spec!r}: bad option {item!r}; {usage}")
-        fields[names.get(name, name)] = int(value) if name == "block_size" else value
+        fields[names.get(name, name)] = value
     try:
         if "server_key" in fields:
             fields["server_key"] = load_public_key(str(fields["server_key"])).decode()
-        return msgspec.convert(fields, WorkerRecord)
+        return msgspec.convert(fields, WorkerRecord, strict=False)  # block_size is text
     except (msgspec.ValidationError, ValueError, PrefixIndexError) as exc:
         raise PrefixIndexError(f"worker spec {spec!r}: {exc}") from exc
 

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 
 from events.curve import CurveKeyPair
+from events.subscriber import SubscriberError
 from router.explain import read_decisions
 from router.index.base import WorkerId
 from router.index.registry import WorkerRecord
@@ -29,15 +31,18 @@ from router.service_config import RequestLimits, RouterConfig
 
 @dataclass
 class EchoWorker:
-    """A stand-in kvroute worker: echoes prompts, reports load, serves an empty snapshot."""
+    """A stand-in kvroute worker: echoes prompts (recording them and the request headers,
+    header names lowercased), reports load, serves an empty snapshot."""
 
     worker_id: str
     prompts: list[Any] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
     url: str = ""
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.prompts.append(body["prompt"])
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
         text = f"{self.worker_id}:{len(self.prompts)}"
         return web.json_response(
             {
@@ -457,3 +462,105 @@ def test_every_policy_routes_and_proxies(redis_url: str, namespace: str, policy:
             assert len(set(chosen)) == 3
 
     run(redis_url, namespace, scenario, n=3, policy=policy)
+
+
+async def saved_ids(svc: RouterService) -> list[str]:
+    """Worker ids of the registrations saved in Redis (usable or not)."""
+    raw = await svc.registry.client.hkeys(svc.registry.layout.registry)
+    return sorted(k.decode() for k in raw)
+
+
+def test_bad_registrations_are_refused_whole_and_leave_nothing_behind(
+    redis_url: str, namespace: str
+) -> None:
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        good = {"worker_id": "w9", "url": ws[0].url, "events": "tcp://127.0.0.1:1"}
+        for change, message in [
+            ({"events": "garbage"}, "events endpoint 'garbage': expected tcp://HOST:PORT"),
+            ({"replay": "garbage"}, "replay endpoint 'garbage': expected tcp://HOST:PORT"),
+            ({"events": "tcp://*:5557"}, "'*' is a wildcard (a bind address)"),
+            ({"events": "tcp://0.0.0.0:5557"}, "'0.0.0.0' is a wildcard"),
+            ({"events": "inproc://w9"}, "inproc:// reaches only sockets inside the router"),
+            ({"url": "http://"}, "url 'http://': the host is empty"),
+            ({"url": "http://127.0.0.1:99999"}, "Port out of range"),
+            ({"url": "ftp://x"}, "must start with http:// or https://"),
+            ({"url": svc.url}, "is this router's own address"),
+            ({"url": svc.url.replace("127.0.0.1", "localhost") + "/v1"}, "own address"),
+            ({"block_size": 100_000}, "block_size must be 1-4096 tokens"),
+        ]:
+            status, err = await post(client, "/v1/workers", {**good, **change})
+            assert status == 400, (change, err)
+            assert message in err["error"]["message"], (change, err)
+        assert await saved_ids(svc) == ["w0"]
+        assert svc.ingest.ingested_workers == ["w0"]
+        assert [w.worker_id for w in svc.workers] == ["w0"]
+        # A path and query are stripped from the URL that is saved.
+        status, added = await post(client, "/v1/workers", {**good, "url": ws[0].url + "/v1?x=1"})
+        assert (status, added["worker"]["url"]) == (201, ws[0].url)
+
+    run(redis_url, namespace, scenario, n=1)
+
+
+def test_a_subscription_that_fails_saves_nothing(redis_url: str, namespace: str) -> None:
+    """Validation passed but the event socket could not be set up: nothing is saved."""
+
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        record = WorkerRecord(worker_id="w9", events_endpoint="tcp://127.0.0.1:1")
+        msgspec.structs.force_setattr(record, "events_endpoint", "tcp://-no-such-host:1")
+        with pytest.raises(SubscriberError, match="cannot subscribe to 'tcp://-no-such-host:1'"):
+            await svc.add_worker(record)
+        assert await saved_ids(svc) == ["w0"]
+        assert svc.ingest.ingested_workers == ["w0"]
+        status, _ = await post(client, "/v1/route", {"prompt": "still routing", "dry_run": True})
+        assert status == 200
+
+    run(redis_url, namespace, scenario, n=1)
+
+
+def test_a_registration_redis_refuses_leaves_no_subscription(private_redis: RedisServer) -> None:
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        new = {"worker_id": "w9", "url": ws[0].url, "events": "tcp://127.0.0.1:1"}
+        redis = svc.registry.client
+        await redis.config_set("maxmemory-policy", "noeviction")
+        await redis.config_set("maxmemory", 1)  # every write is refused (OOM)
+        try:
+            status, err = await post(client, "/v1/workers", new)
+        finally:
+            await redis.config_set("maxmemory", 0)
+        assert (status, err["error"]["type"]) == (503, "unavailable")
+        assert "nothing was saved" in err["error"]["message"]
+        assert await saved_ids(svc) == ["w0"]
+        assert svc.ingest.ingested_workers == ["w0"]
+        assert [w.worker_id for w in svc.workers] == ["w0"]
+        assert (await post(client, "/v1/workers", new))[0] == 201  # fine once Redis is
+
+    run(private_redis.url, "refused", scenario, n=1)
+
+
+def test_an_unusable_saved_registration_can_be_replaced_or_removed(
+    redis_url: str, namespace: str
+) -> None:
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        registry = svc.registry
+        bad = b'{"worker_id": "bad", "events_endpoint": "garbage"}'
+        await registry.client.hset(registry.layout.registry, "bad", bad)
+        fixed = {"worker_id": "bad", "url": ws[0].url, "events": "tcp://127.0.0.1:1"}
+        status, err = await post(client, "/v1/workers", fixed)
+        assert status == 409
+        assert "an unusable registration is saved (events endpoint 'garbage'" in str(err)
+        async with client.put("/v1/workers/bad", json=fixed) as resp:
+            assert (resp.status, (await resp.json())["outcome"]) == (200, "replaced")
+        await registry.client.hset(registry.layout.registry, "bad", bad)
+        async with client.delete("/v1/workers/bad") as resp:
+            assert (resp.status, await resp.json()) == (200, {"removed": "bad"})
+        assert await saved_ids(svc) == ["w0"]
+
+    run(redis_url, namespace, scenario, n=1)

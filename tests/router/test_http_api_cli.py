@@ -23,6 +23,7 @@ from router.router_cli import (
     main,
     parse_worker_flag,
 )
+from router.service_config import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -189,3 +190,45 @@ def test_router_process_serves_and_stops_on_sigterm(redis_url: str, namespace: s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_keys_come_from_a_flag_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def config(*argv: str) -> RouterConfig:
+        return config_from_args(build_parser().parse_args(list(argv)), "redis://x")
+
+    assert (config().admin_key, config().api_key) == (None, None)
+    key_file = tmp_path / "admin.key"
+    key_file.write_text("from-file\n")
+    assert config("--admin-key-file", str(key_file)).admin_key == "from-file"
+    assert config("--api-key", "from-flag").api_key == "from-flag"
+    monkeypatch.setenv("KVROUTE_ADMIN_KEY", "from-env")
+    monkeypatch.setenv("KVROUTE_API_KEY", "api-env")
+    assert (config().admin_key, config().api_key) == ("from-env", "api-env")
+    assert config("--admin-key", "flag-wins").admin_key == "flag-wins"
+    for argv, message in [
+        (["--admin-key", "a", "--admin-key-file", str(key_file)], "not both"),
+        (["--api-key-file", str(tmp_path / "none")], "cannot read key file"),
+        (["--api-key", "two words"], "is empty or holds whitespace"),
+    ]:
+        with pytest.raises(RouterCliError, match=message):
+            config(*argv)
+
+
+def test_registration_flags_map_onto_the_config(tmp_path: Path) -> None:
+    _, secret = write_keypair(tmp_path, "router")
+    args = build_parser().parse_args(
+        ["--allow-worker-net", "10.0.0.0/8", "--allow-worker-net", "gpu-1", "--require-curve",
+         "--client-key", str(secret), "--forward-authorization"]
+    )  # fmt: skip
+    config = config_from_args(args, "redis://x")
+    assert config.allow_worker_nets == ("10.0.0.0/8", "gpu-1")
+    assert (config.require_curve, config.proxy.forward_authorization) == (True, True)
+    defaults = config_from_args(build_parser().parse_args([]), "redis://x")
+    assert defaults.allow_worker_nets == ()
+    assert (defaults.require_curve, defaults.proxy.forward_authorization) == (False, False)
+    with pytest.raises(RouterCliError, match="--require-curve needs --client-key"):
+        config_from_args(build_parser().parse_args(["--require-curve"]), "redis://x")
+    with pytest.raises(RouterCliError, match="--allow-worker-net 'x y': expected a CIDR"):
+        config_from_args(build_parser().parse_args(["--allow-worker-net", "x y"]), "redis://x")
