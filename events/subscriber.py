@@ -149,7 +149,7 @@ class EventSubscriber:
             sock.close(linger=0)
             raise SubscriberError(
                 f"worker {stream.worker_id!r}: cannot subscribe to {stream.endpoint!r}: "
-                f"{zmq.strerror(exc.errno)}"
+                f"{zmq.strerror(exc.errno or 0)}"
             ) from exc
         worker = _Worker(stream, sock, zmq.Socket.shadow(sock.underlying), monitor)
         worker.on_unknown = functools.partial(self._unknown_event, worker)

@@ -11,10 +11,11 @@ Endpoint groups of the router's HTTP API:
 * **open**: ``GET /health`` and ``GET /metrics``.
 
 A group without a key is open (the default, with the router on loopback). A request
-presents a key as ``Authorization: Bearer KEY`` (compared in constant time); a missing or
-wrong one is a 401 that changes nothing. ``POST`` and ``PUT`` bodies must be sent as
-``Content-Type: application/json`` (415 otherwise): a web page can make a browser send a
-cross-site ``text/plain`` or form POST without asking first, but not a JSON one.
+presents a key as ``Authorization: Bearer KEY`` (:class:`events.auth.BearerKey`, compared
+in constant time); a missing or wrong one is a 401 that changes nothing. ``POST`` and
+``PUT`` bodies must be sent as ``Content-Type: application/json`` (415 otherwise): a web
+page can make a browser send a cross-site ``text/plain`` or form POST without asking
+first, but not a JSON one.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Final
 
 from aiohttp import web
 
-from events.auth import bearer_ok, is_loopback_host
+from events.auth import BearerKey, challenge, is_loopback
 from events.rate_limited_log import RateLimitedLog
 from router.errors import RouterError
 
@@ -74,7 +75,7 @@ class Guard:
         keys: Keys accepted; none (all ``None``): the group is open.
     """
 
-    def __init__(self, group: str, flag: str, *keys: str | None) -> None:
+    def __init__(self, group: str, flag: str, *keys: BearerKey | None) -> None:
         self.group = group
         self.flag = flag
         self._keys = tuple(k for k in keys if k is not None)
@@ -101,7 +102,7 @@ class Guard:
             AccessError: 401 without a valid key, 415 for a non-JSON body.
         """
         header = request.headers.get("Authorization")
-        if self._keys and not any(bearer_ok(header, key) for key in self._keys):
+        if self._keys and not any(key.accepts(header) for key in self._keys):
             peer = request.remote or "?"
             self._refusals.warning(
                 (self.group, peer),
@@ -113,7 +114,7 @@ class Guard:
                 f"{request.method} {request.path} needs the router's {self.group} key: send "
                 f"'Authorization: Bearer KEY' with the key of {self.flag}",
                 "authentication_error",
-                {"WWW-Authenticate": 'Bearer realm="kvroute"'},
+                {"WWW-Authenticate": challenge(header)},
             )
         if request.method in _BODY_METHODS and request.content_type != "application/json":
             raise AccessError(
@@ -129,7 +130,7 @@ def exposure_warning(host: str, admin: Guard, inference: Guard) -> str | None:
 
     Names exactly what anyone who can reach ``host`` may do without a key.
     """
-    if is_loopback_host(host):
+    if is_loopback(host):
         return None
     exposed = []
     if admin.is_open:

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq.utils.z85
 
-from events.auth import is_loopback_host
+from events.auth import is_loopback
 from events.curve import Z85_KEY_LEN
 from router.errors import RouterError
 
@@ -346,8 +346,8 @@ class RegistrationPolicy:
         host, port = url_host_port(url)
         if port != own_port:
             return
-        local = is_loopback_host(own_host) or _is_wildcard(own_host)
-        if host.lower() == own_host.lower().strip("[]") or (is_loopback_host(host) and local):
+        local = is_loopback(own_host) or _is_wildcard(own_host)
+        if host.lower() == own_host.lower().strip("[]") or (is_loopback(host) and local):
             raise RegistrationError(
                 f"url {url!r} is this router's own address: a worker's URL must point at "
                 "the worker's HTTP server"

@@ -30,7 +30,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import msgspec
 
-from events.auth import AuthKeyError, load_key
+from events.auth import ADMIN_KEY, API_KEY, AuthKeyError, add_key_arguments, load_key
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
 from events.hashing import NATIVE_KEYS
@@ -173,14 +173,6 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          "keys`), presented to workers registered with server_key= (default: "
          "$KVROUTE_CLIENT_KEY, else a fresh key pair, admitted only by workers without "
          "--curve-allow)"),
-        ("--admin-key", str, "bearer key required by the worker-registry endpoints (GET/POST "
-         "/v1/workers, PUT/DELETE /v1/workers/ID); prefer --admin-key-file or "
-         "$KVROUTE_ADMIN_KEY (a flag shows in ps) (default: none, open)"),
-        ("--admin-key-file", str, "file holding the admin key"),
-        ("--api-key", str, "bearer key required by /v1/completions, /v1/chat/completions and "
-         "/v1/route (the admin key works there too); prefer --api-key-file or "
-         "$KVROUTE_API_KEY (default: none, open)"),
-        ("--api-key-file", str, "file holding the API key"),
     ]  # fmt: skip
 
 
@@ -191,10 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a cache-aware router: ingests workers' KV events into a Redis prefix "
         "index and routes each request to the worker that holds most of its prefix without "
         "overloading it. Several replicas may share one Redis and namespace.",
+        epilog="Keys: --admin-key guards GET/POST /v1/workers and PUT/DELETE /v1/workers/ID; "
+        "--api-key guards /v1/completions, /v1/chat/completions and /v1/route (the admin key "
+        "works there too). Without a key its endpoints are open: keep the router on loopback "
+        "or set both. /health and /metrics are always open.",
     )
     for flag, kind, help_text in _flags():
         p.add_argument(flag, type=kind, help=help_text)
     add_cost_arguments(p)
+    add_key_arguments(p, ADMIN_KEY)
+    add_key_arguments(p, API_KEY)
     p.add_argument(
         "--worker",
         action="append",
@@ -274,9 +272,10 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
     allowed = tuple(str(net) for net in pick("allow_worker_net", None) or ())
     try:
         RegistrationPolicy.from_flags(allowed)
-        admin_key = load_key(pick("admin_key", None), pick("admin_key_file", None),
-                             "KVROUTE_ADMIN_KEY")  # fmt: skip
-        api_key = load_key(pick("api_key", None), pick("api_key_file", None), "KVROUTE_API_KEY")
+        admin_key, api_key = (
+            load_key(spec, pick(spec.dest, None), pick(spec.file_dest, None))
+            for spec in (ADMIN_KEY, API_KEY)
+        )
     except (RegistrationError, AuthKeyError) as exc:
         raise RouterCliError(str(exc)) from None
     return RouterConfig(

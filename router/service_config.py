@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from events.auth import BearerKey
 from events.curve import CurveKeyPair
 from router.index.registry import WorkerRecord
 from router.policies import DEFAULT_POLICY, PolicyConfig
@@ -103,7 +104,7 @@ class RouterConfig:
     health_poll_s: float = 1.0
     replica_id: str | None = None
     client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)
-    admin_key: str | None = field(default=None, repr=False)
-    api_key: str | None = field(default=None, repr=False)
+    admin_key: BearerKey | None = None
+    api_key: BearerKey | None = None
     allow_worker_nets: tuple[str, ...] = ()
     require_curve: bool = False

@@ -198,19 +198,31 @@ def test_keys_come_from_a_flag_a_file_or_the_environment(
     def config(*argv: str) -> RouterConfig:
         return config_from_args(build_parser().parse_args(list(argv)), "redis://x")
 
+    def bearer(key: str) -> str:
+        return f"Bearer {key}"
+
+    for name in ("KVROUTE_ADMIN_KEY", "KVROUTE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
     assert (config().admin_key, config().api_key) == (None, None)
     key_file = tmp_path / "admin.key"
     key_file.write_text("from-file\n")
-    assert config("--admin-key-file", str(key_file)).admin_key == "from-file"
-    assert config("--api-key", "from-flag").api_key == "from-flag"
+    admin = config("--admin-key-file", str(key_file)).admin_key
+    assert admin is not None and admin.accepts(bearer("from-file"))
+    api = config("--api-key", "from-flag").api_key
+    assert api is not None and api.accepts(bearer("from-flag"))
+    file_config = tmp_path / "router.json"
+    file_config.write_text(json.dumps({"admin_key_file": str(key_file)}))
+    admin = config("--config", str(file_config)).admin_key
+    assert admin is not None and admin.accepts(bearer("from-file"))
     monkeypatch.setenv("KVROUTE_ADMIN_KEY", "from-env")
-    monkeypatch.setenv("KVROUTE_API_KEY", "api-env")
-    assert (config().admin_key, config().api_key) == ("from-env", "api-env")
-    assert config("--admin-key", "flag-wins").admin_key == "flag-wins"
+    admin = config().admin_key
+    assert admin is not None and admin.accepts(bearer("from-env"))
+    admin = config("--admin-key", "flag-wins").admin_key
+    assert admin is not None and admin.accepts(bearer("flag-wins"))
     for argv, message in [
         (["--admin-key", "a", "--admin-key-file", str(key_file)], "not both"),
-        (["--api-key-file", str(tmp_path / "none")], "cannot read key file"),
-        (["--api-key", "two words"], "is empty or holds whitespace"),
+        (["--api-key-file", str(tmp_path / "none")], "cannot read the key file"),
+        (["--api-key", "two words"], "characters a bearer token cannot carry"),
     ]:
         with pytest.raises(RouterCliError, match=message):
             config(*argv)

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from events.auth import BearerKey
 from events.curve import CurveKeyPair
 from router.access import exposure_warning
 from router.http_api import guards
@@ -24,6 +25,8 @@ from tests.router.test_http_api import JSON, EchoWorker, post, run, saved_ids
 
 ADMIN = "admin-7f3a9c"
 API = "api-51be02"
+ADMIN_KEY = BearerKey(ADMIN, "test")
+API_KEY = BearerKey(API, "test")
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -40,10 +43,15 @@ def test_without_the_admin_key_workers_cannot_be_added_removed_or_listed(
     async def scenario(
         svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
     ) -> None:
-        for headers in ({}, bearer("wrong"), bearer(API), {"Authorization": ADMIN}):
+        for headers, challenge in [
+            ({}, 'Bearer realm="kvroute"'),
+            (bearer("wrong"), 'Bearer realm="kvroute", error="invalid_token"'),
+            (bearer(API), 'Bearer realm="kvroute", error="invalid_token"'),
+            ({"Authorization": ADMIN}, 'Bearer realm="kvroute", error="invalid_request"'),
+        ]:
             async with client.post("/v1/workers", json=rogue(ws), headers=headers) as resp:
                 assert resp.status == 401
-                assert resp.headers["WWW-Authenticate"] == 'Bearer realm="kvroute"'
+                assert resp.headers["WWW-Authenticate"] == challenge
                 error = (await resp.json())["error"]
             assert error["type"] == "authentication_error"
             assert error["message"] == (
@@ -78,7 +86,7 @@ def test_without_the_admin_key_workers_cannot_be_added_removed_or_listed(
             metrics
         )
 
-    run(redis_url, namespace, scenario, n=1, admin_key=ADMIN)
+    run(redis_url, namespace, scenario, n=1, admin_key=ADMIN_KEY)
 
 
 def test_the_api_key_guards_inference_and_opens_nothing_else(
@@ -106,7 +114,7 @@ def test_the_api_key_guards_inference_and_opens_nothing_else(
         assert status == 401  # the API key is not the admin key
         assert await saved_ids(svc) == ["w0"]
 
-    run(redis_url, namespace, scenario, n=1, admin_key=ADMIN, api_key=API)
+    run(redis_url, namespace, scenario, n=1, admin_key=ADMIN_KEY, api_key=API_KEY)
 
 
 def test_bodies_must_be_sent_as_json(redis_url: str, namespace: str) -> None:
@@ -204,12 +212,12 @@ def test_the_clients_authorization_reaches_a_worker_only_when_configured(
 
 
 def test_a_router_beyond_loopback_says_exactly_what_is_open() -> None:
-    def warning(host: str, **keys: str) -> str | None:
+    def warning(host: str, **keys: BearerKey) -> str | None:
         return exposure_warning(host, *guards(RouterConfig(redis_url="redis://x", **keys)))
 
     for loopback in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"):
         assert warning(loopback) is None
-    assert warning("0.0.0.0", admin_key=ADMIN, api_key=API) is None
+    assert warning("0.0.0.0", admin_key=ADMIN_KEY, api_key=API_KEY) is None
     assert warning("0.0.0.0") == (
         "listening on 0.0.0.0, reachable from other machines, and anyone who reaches it can: "
         "register, replace, remove and list workers (GET/POST /v1/workers, PUT/DELETE "
@@ -218,15 +226,15 @@ def test_a_router_beyond_loopback_says_exactly_what_is_open() -> None:
         "/v1/chat/completions, /v1/route) [--api-key]. Set the keys in brackets (or their "
         "-file / $KVROUTE_* forms) to require a bearer token"
     )
-    only_inference = warning("10.0.0.1", admin_key=ADMIN)
+    only_inference = warning("10.0.0.1", admin_key=ADMIN_KEY)
     assert only_inference is not None
     assert "send requests to the workers" in only_inference
     assert "register" not in only_inference
-    only_admin = warning("10.0.0.1", api_key=API)
+    only_admin = warning("10.0.0.1", api_key=API_KEY)
     assert only_admin is not None and "[--admin-key]" in only_admin
     assert "[--api-key]" not in only_admin
 
 
 def test_keys_never_show_in_a_config_repr() -> None:
-    config = RouterConfig(redis_url="redis://x", admin_key=ADMIN, api_key=API)
+    config = RouterConfig(redis_url="redis://x", admin_key=ADMIN_KEY, api_key=API_KEY)
     assert ADMIN not in repr(config) and API not in repr(config)

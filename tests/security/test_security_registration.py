@@ -137,7 +137,7 @@ def test_a_taken_http_port_is_a_clear_exit(redis_url: str, namespace: str) -> No
         ),
         (["--require-curve"], "--require-curve needs --client-key"),
         (["--allow-worker-net", "10.0.0.0/99"], "--allow-worker-net '10.0.0.0/99': expected"),
-        (["--admin-key", "a", "--admin-key-file", "k"], "give the key or a key file, not both"),
+        (["--admin-key", "a", "--admin-key-file", "k"], "give --admin-key or --admin-key-file"),
     ],
 )  # fmt: skip
 def test_no_start_up_failure_hangs(
