@@ -206,7 +206,8 @@ def challenge(authorization: str | None) -> str:
 def is_loopback(host: str) -> bool:
     """Whether a listen address keeps a server on this host.
 
-    ``localhost`` and loopback IPs (``127.0.0.0/8``, ``::1``, bracketed or not) are;
+    ``localhost`` and loopback IPs (``127.0.0.0/8``, ``::1``, ``::ffff:127.0.0.1``,
+    bracketed or not) are;
     wildcards (``""``, ``0.0.0.0``, ``::``) and any other name or address are not, since a
     name may resolve anywhere.
     """
@@ -214,9 +215,11 @@ def is_loopback(host: str) -> bool:
     if name.lower() == "localhost":
         return True
     try:
-        return ipaddress.ip_address(name).is_loopback
+        address = ipaddress.ip_address(name)
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is IPv4 loopback
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _read_key_file(path: str | os.PathLike[str], source: str) -> BearerKey:
