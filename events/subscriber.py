@@ -124,20 +124,33 @@ class EventSubscriber:
         """Subscribe to a worker's stream and start reading it.
 
         Raises:
-            SubscriberError: The worker id is already subscribed.
+            SubscriberError: The worker id is already subscribed, or the socket cannot
+                be set up (e.g. a malformed endpoint); nothing is left open then.
         """
         if stream.worker_id in self._workers:
             raise SubscriberError(f"worker {stream.worker_id!r} is already subscribed")
         sock = self._context.socket(zmq.SUB)
-        sock.linger = 0
-        sock.rcvhwm = self._config.hwm
-        if stream.curve is not None:
-            configure_client(sock, stream.curve)
-        monitor = sock.get_monitor_socket(
-            _HANDSHAKE_FAILED, addr=f"inproc://kvroute-monitor-{next(_monitor_ids)}"
-        )
-        sock.subscribe(stream.topic)
-        sock.connect(stream.endpoint)
+        monitor: zmq.asyncio.Socket | None = None
+        try:
+            sock.linger = 0
+            sock.rcvhwm = self._config.hwm
+            if stream.curve is not None:
+                configure_client(sock, stream.curve)
+            monitor = sock.get_monitor_socket(
+                _HANDSHAKE_FAILED, addr=f"inproc://kvroute-monitor-{next(_monitor_ids)}"
+            )
+            sock.subscribe(stream.topic)
+            sock.connect(stream.endpoint)
+        except zmq.ZMQError as exc:
+            # A socket left open would block the context's term() at close for ever.
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            sock.close(linger=0)
+            raise SubscriberError(
+                f"worker {stream.worker_id!r}: cannot subscribe to {stream.endpoint!r}: "
+                f"{zmq.strerror(exc.errno or 0)}"
+            ) from exc
         worker = _Worker(stream, sock, zmq.Socket.shadow(sock.underlying), monitor)
         worker.on_unknown = functools.partial(self._unknown_event, worker)
         self._workers[stream.worker_id] = worker

@@ -29,6 +29,7 @@ from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridge import WorkerBridge
 from router.store.connection import RedisOptions, connect, redact_url
 from router.store.layout import KeyLayout
+from router.workers.registration import RegistrationConflict
 from router.workers.registry import WorkerRegistry, load_records, owner_of, parse_worker_spec
 from router.workers.snapshot import fetch_snapshot, snapshot_events
 
@@ -143,8 +144,15 @@ def _parser() -> argparse.ArgumentParser:
         "register",
         parents=[common],
         help="register workers for every router replica to ingest (persisted in Redis)",
-        description="Add or replace worker registrations in Redis; running routers pick "
-        "them up at their next maintenance pass.",
+        description="Add worker registrations in Redis; running routers pick them up at "
+        "their next maintenance pass. Each is validated first (nothing is saved if one is "
+        "invalid); a worker id already registered with other settings is refused unless "
+        "--replace is given.",
+    )
+    register.add_argument(
+        "--replace",
+        action="store_true",
+        help="replace a worker's registration that differs (default: refuse it)",
     )
     register.add_argument(
         "--worker",
@@ -152,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=kvroute|vllm][,block_size=N]"
-        "[,topic=T] (repeatable)",
+        "[,topic=T][,server_key=FILE] (repeatable)",
     )
     register.add_argument(
         "--config", help="JSON file: a list of {worker_id, events_endpoint, ...} objects"
@@ -242,10 +250,15 @@ async def _registry_action(args: argparse.Namespace, registry: WorkerRegistry) -
             records += load_records(args.config)
         if not records:
             raise RouterError("nothing to register: pass --worker SPEC or --config FILE")
+        refused = []
         for record in records:
-            await registry.register(record)
-        print(f"registered {len(records)} worker(s)")
-        return 0
+            try:
+                await registry.save(record, replace=args.replace)
+            except RegistrationConflict as exc:
+                refused.append(exc)
+                print(f"kvroute index: {exc}; pass --replace to replace it", file=sys.stderr)
+        print(f"registered {len(records) - len(refused)} worker(s)")
+        return 1 if refused else 0
     if args.action == "unregister":
         missing = [w for w in args.worker_ids if not await registry.unregister(WorkerId(w))]
         for worker_id in missing:

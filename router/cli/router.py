@@ -28,11 +28,16 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+import msgspec
+
+from events.auth import ADMIN_KEY, API_KEY, AuthKeyError, add_key_arguments, load_key
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
 from events.hashing import NATIVE_KEYS
 from router.cli.cost_flags import add_cost_arguments, cost_weights_from
 from router.errors import PrefixIndexError, RouterError
+from router.front.access import exposure_warning
+from router.front.app import guards
 from router.front.config import RequestLimits, RouterConfig
 from router.front.proxy import ProxyConfig
 from router.front.service import RouterService
@@ -41,6 +46,7 @@ from router.routing.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig
 from router.store.connection import redact_url
 from router.store.layout import check_name
 from router.store.server import RedisServer
+from router.workers.registration import RegistrationError, RegistrationPolicy
 from router.workers.registry import WorkerRecord
 
 __all__ = ["build_parser", "config_from_args", "main", "parse_worker_flag"]
@@ -92,10 +98,9 @@ def parse_worker_flag(spec: str) -> WorkerRecord:
 
 def _record(fields: dict[str, Any], where: str) -> WorkerRecord:
     try:
-        if "block_size" in fields:
-            fields["block_size"] = int(fields["block_size"])
-        return WorkerRecord(**fields)
-    except (TypeError, ValueError, RouterError) as exc:
+        # Not strict: a flag's block size is text.
+        return msgspec.convert(fields, WorkerRecord, strict=False)
+    except msgspec.ValidationError as exc:
         raise RouterCliError(f"{where}: {exc}") from exc
 
 
@@ -178,16 +183,43 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a cache-aware router: ingests workers' KV events into a Redis prefix "
         "index and routes each request to the worker that holds most of its prefix without "
         "overloading it. Several replicas may share one Redis and namespace.",
+        epilog="Keys: --admin-key guards GET/POST /v1/workers and PUT/DELETE /v1/workers/ID; "
+        "--api-key guards /v1/completions, /v1/chat/completions and /v1/route (the admin key "
+        "works there too). Without a key its endpoints are open: keep the router on loopback "
+        "or set both. /health and /metrics are always open.",
     )
     for flag, kind, help_text in _flags():
         p.add_argument(flag, type=kind, help=help_text)
     add_cost_arguments(p)
+    add_key_arguments(p, ADMIN_KEY)
+    add_key_arguments(p, API_KEY)
     p.add_argument(
         "--worker",
         action="append",
         default=[],
         metavar="SPEC",
         help=f"register a worker: {_WORKER_USAGE} (repeatable)",
+    )
+    p.add_argument(
+        "--allow-worker-net",
+        action="append",
+        metavar="NET",
+        help="admit only workers whose URL and tcp:// event hosts are in this network (CIDR "
+        "like 10.0.0.0/8, or one IP address) or are this exact host name; repeatable "
+        "(default: any host)",
+    )
+    p.add_argument(
+        "--require-curve",
+        action="store_true",
+        default=None,
+        help="admit only workers registered with a CURVE server_key, so only the holder of "
+        "the worker's secret key can publish its events (needs --client-key)",
+    )
+    p.add_argument(
+        "--forward-authorization",
+        action="store_true",
+        default=None,
+        help="pass the client's Authorization header on to the worker (default: stripped)",
     )
     p.add_argument(
         "--policy", choices=POLICY_NAMES, help=f"routing policy (default: {DEFAULT_POLICY})"
@@ -230,6 +262,22 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
     except (TypeError, ValueError) as exc:
         raise RouterCliError(f"invalid setting: {exc}") from exc
     workers = _config_workers(file.get("workers", [])) + [parse_worker_flag(s) for s in args.worker]
+    client_key = pick("client_key", None, "KVROUTE_CLIENT_KEY")
+    require_curve = bool(pick("require_curve", False))
+    if require_curve and client_key is None:
+        raise RouterCliError(
+            "--require-curve needs --client-key: the router's CURVE secret key file, whose "
+            "public key the workers allow (`kvroute keys` writes both)"
+        )
+    allowed = tuple(str(net) for net in pick("allow_worker_net", None) or ())
+    try:
+        RegistrationPolicy.from_flags(allowed)
+        admin_key, api_key = (
+            load_key(spec, pick(spec.dest, None), pick(spec.file_dest, None))
+            for spec in (ADMIN_KEY, API_KEY)
+        )
+    except (RegistrationError, AuthKeyError) as exc:
+        raise RouterCliError(str(exc)) from None
     return RouterConfig(
         redis_url=redis_url,
         namespace=pick("namespace", "default", "KVROUTE_NAMESPACE"),
@@ -242,14 +290,18 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         chat_template=pick("chat_template", None),
         decision_log=pick("decision_log", None),
         limits=limits,
-        proxy=ProxyConfig(),
+        proxy=ProxyConfig(forward_authorization=bool(pick("forward_authorization", False))),
         lease_ttl_s=float(pick("lease_ttl", 10.0)),
         predicted_max_entries=int(
             pick("predicted_max_entries", RouterConfig.predicted_max_entries)
         ),
         route_hold_s=float(pick("route_hold", 2.0)),
-        client_keys=_client_keys(pick("client_key", None, "KVROUTE_CLIENT_KEY")),
+        client_keys=_client_keys(client_key),
         replica_id=_replica_id(pick("replica_id", None, "KVROUTE_REPLICA_ID")),
+        admin_key=admin_key,
+        api_key=api_key,
+        allow_worker_nets=allowed,
+        require_curve=require_curve,
     )
 
 
@@ -279,9 +331,13 @@ async def _serve(args: argparse.Namespace) -> int:
         logger.info("no --redis given: started an embedded Redis at %s", redis_url)
     try:
         config = config_from_args(args, redis_url)
-        if config.host not in ("127.0.0.1", "::1", "localhost"):
+        exposed = exposure_warning(config.host, *guards(config))
+        if exposed is not None:
+            logger.warning("%s", exposed)
+        if config.proxy.forward_authorization and config.api_key is not None:
             logger.warning(
-                "listening on %s: the router is reachable from other machines", config.host
+                "--forward-authorization with --api-key: every worker receives the "
+                "router's API key in the clients' Authorization headers"
             )
         service = RouterService(config)
         stop = asyncio.Event()
@@ -325,4 +381,7 @@ def main(argv: Sequence[str]) -> int:
         return asyncio.run(_serve(args))
     except (RouterError, EventsError, OSError, ValueError) as exc:
         logger.error("router failed: %s", exc)
+        return 1
+    except Exception:  # a bug: still exit with its trace rather than hang or die silently
+        logger.exception("router failed")
         return 1

@@ -10,16 +10,21 @@ Endpoints:
   ``"dry_run": true`` (decide and explain, record nothing). Answer: ``{"worker_id",
   "url", "matched_tokens", "candidates": [{"worker_id", "matched_tokens",
   "predicted_tokens", "load", "score"}, ...]}``.
-* ``GET /v1/workers``, ``POST /v1/workers`` (``{"worker_id", "url", "events",
+* ``GET /v1/workers``; ``POST /v1/workers`` (``{"worker_id", "url", "events",
   "replay", "topic", "block_size"}``, optional ``"kind": "vllm"`` and ``"server_key"``,
-  the worker's z85 CURVE public key for CURVE-secured event streams),
-  ``DELETE /v1/workers/{id}``.
+  the worker's z85 CURVE public key for CURVE-secured event streams): 201 when
+  registered, 200 when the same registration was already saved, 409 when a different
+  one is; ``PUT /v1/workers/{id}`` (same body): registers or replaces, 201 or 200;
+  ``DELETE /v1/workers/{id}``. A registration is validated whole
+  (:mod:`router.workers.registration`) before anything is saved.
 * ``GET /health`` (200, with ``"index": "live" | "degraded"``), ``GET /metrics``.
 
-Every error is JSON ``{"error": {"message", "type"}}``: 400 for a malformed body, 413
-for one above the size limit, 404 for an unknown worker, 502 when no worker could serve,
-503 when none is registered. The prefix index never causes a 5xx: without it the service
-routes on load.
+Who may call what (bearer keys, JSON-only bodies) is :mod:`router.front.access`. Every error is
+JSON ``{"error": {"message", "type"}}``: 400 for a malformed body, 401 without the
+endpoint's key, 404 for an unknown worker, 409 for a conflicting registration, 413 for a
+body above the size limit, 415 for a body not sent as JSON, 502 when no worker could
+serve, 503 when none is registered. The prefix index never causes a 5xx: without it the
+service routes on load.
 """
 
 from __future__ import annotations
@@ -29,22 +34,26 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 import msgspec
+import zmq
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from events.errors import EventsError
 from events.identity import WorkerId
 from events.tokenizer import TokenizerError
-from router.errors import PrefixIndexError
+from router.front.access import AccessError, Guard
 from router.front.chat import ChatMessage, ChatRewriter, ChatTemplateError
+from router.front.config import RouterConfig
 from router.front.proxy import ResponseRewriter, WorkersUnavailableError
 from router.front.service import NoWorkersError, Routed
+from router.workers.registration import RegistrationConflict, RegistrationError
 from router.workers.registry import WorkerRecord
 
 if TYPE_CHECKING:
     from router.front.service import RouterService
 
-__all__ = ["ChatBody", "CompletionBody", "RouteBody", "WorkerBody", "make_app"]
+__all__ = ["ChatBody", "CompletionBody", "RouteBody", "WorkerBody", "guards", "make_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,27 +93,45 @@ class ChatBody(msgspec.Struct, kw_only=True):
 
 
 class WorkerBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A ``POST /v1/workers`` body (also the shape ``GET /v1/workers`` lists)."""
+    """A ``POST``/``PUT /v1/workers`` body (also the shape ``GET /v1/workers`` lists)."""
 
     worker_id: str
     url: str
     events: str
     replay: str | None = None
     topic: str = ""
-    block_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    block_size: int = 16
     kind: Literal["kvroute", "vllm"] = "kvroute"
     server_key: str | None = None
 
 
+# Record field -> WorkerBody field, where they differ.
+_BODY_NAMES: Final = {"http_url": "url", "events_endpoint": "events", "replay_endpoint": "replay"}
+
+
 class _ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        extra: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.extra = extra or {}
 
 
-def _error(status: int, message: str, kind: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind}}, status=status)
+def _error(
+    status: int,
+    message: str,
+    kind: str,
+    extra: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    body = {"error": {"message": message, "type": kind, **(extra or {})}}
+    return web.json_response(body, status=status, headers=headers)
 
 
 def _decode(raw: bytes, kind: type[Any]) -> Any:
@@ -241,11 +268,25 @@ class _Handlers:
         return web.json_response({"workers": [_worker_view(r) for r in self.svc.workers]})
 
     async def add_worker(self, request: web.Request) -> web.Response:
+        """``POST /v1/workers``: register a new worker (a different saved one: 409)."""
+        record = await self._worker_record(request)
+        return await self._register(record, replace=False)
+
+    async def put_worker(self, request: web.Request) -> web.Response:
+        """``PUT /v1/workers/{id}``: register a worker, replacing any saved registration."""
+        record = await self._worker_record(request)
+        if record.worker_id != request.match_info["worker_id"]:
+            raise _ApiError(
+                400,
+                f"worker_id {record.worker_id!r} in the body differs from "
+                f"{request.match_info['worker_id']!r} in the path",
+            )
+        return await self._register(record, replace=True)
+
+    async def _worker_record(self, request: web.Request) -> WorkerRecord:
         body: WorkerBody = _decode(await self._body(request), WorkerBody)
-        if not body.url.startswith(("http://", "https://")):
-            raise _ApiError(400, f"url {body.url!r} must start with http:// or https://")
         try:
-            record = WorkerRecord(
+            return WorkerRecord(
                 worker_id=body.worker_id,
                 events_endpoint=body.events,
                 replay_endpoint=body.replay,
@@ -255,14 +296,41 @@ class _Handlers:
                 topic=body.topic,
                 server_key=body.server_key,
             )
-            await self.svc.add_worker(record)
-        except (ValueError, PrefixIndexError) as exc:
+        except RegistrationError as exc:
+            raise _ApiError(400, f"invalid worker: {exc}") from exc
+
+    async def _register(self, record: WorkerRecord, *, replace: bool) -> web.Response:
+        try:
+            outcome = await self.svc.add_worker(record, replace=replace)
+        except RegistrationConflict as exc:
+            raise _ApiError(
+                409,
+                f"{exc}; to replace it send PUT /v1/workers/{record.worker_id} with the "
+                "new registration, or DELETE it first",
+                "conflict",
+                {
+                    "differences": {
+                        _BODY_NAMES.get(name, name): {"saved": old, "requested": new}
+                        for name, (old, new) in exc.differences.items()
+                    }
+                },
+            ) from exc
+        except RegistrationError as exc:
             raise _ApiError(400, f"invalid worker: {exc}") from exc
         except (RedisError, OSError) as exc:
             raise _ApiError(
-                503, f"cannot register now, Redis failed: {exc}", "unavailable"
+                503, f"cannot register now, Redis failed: {exc}; nothing was saved", "unavailable"
             ) from exc
-        return web.json_response({"worker": _worker_view(record)}, status=201)
+        except (EventsError, zmq.ZMQError) as exc:
+            raise _ApiError(
+                503,
+                f"cannot subscribe to the worker's events now: {exc}; nothing was saved",
+                "unavailable",
+            ) from exc
+        status = 201 if outcome == "created" else 200
+        return web.json_response(
+            {"worker": _worker_view(record), "outcome": outcome}, status=status
+        )
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         worker_id = WorkerId(request.match_info["worker_id"])
@@ -308,7 +376,9 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         response = await handler(request)
     except _ApiError as exc:
-        response = _error(exc.status, str(exc), exc.kind)
+        response = _error(exc.status, str(exc), exc.kind, exc.extra)
+    except AccessError as exc:
+        response = _error(exc.status, str(exc), exc.kind, headers=exc.headers)
     except NoWorkersError as exc:
         response = _error(503, str(exc), "no_workers")
     except web.HTTPException as exc:  # aiohttp's own 404/405/413
@@ -328,16 +398,26 @@ def make_app(service: RouterService) -> web.Application:
     )
     app[_SERVICE] = service
     h = _Handlers(service)
+    admin, inference = guards(service.config)
     app.add_routes(
         [
-            web.post("/v1/completions", h.completions),
-            web.post("/v1/chat/completions", h.chat),
-            web.post("/v1/route", h.route),
-            web.get("/v1/workers", h.list_workers),
-            web.post("/v1/workers", h.add_worker),
-            web.delete("/v1/workers/{worker_id}", h.remove_worker),
+            web.post("/v1/completions", inference(h.completions)),
+            web.post("/v1/chat/completions", inference(h.chat)),
+            web.post("/v1/route", inference(h.route)),
+            web.get("/v1/workers", admin(h.list_workers)),
+            web.post("/v1/workers", admin(h.add_worker)),
+            web.put("/v1/workers/{worker_id}", admin(h.put_worker)),
+            web.delete("/v1/workers/{worker_id}", admin(h.remove_worker)),
             web.get("/health", h.health),
             web.get("/metrics", h.metrics),
         ]
     )
     return app
+
+
+def guards(config: RouterConfig) -> tuple[Guard, Guard]:
+    """The admin and inference guards of a router configuration."""
+    admin = Guard("admin", "--admin-key", config.admin_key)
+    # The admin key opens the inference endpoints too, when they need a key at all.
+    inference_keys = () if config.api_key is None else (config.api_key, config.admin_key)
+    return admin, Guard("inference", "--api-key", *inference_keys)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from events.auth import BearerKey
 from events.curve import CurveKeyPair
 from router.front.proxy import ProxyConfig
 from router.routing.policies import DEFAULT_POLICY, PolicyConfig
@@ -71,6 +72,12 @@ class RouterConfig:
             its ingest heartbeat and its shared-load hash.
         client_keys: The router's CURVE key pair for workers registered with a
             ``server_key`` (a fresh one by default).
+        admin_key: Bearer key of the worker-registry endpoints (``None``: open); see
+            :mod:`router.front.access`.
+        api_key: Bearer key of the inference endpoints (``None``: open); the admin key
+            is accepted there too.
+        allow_worker_nets: Networks (CIDR) and host names workers may be at; empty: any.
+        require_curve: Admit only workers registered with a CURVE ``server_key``.
     """
 
     redis_url: str
@@ -97,3 +104,7 @@ class RouterConfig:
     health_poll_s: float = 1.0
     replica_id: str | None = None
     client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)
+    admin_key: BearerKey | None = None
+    api_key: BearerKey | None = None
+    allow_worker_nets: tuple[str, ...] = ()
+    require_curve: bool = False

@@ -95,3 +95,9 @@ class RouterMetrics:
             ["endpoint", "status"],
             registry=r,
         )
+        self.invalid_registrations = Counter(
+            "kvroute_router_invalid_registrations",
+            "Worker registrations read from Redis and skipped (invalid, or refused by this "
+            "router's policy); each saved value is counted once.",
+            registry=r,
+        )

@@ -41,7 +41,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_FORWARDED_HEADERS: Final = ("Accept", "Authorization", "X-Request-Id")
+# The client's Authorization is forwarded only when configured (forward_authorization).
+_FORWARDED_HEADERS: Final = ("Accept", "X-Request-Id")
 # The body sent is the JSON the router parsed (or rewrote), whatever type the client named;
 # kvroute workers refuse a body of any other type.
 _BODY_HEADERS: Final = {"Content-Type": "application/json"}
@@ -73,6 +74,9 @@ class ProxyConfig:
         max_attempts: Candidates tried per request, the chosen one included.
         retry_statuses: Worker statuses that mean "cannot serve now": try the next one.
         max_response_bytes: Largest buffered (non-streaming) response accepted.
+        forward_authorization: Pass the client's ``Authorization`` header on to the
+            worker; off by default, as it holds the client's credentials (the router's
+            own key, when it has one) and any worker may be a stranger's.
     """
 
     connect_timeout_s: float = 5.0
@@ -80,6 +84,7 @@ class ProxyConfig:
     max_attempts: int = 3
     retry_statuses: tuple[int, ...] = (502, 503, 504)
     max_response_bytes: int = 64 * 1024 * 1024
+    forward_authorization: bool = False
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -187,7 +192,10 @@ class WorkerProxy:
         Raises:
             WorkersUnavailableError: Every attempt failed before answering.
         """
-        headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+        names: tuple[str, ...] = _FORWARDED_HEADERS
+        if self.config.forward_authorization:
+            names = (*names, "Authorization")
+        headers = {h: request.headers[h] for h in names if h in request.headers}
         headers.update(_BODY_HEADERS)
         failures: list[str] = []
         for attempt, target in enumerate(targets[: self.config.max_attempts], 1):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -52,7 +53,8 @@ from router.routing.predicted import PredictedEntries
 from router.store.connection import RedisClient, RedisOptions, connect
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
-from router.workers.registry import WorkerRecord, WorkerRegistry
+from router.workers.registration import RegistrationError, RegistrationPolicy
+from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
 from router.workers.reports import WorkerReportPoller
 
 __all__ = ["NoWorkersError", "Routed", "RouterService"]
@@ -118,26 +120,49 @@ class RouterService:
         self._holds: set[asyncio.TimerHandle] = set()
         self._maintainer = Periodic(self.maintain_once, min(1.0, config.lease_ttl_s / 3))
         self.port = config.port
+        self.registration = RegistrationPolicy.from_flags(
+            config.allow_worker_nets,
+            require_curve=config.require_curve,
+            own_address=(config.host, config.port) if config.port else None,
+        )
+        # NOTE: what start() opened, closed in reverse by close(), even after a failure.
+        self._stack = contextlib.AsyncExitStack()
 
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> int:
         """Connect to Redis, start ingest, load sharing and the HTTP API; returns the port.
 
+        On any failure everything opened so far is closed before the error propagates,
+        so a router that cannot start exits instead of hanging on what it left open.
+
         Raises:
             router.store.connection.RedisConnectError: Redis cannot be reached.
-            OSError: The HTTP port cannot be bound.
+            router.workers.registration.RegistrationError: A configured worker is refused.
+            RouterError: The HTTP port cannot be bound.
         """
+        try:
+            return await self._start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _start(self) -> int:
         from router.front.app import make_app  # the HTTP layer imports this module
 
         cfg = self.config
+        for record in cfg.workers:  # the operator's own workers: refused means misconfigured
+            self.registration.check(record)
         layout = KeyLayout(cfg.namespace)
+        stack = self._stack
         self._client: RedisClient = await connect(cfg.redis_url)
+        stack.push_async_callback(self._client.aclose)
         # Routing reads go through a client that fails fast: a slow Redis must not stall
         # requests (the ingest's client retries patiently instead).
         self._fast_client: RedisClient = await connect(
             cfg.redis_url, RedisOptions(socket_timeout_s=cfg.lookup_timeout_s, retries=0)
         )
+        stack.push_async_callback(self._fast_client.aclose)
         self._lookup = IndexLookup(
             RedisPrefixIndex(self._fast_client, layout, self.keyer),
             self.keyer,
@@ -148,7 +173,12 @@ class RouterService:
         # heartbeat (kvroute index workers' owners) and its shared-load hash.
         replica_id = cfg.replica_id or uuid.uuid4().hex[:12]
         self.registry = WorkerRegistry(
-            self._client, layout, owner=replica_id, lease_ttl_ms=int(cfg.lease_ttl_s * 1000)
+            self._client,
+            layout,
+            owner=replica_id,
+            lease_ttl_ms=int(cfg.lease_ttl_s * 1000),
+            policy=self.registration,
+            on_invalid=self.metrics.invalid_registrations.inc,
         )
         self.ingest = IndexIngest(
             RedisPrefixIndex(self._client, layout, self.keyer),
@@ -161,39 +191,54 @@ class RouterService:
             SharedLoadConfig(cfg.namespace, replica_id, cfg.lease_ttl_s, cfg.load_refresh_s),
         )
         self._session = aiohttp.ClientSession()
+        stack.push_async_callback(self._session.close)
         self.proxy = WorkerProxy(self._session, cfg.proxy)
         self.poller = WorkerReportPoller(self.load, self._session, cfg.health_poll_s)
         if cfg.decision_log is not None:
-            self._decision_log = open(cfg.decision_log, "ab")  # noqa: SIM115
+            self._decision_log = stack.enter_context(open(cfg.decision_log, "ab"))  # noqa: SIM115
+        stack.push_async_callback(self.load.close)
         await self.load.start()
+        stack.callback(self._cancel_holds)  # the tracker's close withdraws their load anyway
+        stack.push_async_callback(self.ingest.close)
         await self.ingest.start(cfg.workers)
         await self._sync_workers()
+        stack.push_async_callback(self.poller.close)
         self.poller.start()
+        stack.push_async_callback(self._maintainer.stop)
         self._maintainer.start("router-maintenance", wait_first=True)
-        self._runner = web.AppRunner(make_app(self), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, cfg.host, cfg.port)
-        await site.start()
-        self.port = int(self._runner.addresses[0][1])
+        runner = web.AppRunner(make_app(self), access_log=None)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        try:
+            await web.TCPSite(runner, cfg.host, cfg.port).start()
+        except OSError as exc:
+            raise RouterError(
+                f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}; choose "
+                "another --host/--port (port 0 picks a free one) or stop the process that "
+                "holds it"
+            ) from exc
+        self.port = int(runner.addresses[0][1])
+        if self.registration.own_address is None:  # port 0: known only now
+            self.registration = dataclasses.replace(
+                self.registration, own_address=(cfg.host, self.port)
+            )
+            self.registry.policy = self.registration
         self.metrics.index_live.set(1)
         logger.info("router listening on http://%s:%d (policy %s)", cfg.host, self.port, cfg.policy)
         return self.port
 
     async def close(self) -> None:
-        """Stop serving and release everything (leases, load, connections)."""
-        await self._maintainer.stop()
-        if hasattr(self, "_runner"):
-            await self._runner.cleanup()
+        """Stop serving and release everything opened (leases, load, connections).
+
+        Safe after a failed or partial :meth:`start`, and idempotent.
+        """
+        stack, self._stack = self._stack, contextlib.AsyncExitStack()
+        await stack.aclose()
+
+    def _cancel_holds(self) -> None:
         for handle in self._holds:
-            handle.cancel()  # the tracker's close withdraws this replica's load anyway
-        await self.poller.close()
-        await self.ingest.close()
-        await self.load.close()
-        await self._session.close()
-        await self._client.aclose()
-        await self._fast_client.aclose()
-        if self._decision_log is not None:
-            self._decision_log.close()
+            handle.cancel()
+        self._holds.clear()
 
     @property
     def url(self) -> str:
@@ -212,33 +257,40 @@ class RouterService:
         """Registered workers, sorted by id."""
         return [self._records[w] for w in sorted(self._records)]
 
-    async def add_worker(self, record: WorkerRecord) -> None:
+    async def add_worker(self, record: WorkerRecord, *, replace: bool = False) -> Outcome:
         """Register a worker (persisted in Redis) and start ingesting and routing to it.
 
-        The same registration again changes nothing; a changed one (a worker restarted on
-        new endpoints) replaces it: the old entries are dropped and the new stream ingested.
+        The same registration again changes nothing. A different one saved under the
+        worker's id (a worker restarted on new endpoints) is replaced only with
+        ``replace``: its old entries are dropped and the new stream ingested.
+
+        Returns:
+            What happened: ``"created"``, ``"replaced"`` or ``"unchanged"``.
 
         Raises:
-            redis.exceptions.RedisError: Redis is unreachable.
+            router.workers.registration.RegistrationError: This router's policy refuses it.
+            router.workers.registration.RegistrationConflict: Another registration is saved
+                and ``replace`` is False.
+            redis.exceptions.RedisError: Redis is unreachable; nothing was saved.
+            events.errors.EventsError: Its event stream cannot be subscribed to.
         """
+        self.registration.check(record)
         wid = WorkerId(record.worker_id)
+        outcome = await self.ingest.add_worker(record, replace=replace)
         current = self._records.get(wid)
-        if current == record:
-            return
-        if current is not None:
-            await self.ingest.remove_worker(wid)
+        if current is not None and current != record:
             self._drop_worker(wid)
-        await self.ingest.add_worker(record)
         self._dead.pop(wid, None)
         self._set_worker(record)
+        return outcome
 
     async def remove_worker(self, worker_id: WorkerId) -> bool:
         """Unregister a worker and drop its entries; False when it was not registered."""
         known = worker_id in self._records or worker_id in self._dead
-        await self.ingest.remove_worker(worker_id)
+        saved = await self.ingest.remove_worker(worker_id)
         self._dead.pop(worker_id, None)
         self._drop_worker(worker_id)
-        return known
+        return known or saved
 
     def _set_worker(self, record: WorkerRecord) -> None:
         wid = WorkerId(record.worker_id)
@@ -396,8 +448,13 @@ class RouterService:
         for wid, record in list(self._dead.items()):
             if record.http_url and await self.poller.probe(record.http_url):
                 logger.info("worker %s answers again: registering it", wid)
-                with contextlib.suppress(*INDEX_ERRORS):
+                try:
                     await self.add_worker(record)  # takes it out of _dead
+                except RegistrationError as exc:  # registered anew meanwhile, or refused
+                    logger.info("worker %s stays unregistered: %s", wid, exc)
+                    self._dead.pop(wid, None)
+                except INDEX_ERRORS:
+                    pass  # retried next pass
 
     def credit(self, worker_id: WorkerId, keys: Sequence[BlockKey]) -> None:
         """Credit a worker with a prefix it is about to compute (predicted entries)."""

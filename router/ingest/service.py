@@ -48,9 +48,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
+import msgspec
+import zmq
 from redis.exceptions import RedisError
 
 from events.curve import CurveClientConfig, CurveKeyPair
+from events.errors import EventsError
 from events.identity import WorkerId
 from events.subscriber import (
     EventSubscriber,
@@ -65,7 +68,7 @@ from router.ingest.worker import IngestServices, WorkerIngest
 from router.tasks.periodic import Periodic
 from router.workers.lifetime import LifetimeTracker
 from router.workers.ownership import RECOVERY_ERRORS, LeaseKeeper
-from router.workers.registry import WorkerRecord, WorkerRegistry
+from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
 
 __all__ = ["IndexIngest", "IngestConfig"]
 
@@ -137,6 +140,11 @@ class IndexIngest:
         self._leases = LeaseKeeper(index, registry, self.metrics)
 
     @property
+    def ingested_workers(self) -> list[str]:
+        """Workers whose event streams this router reads, sorted."""
+        return sorted(self._workers)
+
+    @property
     def owned_workers(self) -> list[WorkerId]:
         """Workers whose lease this router holds, sorted."""
         return sorted(w.worker_id for w in self._workers.values() if w.lease is not None)
@@ -156,11 +164,11 @@ class IndexIngest:
             snapshot_chunk_runs=self.config.snapshot_chunk_runs,
         )
         self.metrics.registry.register(StreamCollector(self._stream_counters))
-        for record in records:
-            await self.registry.register(record)
         # Subscribe before the first heartbeat announces this router: the others hand
         # it their workers from then on, and what they publish meanwhile must arrive.
         async with self._membership:
+            for record in records:  # the operator's flags and config replace saved ones
+                await self._add(record, replace=True)
             await self._sync_registry()
         await self.maintain_once()
         self._maintainer.start("kvroute-ingest", wait_first=True)
@@ -185,32 +193,65 @@ class IndexIngest:
         if self._session is not None:
             await self._session.close()
 
-    async def add_worker(self, record: WorkerRecord) -> None:
-        """Register a worker (persisted) and start ingesting it.
+    async def add_worker(self, record: WorkerRecord, *, replace: bool = False) -> Outcome:
+        """Start ingesting a worker, then save its registration (persisted in Redis).
 
-        Idempotent: a worker already ingested with the same record is only registered
-        again (and its lease taken if this router holds none); one with a different
-        record is unsubscribed first.
+        The subscription comes first and the registration is saved last, so a saved
+        registration always has a subscription behind it; if saving fails, the new
+        subscription is undone and nothing of ``record`` remains (a registration it was
+        to replace stays saved, and the next maintenance pass subscribes to it again).
+
+        Args:
+            record: The worker (already validated and admitted by the caller).
+            replace: Replace a different registration saved under its id; without it,
+                that is a conflict.
+
+        Returns:
+            ``"created"``, ``"replaced"``, or ``"unchanged"`` when the same registration
+            was saved (then only its subscription and lease are ensured).
+
+        Raises:
+            RegistrationConflict: Another registration is saved and ``replace`` is False.
+            redis.exceptions.RedisError: Redis failed; nothing was saved.
+            events.errors.EventsError: The subscription could not be set up.
         """
         async with self._membership:
-            await self.registry.register(record)
-            worker = self._workers.get(record.worker_id)
-            if worker is not None and worker.record != record:
-                await self._unsubscribe(worker)
-                worker = None
-            if worker is None:
-                await self._subscribe(record)
-                worker = self._workers[record.worker_id]
+            outcome, worker = await self._add(record, replace=replace)
         if worker.lease is None and self._leases.owns(worker.worker_id):
             await self._leases.take_over(worker, functools.partial(self._is_current, worker))
+        return outcome
 
-    async def remove_worker(self, worker_id: WorkerId) -> None:
-        """Stop ingesting a worker, drop its entries and its registration."""
+    async def _add(self, record: WorkerRecord, *, replace: bool) -> tuple[Outcome, WorkerIngest]:
+        """:meth:`add_worker` without the lease; the caller holds the membership lock."""
+        if not replace:
+            await self.registry.check_free(record)  # before touching any subscription
+        worker = self._workers.get(record.worker_id)
+        if worker is not None and worker.record != record:
+            await self._unsubscribe(worker)
+            worker = None
+        fresh = worker is None
+        if worker is None:
+            worker = await self._subscribe(record)
+        try:
+            outcome = await self.registry.save(record, replace=replace)
+        except BaseException:
+            if fresh:
+                await self._unsubscribe(worker)
+            raise
+        return outcome, worker
+
+    async def remove_worker(self, worker_id: WorkerId) -> bool:
+        """Stop ingesting a worker, drop its entries and its registration.
+
+        Returns:
+            Whether a registration was saved (usable or not) or the worker ingested.
+        """
         async with self._membership:
             worker = self._workers.get(worker_id)
             if worker is not None:
                 await self._unsubscribe(worker)
-            await self.registry.unregister(worker_id)
+            saved = await self.registry.unregister(worker_id)
+        return saved or worker is not None
 
     async def _unsubscribe(self, worker: WorkerIngest) -> None:
         """Stop reading ``worker``'s stream, drop its entries and release its lease."""
@@ -319,34 +360,53 @@ class IndexIngest:
         self.metrics.owned.set(len(self.owned_workers))
 
     async def _sync_registry(self) -> None:
-        """Persist this router's workers again and subscribe to new registrations."""
+        """Persist this router's workers again and follow the saved registrations.
+
+        A registration saved by another router is subscribed to (one replaced there is
+        resubscribed); one that is invalid, refused by this router's policy, or whose
+        subscription cannot be set up is skipped and reported once by the registry.
+        """
         persisted = {r.worker_id: r for r in await self.registry.records()}
         for worker in list(self._workers.values()):
             if worker.record.worker_id not in persisted:
                 # Redis lost its data (or another replica unregistered the worker
-                # without us knowing): persist it again.
-                await self.registry.register(worker.record)
+                # without us knowing): persist it again, unless someone saved another.
+                await self.registry.create(worker.record)
         for record in persisted.values():
-            if record.worker_id not in self._workers:
-                await self._subscribe(record)
+            current = self._workers.get(record.worker_id)
+            if current is not None and current.record != record:
+                await self._unsubscribe(current)  # replaced through another router
+                current = None
+            if current is None:
+                try:
+                    await self._subscribe(record)
+                except (EventsError, zmq.ZMQError) as exc:
+                    encoded = msgspec.json.encode(record)
+                    self.registry.skip_invalid(record.worker_id, encoded, str(exc))
 
-    async def _subscribe(self, record: WorkerRecord) -> None:
+    async def _subscribe(self, record: WorkerRecord) -> WorkerIngest:
+        """Subscribe to ``record``'s stream; on failure nothing of it is kept."""
         assert self._subscriber is not None and self._services is not None
-        self._workers[record.worker_id] = WorkerIngest(record, self._services)
-        await self._subscriber.add_worker(
-            WorkerStream(
-                worker_id=record.worker_id,
-                endpoint=record.events_endpoint,
-                replay_endpoint=record.replay_endpoint,
-                topic=record.topic.encode(),
-                curve=None
-                if record.server_key is None
-                else CurveClientConfig(record.server_key.encode(), self.config.client_keys),
-                restart_probe=functools.partial(self._restart_probe, record.worker_id)
-                if record.has_snapshot
-                else None,
+        worker = self._workers[record.worker_id] = WorkerIngest(record, self._services)
+        try:
+            await self._subscriber.add_worker(
+                WorkerStream(
+                    worker_id=record.worker_id,
+                    endpoint=record.events_endpoint,
+                    replay_endpoint=record.replay_endpoint,
+                    topic=record.topic.encode(),
+                    curve=None
+                    if record.server_key is None
+                    else CurveClientConfig(record.server_key.encode(), self.config.client_keys),
+                    restart_probe=functools.partial(self._restart_probe, record.worker_id)
+                    if record.has_snapshot
+                    else None,
+                )
             )
-        )
+        except BaseException:
+            del self._workers[record.worker_id]
+            raise
+        return worker
 
     # -- helpers -------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,16 +25,25 @@ from typing import Literal
 import msgspec
 import xxhash
 
-from events.curve import Z85_KEY_LEN, load_public_key
+from events.curve import load_public_key
 from events.identity import WorkerId
 from router.errors import PrefixIndexError
 from router.index.redis_index import RedisPrefixIndex
 from router.store.connection import RedisClient, reply_bytes
-from router.store.layout import KeyLayout, check_name
+from router.store.layout import KeyLayout
 from router.store.scripts import ACQUIRE, HAND_OFF, HEARTBEAT, RELEASE, RENEW, Script
+from router.workers.registration import (
+    RegistrationConflict,
+    RegistrationError,
+    RegistrationPolicy,
+    check_fields,
+    describe,
+    differences,
+)
 
 __all__ = [
     "Lease",
+    "Outcome",
     "WorkerRecord",
     "WorkerRegistry",
     "live_members",
@@ -44,6 +53,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+Outcome = Literal["created", "replaced", "unchanged"]
+"""What :meth:`WorkerRegistry.save` did with a registration."""
 
 _acquire = Script(ACQUIRE)
 _renew = Script(RENEW)
@@ -67,13 +79,20 @@ def owner_of(worker_id: str, routers: Sequence[str]) -> str | None:
 class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How the router reaches one worker.
 
+    NOTE: every instance is valid on its own: ``__post_init__`` runs
+    :func:`router.registration.check_fields` whether the record is built, converted or
+    decoded from Redis (a failure is a ``RegistrationError``, or a
+    ``msgspec.ValidationError`` from a decode), and stores ``http_url`` without path or
+    query. What a given router admits is :class:`router.workers.registration.RegistrationPolicy`.
+
     Attributes:
         worker_id: Unique id within the namespace.
         events_endpoint: ZeroMQ PUB endpoint the router connects to.
         replay_endpoint: ZeroMQ ROUTER replay endpoint, if the worker has one.
-        http_url: Base URL of the worker's HTTP API (``/v1/snapshot`` for kvroute workers).
+        http_url: Base URL of the worker's HTTP API, ``http(s)://host[:port]``
+            (``/v1/snapshot`` for kvroute workers).
         kind: ``"kvroute"`` (serves snapshots) or ``"vllm"`` (events only).
-        block_size: Tokens per block.
+        block_size: Tokens per block (1 to :data:`router.workers.registration.MAX_BLOCK_SIZE`).
         topic: ZeroMQ topic prefix to subscribe to.
         server_key: The worker's z85 CURVE server public key (40 characters) when its
             event and replay sockets are CURVE servers; ``None``: plain ZeroMQ.
@@ -89,16 +108,17 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     server_key: str | None = None
 
     def __post_init__(self) -> None:
-        check_name("worker id", self.worker_id)
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.server_key is not None and (
-            len(self.server_key) != Z85_KEY_LEN or not self.server_key.isascii()
-        ):
-            raise ValueError(
-                f"server_key must be a z85 CURVE public key of {Z85_KEY_LEN} characters "
-                "(the text of the worker's NAME.key file)"
-            )
+        url = check_fields(
+            worker_id=self.worker_id,
+            events_endpoint=self.events_endpoint,
+            replay_endpoint=self.replay_endpoint,
+            http_url=self.http_url,
+            block_size=self.block_size,
+            topic=self.topic,
+            server_key=self.server_key,
+        )
+        if url != self.http_url:
+            msgspec.structs.force_setattr(self, "http_url", url)  # path and query stripped
 
     @property
     def has_snapshot(self) -> bool:
@@ -129,11 +149,11 @@ def parse_worker_spec(spec: str) -> WorkerRecord:
         name, sep, value = item.partition("=")
         if not sep or name not in (*names, "block_size"):
             raise PrefixIndexError(f"worker spec {spec!r}: bad option {item!r}; {usage}")
-        fields[names.get(name, name)] = int(value) if name == "block_size" else value
+        fields[names.get(name, name)] = value
     try:
         if "server_key" in fields:
             fields["server_key"] = load_public_key(str(fields["server_key"])).decode()
-        return msgspec.convert(fields, WorkerRecord)
+        return msgspec.convert(fields, WorkerRecord, strict=False)  # block_size is text
     except (msgspec.ValidationError, ValueError, PrefixIndexError) as exc:
         raise PrefixIndexError(f"worker spec {spec!r}: {exc}") from exc
 
@@ -189,6 +209,9 @@ class WorkerRegistry:
         layout: Key names of the namespace.
         owner: This router instance's id (random by default).
         lease_ttl_ms: Lease lifetime; renew well within it (e.g. every third).
+        policy: What this router admits of the stored registrations (all valid ones by
+            default); :meth:`records` skips the others.
+        on_invalid: Called once per stored registration skipped (e.g. a counter's ``inc``).
     """
 
     def __init__(
@@ -198,6 +221,8 @@ class WorkerRegistry:
         *,
         owner: str | None = None,
         lease_ttl_ms: int = 10_000,
+        policy: RegistrationPolicy | None = None,
+        on_invalid: Callable[[], None] | None = None,
     ) -> None:
         self.client = client
         self.layout = layout if layout is not None else KeyLayout()
@@ -206,25 +231,109 @@ class WorkerRegistry:
         # A restarting router may take longer than a lease TTL to come back for the state
         # it handed itself; the epoch check still tells whether anyone came in between.
         self.handoff_ttl_ms = 6 * lease_ttl_ms
+        self.policy = policy if policy is not None else RegistrationPolicy()
+        self.on_invalid = on_invalid
+        # NOTE: worker id -> the stored value last reported invalid (reported once each).
+        self._invalid: dict[str, bytes] = {}
 
     async def register(self, record: WorkerRecord) -> None:
-        """Add or replace a worker's registration."""
+        """Save a worker's registration, replacing any other under its id."""
         await self.client.hset(self.layout.registry, record.worker_id, msgspec.json.encode(record))
+
+    async def create(self, record: WorkerRecord) -> bool:
+        """Save a registration unless one exists under its id (atomic); True when saved."""
+        encoded = msgspec.json.encode(record)
+        return bool(await self.client.hsetnx(self.layout.registry, record.worker_id, encoded))
+
+    async def saved(self, worker_id: str) -> tuple[WorkerRecord | None, str | None]:
+        """The registration saved under ``worker_id`` (None: none) and, when what is
+        saved there is not a usable record, why (then the record is None)."""
+        raw = await self.client.hget(self.layout.registry, worker_id)
+        if raw is None:
+            return None, None
+        try:
+            return self._decode(worker_id, reply_bytes(raw)), None
+        except RegistrationError as exc:
+            return None, str(exc)
+
+    async def check_free(self, record: WorkerRecord) -> None:
+        """Refuse ``record`` if another registration is saved under its id.
+
+        Raises:
+            RegistrationConflict: Names the fields that differ.
+        """
+        saved, unusable = await self.saved(record.worker_id)
+        if (saved is not None or unusable is not None) and saved != record:
+            raise RegistrationConflict(record, saved, unusable)
+
+    async def save(self, record: WorkerRecord, *, replace: bool = False) -> Outcome:
+        """Save a registration; another one under its id is replaced only with ``replace``.
+
+        Without ``replace`` the write is create-if-absent (``HSETNX``): of two routers
+        registering different workers under one id at once, one gets the conflict.
+
+        Returns:
+            ``"created"``, ``"replaced"``, or ``"unchanged"`` (the same one was saved).
+
+        Raises:
+            RegistrationConflict: Another registration is saved and ``replace`` is False.
+        """
+        saved, unusable = await self.saved(record.worker_id)
+        if saved == record:
+            return "unchanged"
+        if saved is None and unusable is None and await self.create(record):
+            return "created"
+        if not replace:
+            await self.check_free(record)  # it may have been saved meanwhile: read again
+            return "unchanged"
+        await self.register(record)
+        why = unusable if saved is None else describe(differences(saved, record))
+        log.info("worker %s: registration replaced (%s)", record.worker_id, why)
+        return "replaced"
 
     async def unregister(self, worker_id: WorkerId) -> bool:
         """Remove a registration; True when it existed (its entries go with its lease)."""
         return bool(await self.client.hdel(self.layout.registry, worker_id))
 
     async def records(self) -> list[WorkerRecord]:
-        """Every registration, sorted by worker id; unreadable ones are logged and skipped."""
+        """Every valid registration that :attr:`policy` admits, sorted by worker id.
+
+        Any other is skipped: one WARNING per stored value names the worker and the
+        problem, and ``on_invalid`` is called once (a later pass that meets the same
+        value again stays quiet).
+        """
         raw = await self.client.hgetall(self.layout.registry)
         out: list[WorkerRecord] = []
-        for worker_id, value in raw.items():
+        for key, value in raw.items():
+            worker_id = reply_bytes(key).decode(errors="replace")
             try:
-                out.append(msgspec.json.decode(value, type=WorkerRecord))
-            except (msgspec.DecodeError, ValueError) as exc:
-                log.error("skipping unreadable registration of %r: %s", worker_id, exc)
+                out.append(self._decode(worker_id, reply_bytes(value)))
+            except RegistrationError as exc:
+                self.skip_invalid(worker_id, reply_bytes(value), str(exc))
         return sorted(out, key=lambda r: r.worker_id)
+
+    def skip_invalid(self, worker_id: str, value: bytes, reason: str) -> None:
+        """Report a stored registration that cannot be used (once per stored value)."""
+        if self._invalid.get(worker_id) == value:
+            return
+        self._invalid[worker_id] = value
+        log.warning(
+            "skipping the registration of worker %r stored in Redis: %s; replace it with "
+            "PUT /v1/workers/%s or remove it with `kvroute index unregister %s`",
+            worker_id, reason, worker_id, worker_id,
+        )  # fmt: skip
+        if self.on_invalid is not None:
+            self.on_invalid()
+
+    def _decode(self, worker_id: str, value: bytes) -> WorkerRecord:
+        try:
+            record = msgspec.json.decode(value, type=WorkerRecord)
+        except msgspec.DecodeError as exc:  # ValidationError included
+            raise RegistrationError(str(exc)) from None
+        if record.worker_id != worker_id:
+            raise RegistrationError(f"it names another worker id, {record.worker_id!r}")
+        self.policy.check(record)
+        return record
 
     async def acquire(self, worker_id: WorkerId) -> Lease | None:
         """Take the worker's lease with a new epoch, unless another owner holds it."""

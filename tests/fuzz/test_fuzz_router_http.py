@@ -175,7 +175,11 @@ def test_worker_registration_rejects_bad_bodies(router_port: int) -> None:
         (b'{"worker_id": "x"}', "invalid request body"),
         (b'{"worker_id": "x", "url": "ftp://a", "events": "tcp://127.0.0.1:1"}', "must start"),
         (b'{"worker_id": "x", "url": "http://a", "events": "tcp://h:1", "zzz": 1}', "zzz"),
-        (b'{"worker_id": "x", "url": "http://a", "events": "e", "block_size": 0}', ">= 1"),
+        (b'{"worker_id": "x", "url": "http://a", "events": "e"}', "events endpoint 'e'"),
+        (
+            b'{"worker_id": "x", "url": "http://a", "events": "tcp://h:1", "block_size": 0}',
+            "block_size must be 1-4096",
+        ),
     ]:
         status, reply = post(router_port, "/v1/workers", raw)
         assert status == 400, (raw, reply)

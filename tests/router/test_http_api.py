@@ -11,14 +11,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 
 from events.curve import CurveKeyPair
 from events.identity import WorkerId
+from events.subscriber import SubscriberError
 from router.front.config import RequestLimits, RouterConfig
 from router.front.service import RouterService
 from router.offline.explain import read_decisions
@@ -29,15 +31,18 @@ from router.workers.registry import WorkerRecord
 
 @dataclass
 class EchoWorker:
-    """A stand-in kvroute worker: echoes prompts, reports load, serves an empty snapshot."""
+    """A stand-in kvroute worker: echoes prompts (recording them and the request headers,
+    header names lowercased), reports load, serves an empty snapshot."""
 
     worker_id: str
     prompts: list[Any] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
     url: str = ""
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.prompts.append(body["prompt"])
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
         text = f"{self.worker_id}:{len(self.prompts)}"
         return web.json_response(
             {
@@ -102,9 +107,14 @@ async def running_router(
         await service.close()
 
 
-async def post(client: aiohttp.ClientSession, path: str, body: Any) -> tuple[int, Any]:
+JSON: Final = {"Content-Type": "application/json"}
+
+
+async def post(
+    client: aiohttp.ClientSession, path: str, body: Any, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with client.post(path, data=data) as resp:
+    async with client.post(path, data=data, headers={**JSON, **(headers or {})}) as resp:
         return resp.status, await resp.json()
 
 
@@ -302,15 +312,35 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
                "topic": "kv", "block_size": 32}  # fmt: skip
         status, added = await post(client, "/v1/workers", new)
         assert status == 201
-        assert added["worker"] == {**new, "kind": "kvroute", "server_key": None}
+        assert added == {
+            "worker": {**new, "kind": "kvroute", "server_key": None},
+            "outcome": "created",
+        }
         async with client.get("/v1/workers") as resp:
             assert [w["worker_id"] for w in (await resp.json())["workers"]] == ["w0", "w9"]
-        assert await post(client, "/v1/workers", new) == (201, added)  # idempotent
+        # The same registration again is idempotent: 200, nothing created.
+        assert await post(client, "/v1/workers", new) == (200, {**added, "outcome": "unchanged"})
+        # The same id on other endpoints is a conflict, not a silent replacement.
         moved = {**new, "events": "tcp://127.0.0.1:2", "topic": "kv2"}  # restarted elsewhere
-        assert await post(client, "/v1/workers", moved) == (
-            201,
-            {"worker": {**moved, "kind": "kvroute", "server_key": None}},
-        )
+        status, conflict = await post(client, "/v1/workers", moved)
+        assert status == 409
+        assert conflict["error"]["type"] == "conflict"
+        assert conflict["error"]["differences"] == {
+            "events": {"saved": "tcp://127.0.0.1:1", "requested": "tcp://127.0.0.1:2"},
+            "topic": {"saved": "kv", "requested": "kv2"},
+        }
+        assert "send PUT /v1/workers/w9" in conflict["error"]["message"]
+        assert [r.topic for r in await svc.registry.records() if r.worker_id == "w9"] == ["kv"]
+        # PUT replaces it explicitly.
+        async with client.put("/v1/workers/w9", json=moved) as resp:
+            assert resp.status == 200
+            assert await resp.json() == {
+                "worker": {**moved, "kind": "kvroute", "server_key": None},
+                "outcome": "replaced",
+            }
+        async with client.put("/v1/workers/other", json=moved) as resp:
+            assert resp.status == 400
+            assert "differs from 'other' in the path" in (await resp.json())["error"]["message"]
         async with client.get("/v1/workers") as resp:
             listed = (await resp.json())["workers"]
         assert [(w["worker_id"], w["topic"]) for w in listed] == [("w0", ""), ("w9", "kv2")]
@@ -319,7 +349,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
         secured = {**new, "worker_id": "w8", "server_key": server_key}
         assert await post(client, "/v1/workers", secured) == (
             201,
-            {"worker": {**secured, "kind": "kvroute"}},
+            {"worker": {**secured, "kind": "kvroute"}, "outcome": "created"},
         )
         assert {r.worker_id: r.server_key for r in await svc.registry.records()} == {
             "w0": None,
@@ -333,7 +363,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
             ({"worker_id": "x", "url": ws[0].url}, "Object missing required field `events`"),
             ({**new, "worker_id": "a b"}, "worker id 'a b' is not valid"),
             ({**new, "url": "ftp://x"}, "must start with http:// or https://"),
-            ({**new, "block_size": 0}, "Expected `int` >= 1 - at `$.block_size`"),
+            ({**new, "block_size": 0}, "block_size must be 1-4096 tokens"),
             ({**new, "server_key": "short"}, "server_key must be a z85 CURVE public key of 40"),
         ]:
             status, err = await post(client, "/v1/workers", bad)
@@ -432,3 +462,105 @@ def test_every_policy_routes_and_proxies(redis_url: str, namespace: str, policy:
             assert len(set(chosen)) == 3
 
     run(redis_url, namespace, scenario, n=3, policy=policy)
+
+
+async def saved_ids(svc: RouterService) -> list[str]:
+    """Worker ids of the registrations saved in Redis (usable or not)."""
+    raw = await svc.registry.client.hkeys(svc.registry.layout.registry)
+    return sorted(k.decode() for k in raw)
+
+
+def test_bad_registrations_are_refused_whole_and_leave_nothing_behind(
+    redis_url: str, namespace: str
+) -> None:
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        good = {"worker_id": "w9", "url": ws[0].url, "events": "tcp://127.0.0.1:1"}
+        for change, message in [
+            ({"events": "garbage"}, "events endpoint 'garbage': expected tcp://HOST:PORT"),
+            ({"replay": "garbage"}, "replay endpoint 'garbage': expected tcp://HOST:PORT"),
+            ({"events": "tcp://*:5557"}, "'*' is a wildcard (a bind address)"),
+            ({"events": "tcp://0.0.0.0:5557"}, "'0.0.0.0' is a wildcard"),
+            ({"events": "inproc://w9"}, "inproc:// reaches only sockets inside the router"),
+            ({"url": "http://"}, "url 'http://': the host is empty"),
+            ({"url": "http://127.0.0.1:99999"}, "Port out of range"),
+            ({"url": "ftp://x"}, "must start with http:// or https://"),
+            ({"url": svc.url}, "is this router's own address"),
+            ({"url": svc.url.replace("127.0.0.1", "localhost") + "/v1"}, "own address"),
+            ({"block_size": 100_000}, "block_size must be 1-4096 tokens"),
+        ]:
+            status, err = await post(client, "/v1/workers", {**good, **change})
+            assert status == 400, (change, err)
+            assert message in err["error"]["message"], (change, err)
+        assert await saved_ids(svc) == ["w0"]
+        assert svc.ingest.ingested_workers == ["w0"]
+        assert [w.worker_id for w in svc.workers] == ["w0"]
+        # A path and query are stripped from the URL that is saved.
+        status, added = await post(client, "/v1/workers", {**good, "url": ws[0].url + "/v1?x=1"})
+        assert (status, added["worker"]["url"]) == (201, ws[0].url)
+
+    run(redis_url, namespace, scenario, n=1)
+
+
+def test_a_subscription_that_fails_saves_nothing(redis_url: str, namespace: str) -> None:
+    """Validation passed but the event socket could not be set up: nothing is saved."""
+
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        record = WorkerRecord(worker_id="w9", events_endpoint="tcp://127.0.0.1:1")
+        msgspec.structs.force_setattr(record, "events_endpoint", "tcp://-no-such-host:1")
+        with pytest.raises(SubscriberError, match="cannot subscribe to 'tcp://-no-such-host:1'"):
+            await svc.add_worker(record)
+        assert await saved_ids(svc) == ["w0"]
+        assert svc.ingest.ingested_workers == ["w0"]
+        status, _ = await post(client, "/v1/route", {"prompt": "still routing", "dry_run": True})
+        assert status == 200
+
+    run(redis_url, namespace, scenario, n=1)
+
+
+def test_a_registration_redis_refuses_leaves_no_subscription(private_redis: RedisServer) -> None:
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        new = {"worker_id": "w9", "url": ws[0].url, "events": "tcp://127.0.0.1:1"}
+        redis = svc.registry.client
+        await redis.config_set("maxmemory-policy", "noeviction")
+        await redis.config_set("maxmemory", 1)  # every write is refused (OOM)
+        try:
+            status, err = await post(client, "/v1/workers", new)
+        finally:
+            await redis.config_set("maxmemory", 0)
+        assert (status, err["error"]["type"]) == (503, "unavailable")
+        assert "nothing was saved" in err["error"]["message"]
+        assert await saved_ids(svc) == ["w0"]
+        assert svc.ingest.ingested_workers == ["w0"]
+        assert [w.worker_id for w in svc.workers] == ["w0"]
+        assert (await post(client, "/v1/workers", new))[0] == 201  # fine once Redis is
+
+    run(private_redis.url, "refused", scenario, n=1)
+
+
+def test_an_unusable_saved_registration_can_be_replaced_or_removed(
+    redis_url: str, namespace: str
+) -> None:
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        registry = svc.registry
+        bad = b'{"worker_id": "bad", "events_endpoint": "garbage"}'
+        await registry.client.hset(registry.layout.registry, "bad", bad)
+        fixed = {"worker_id": "bad", "url": ws[0].url, "events": "tcp://127.0.0.1:1"}
+        status, err = await post(client, "/v1/workers", fixed)
+        assert status == 409
+        assert "an unusable registration is saved (events endpoint 'garbage'" in str(err)
+        async with client.put("/v1/workers/bad", json=fixed) as resp:
+            assert (resp.status, (await resp.json())["outcome"]) == (200, "replaced")
+        await registry.client.hset(registry.layout.registry, "bad", bad)
+        async with client.delete("/v1/workers/bad") as resp:
+            assert (resp.status, await resp.json()) == (200, {"removed": "bad"})
+        assert await saved_ids(svc) == ["w0"]
+
+    run(redis_url, namespace, scenario, n=1)

@@ -21,6 +21,7 @@ from router.cli.router import (
     main,
     parse_worker_flag,
 )
+from router.front.config import RouterConfig
 from router.routing.cost import CostWeights
 from router.workers.registry import WorkerRecord
 
@@ -49,7 +50,7 @@ def test_worker_flag_maps_onto_a_record() -> None:
         ("w1=127.0.0.1:8000,events=tcp://h:1", "expected ID=HTTP_URL,events=ENDPOINT"),
         ("w1=http://h:1", "events=ENDPOINT is required"),
         ("w1=http://h:1,events=tcp://h:1,colour=red", "bad option 'colour=red'"),
-        ("w1=http://h:1,events=tcp://h:1,block-size=x", "invalid literal for int()"),
+        ("w1=http://h:1,events=tcp://h:1,block-size=x", "Expected `int`, got `str`"),
         ("w 1=http://h:1,events=tcp://h:1", "worker id 'w 1' is not valid"),
     ],
 )
@@ -189,3 +190,57 @@ def test_router_process_serves_and_stops_on_sigterm(redis_url: str, namespace: s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_keys_come_from_a_flag_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def config(*argv: str) -> RouterConfig:
+        return config_from_args(build_parser().parse_args(list(argv)), "redis://x")
+
+    def bearer(key: str) -> str:
+        return f"Bearer {key}"
+
+    for name in ("KVROUTE_ADMIN_KEY", "KVROUTE_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert (config().admin_key, config().api_key) == (None, None)
+    key_file = tmp_path / "admin.key"
+    key_file.write_text("from-file\n")
+    admin = config("--admin-key-file", str(key_file)).admin_key
+    assert admin is not None and admin.accepts(bearer("from-file"))
+    api = config("--api-key", "from-flag").api_key
+    assert api is not None and api.accepts(bearer("from-flag"))
+    file_config = tmp_path / "router.json"
+    file_config.write_text(json.dumps({"admin_key_file": str(key_file)}))
+    admin = config("--config", str(file_config)).admin_key
+    assert admin is not None and admin.accepts(bearer("from-file"))
+    monkeypatch.setenv("KVROUTE_ADMIN_KEY", "from-env")
+    admin = config().admin_key
+    assert admin is not None and admin.accepts(bearer("from-env"))
+    admin = config("--admin-key", "flag-wins").admin_key
+    assert admin is not None and admin.accepts(bearer("flag-wins"))
+    for argv, message in [
+        (["--admin-key", "a", "--admin-key-file", str(key_file)], "not both"),
+        (["--api-key-file", str(tmp_path / "none")], "cannot read the key file"),
+        (["--api-key", "two words"], "characters a bearer token cannot carry"),
+    ]:
+        with pytest.raises(RouterCliError, match=message):
+            config(*argv)
+
+
+def test_registration_flags_map_onto_the_config(tmp_path: Path) -> None:
+    _, secret = write_keypair(tmp_path, "router")
+    args = build_parser().parse_args(
+        ["--allow-worker-net", "10.0.0.0/8", "--allow-worker-net", "gpu-1", "--require-curve",
+         "--client-key", str(secret), "--forward-authorization"]
+    )  # fmt: skip
+    config = config_from_args(args, "redis://x")
+    assert config.allow_worker_nets == ("10.0.0.0/8", "gpu-1")
+    assert (config.require_curve, config.proxy.forward_authorization) == (True, True)
+    defaults = config_from_args(build_parser().parse_args([]), "redis://x")
+    assert defaults.allow_worker_nets == ()
+    assert (defaults.require_curve, defaults.proxy.forward_authorization) == (False, False)
+    with pytest.raises(RouterCliError, match="--require-curve needs --client-key"):
+        config_from_args(build_parser().parse_args(["--require-curve"]), "redis://x")
+    with pytest.raises(RouterCliError, match="--allow-worker-net 'x y': expected a CIDR"):
+        config_from_args(build_parser().parse_args(["--allow-worker-net", "x y"]), "redis://x")

@@ -108,3 +108,38 @@ async def _join(url: str, namespace: str, router: str) -> None:
         await WorkerRegistry(client, KeyLayout(namespace), owner=router).heartbeat()
     finally:
         await client.aclose()
+
+
+def test_register_validates_and_refuses_to_replace_silently(
+    redis_url: str, namespace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--redis", redis_url, "--namespace", namespace]
+
+    def register(*specs: str, replace: bool = False) -> int:
+        argv = ["index", "register", *common, *(a for s in specs for a in ("--worker", s))]
+        return kvroute_main(argv + (["--replace"] if replace else []))
+
+    def saved() -> list[tuple[str, str]]:
+        capsys.readouterr()
+        assert kvroute_main(["index", "workers", *common, "--json"]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        return [(r["worker_id"], r["events_endpoint"]) for r in rows]
+
+    # Invalid specs are refused before anything is saved (here the second of two).
+    assert register("k1=tcp://127.0.0.1:5001", "k2=garbage") == 2
+    assert "events endpoint 'garbage'" in capsys.readouterr().err
+    assert register("k1=tcp://127.0.0.1:5001,http=http://h:99999") == 2
+    assert "Port out of range" in capsys.readouterr().err
+    assert saved() == []
+    assert register("k1=tcp://127.0.0.1:5001") == 0
+    assert register("k1=tcp://127.0.0.1:5001") == 0  # the same again: unchanged
+    capsys.readouterr()
+    # The same id on another endpoint is refused unless --replace says so.
+    assert register("k1=tcp://127.0.0.1:5009") == 1
+    err = capsys.readouterr().err
+    assert "events_endpoint 'tcp://127.0.0.1:5001' (saved) vs 'tcp://127.0.0.1:5009'" in err
+    assert "pass --replace to replace it" in err
+    assert saved() == [("k1", "tcp://127.0.0.1:5001")]
+    assert register("k1=tcp://127.0.0.1:5009", replace=True) == 0
+    assert saved() == [("k1", "tcp://127.0.0.1:5009")]
+    assert kvroute_main(["index", "unregister", *common, "k1"]) == 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from events.hashing import RouterKeyer
@@ -19,6 +21,7 @@ from router.index.redis_index import RedisPrefixIndex
 from router.store.connection import RedisClient, connect
 from router.store.layout import KeyLayout
 from router.store.scripts import StaleLeaseError
+from router.workers.registration import RegistrationConflict, RegistrationPolicy
 from router.workers.registry import (
     WorkerRecord,
     WorkerRegistry,
@@ -271,3 +274,100 @@ def test_owner_of_spreads_workers_and_moves_few_on_membership_change() -> None:
     one = {w: owner_of(w, ["r0"]) for w in workers}
     assert all(one[w] == "r0" for w in workers)
     assert [w for w in workers if two[w] != one[w]] == [w for w in workers if two[w] == "r1"]
+
+
+def test_worker_specs_are_validated_whole() -> None:
+    for bad, message in [
+        ("a=garbage", "events endpoint 'garbage': expected tcp://HOST:PORT or ipc://PATH"),
+        ("a=tcp://h:1,replay=nope", "replay endpoint 'nope'"),
+        ("a=tcp://h:1,http=http://", "url 'http://': the host is empty"),
+        ("a=tcp://h:1,http=http://h:99999", "Port out of range"),
+        ("a=tcp://h:1,block_size=x", "Expected `int`, got `str`"),
+        ("a=tcp://h:1,block_size=100000", "block_size must be 1-4096 tokens"),
+        ("a=tcp://*:1", "is a wildcard"),
+    ]:
+        with pytest.raises(PrefixIndexError) as info:
+            parse_worker_spec(bad)
+        assert message in str(info.value), bad
+
+
+def test_saved_registrations_that_are_unusable_are_skipped_and_reported_once(
+    redis_target: str, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = WorkerRecord(worker_id="good", events_endpoint="tcp://127.0.0.1:5557")
+    saved = {
+        "good": msgspec.json.encode(good),
+        "garbage": b'{"worker_id": "garbage", "events_endpoint": "garbage"}',
+        "port": b'{"worker_id": "port", "events_endpoint": "tcp://h:1", "http_url": "http://h:99999"}',
+        "json": b"{not json",
+        "alias": msgspec.json.encode(WorkerRecord(worker_id="x", events_endpoint="tcp://h:1")),
+    }  # fmt: skip
+    problems = {
+        "garbage": "events endpoint 'garbage': expected tcp://HOST:PORT or ipc://PATH",
+        "port": "url 'http://h:99999': Port out of range",
+        "json": "JSON is malformed",
+        "alias": "it names another worker id, 'x'",
+    }
+
+    async def body(client: RedisClient, layout: KeyLayout) -> None:
+        await client.hset(layout.registry, mapping=saved)
+        reported: list[None] = []
+        registry = WorkerRegistry(client, layout, on_invalid=lambda: reported.append(None))
+        caplog.set_level(logging.WARNING, "router.workers.registry")
+        for _ in range(3):  # every maintenance pass reads them: reported on the first only
+            assert await registry.records() == [good]
+        assert len(reported) == 4
+        warnings = sorted(r.getMessage() for r in caplog.records)
+        assert len(warnings) == 4
+        for line, (worker, problem) in zip(warnings, sorted(problems.items()), strict=True):
+            assert line.startswith(f"skipping the registration of worker '{worker}' stored")
+            assert problem in line
+            assert f"PUT /v1/workers/{worker}" in line
+        # A different bad value for the same worker is news: reported again.
+        await client.hset(layout.registry, "json", b"[]")
+        assert await registry.records() == [good]
+        assert len(reported) == 5
+        # The policy of a router applies to saved registrations too.
+        strict = WorkerRegistry(client, layout, policy=RegistrationPolicy(require_curve=True))
+        assert await strict.records() == []
+        assert await registry.saved("garbage") == (None, problems["garbage"])
+        assert await registry.saved("good") == (good, None)
+        assert await registry.saved("nobody") == (None, None)
+
+    run(redis_target, namespace, body)
+
+
+def test_save_creates_keeps_refuses_a_conflict_and_replaces_on_request(
+    redis_target: str, namespace: str
+) -> None:
+    first = WorkerRecord(worker_id="w", events_endpoint="tcp://127.0.0.1:1")
+    moved = WorkerRecord(worker_id="w", events_endpoint="tcp://127.0.0.1:2")
+
+    async def body(client: RedisClient, layout: KeyLayout) -> None:
+        registry = WorkerRegistry(client, layout)
+        assert await registry.save(first) == "created"
+        assert await registry.save(first) == "unchanged"
+        with pytest.raises(RegistrationConflict) as info:
+            await registry.save(moved)
+        assert info.value.differences == {
+            "events_endpoint": ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
+        }
+        assert await registry.records() == [first]  # the conflict changed nothing
+        assert await registry.save(moved, replace=True) == "replaced"
+        assert await registry.records() == [moved]
+        # An unusable saved value is a conflict too, until replaced.
+        await client.hset(layout.registry, "w", b"{broken")
+        with pytest.raises(RegistrationConflict, match="an unusable registration is saved"):
+            await registry.save(first)
+        assert await registry.save(first, replace=True) == "replaced"
+        # Two routers registering different workers under one new id at once: one wins.
+        a = WorkerRecord(worker_id="race", events_endpoint="tcp://127.0.0.1:3")
+        b = WorkerRecord(worker_id="race", events_endpoint="tcp://127.0.0.1:4")
+        outcomes = await asyncio.gather(
+            registry.save(a), WorkerRegistry(client, layout).save(b), return_exceptions=True
+        )
+        assert sorted(type(o).__name__ for o in outcomes) == ["RegistrationConflict", "str"]
+        winner = a if outcomes[0] == "created" else b
+        assert [r for r in await registry.records() if r.worker_id == "race"] == [winner]
+
+    run(redis_target, namespace, body)
