@@ -118,7 +118,9 @@ class KeyLayout:
         return f"{self.prefix}handoff:{{w:{worker_id}}}"
 
     def worker(self, worker_id: WorkerId) -> str:
-        """Hash of a worker's index state: ``epoch`` counter and ``entries`` count."""
+        """Hash of a worker's index state: ``epoch`` counter and ``entries`` count, and
+        ``events_block_size`` while its events carry a block size other than its
+        registration's (set by the router that reads them)."""
         return f"{self.prefix}worker:{{w:{worker_id}}}"
 
     def families(self, worker_id: WorkerId) -> str:
@@ -134,6 +136,11 @@ class KeyLayout:
     def routers(self) -> str:
         """Sorted set of live router ids, scored by when their heartbeat lapses (ms)."""
         return f"{self.prefix}routers"
+
+    def write_probe(self, router: str) -> str:
+        """String with a short TTL: a router's probe of whether Redis takes writes again
+        (after it refused one for lack of memory)."""
+        return f"{self.prefix}probe:{router}"
 
     @property
     def registry(self) -> str:

@@ -31,7 +31,7 @@ from router.index.base import WorkerId
 from router.index.layout import KeyLayout, check_name
 from router.index.redis_index import RedisPrefixIndex
 from router.index.scripts import ACQUIRE, HAND_OFF, HEARTBEAT, RELEASE, RENEW, Script
-from router.redis_conn import RedisClient, reply_bytes
+from router.redis_conn import RedisClient, gather_bounded, reply_bytes
 
 __all__ = [
     "Lease",
@@ -50,6 +50,9 @@ _renew = Script(RENEW)
 _release = Script(RELEASE)
 _hand_off = Script(HAND_OFF)
 _heartbeat = Script(HEARTBEAT)
+
+_EVENTS_BLOCK_SIZE = "events_block_size"
+"""Field of a worker's hash: the block size its events carry when it is not the registered one."""
 
 
 def owner_of(worker_id: str, routers: Sequence[str]) -> str | None:
@@ -225,6 +228,24 @@ class WorkerRegistry:
             except (msgspec.DecodeError, ValueError) as exc:
                 log.error("skipping unreadable registration of %r: %s", worker_id, exc)
         return sorted(out, key=lambda r: r.worker_id)
+
+    async def flag_block_size(self, worker_id: WorkerId, events_block_size: int | None) -> None:
+        """Record that the worker's events carry ``events_block_size``, not its registered
+        block size (``None``: they agree, or nothing says otherwise; the flag is dropped)."""
+        key = self.layout.worker(worker_id)
+        if events_block_size is None:
+            await self.client.hdel(key, _EVENTS_BLOCK_SIZE)
+        else:
+            await self.client.hset(key, _EVENTS_BLOCK_SIZE, events_block_size)
+
+    async def events_block_sizes(self, worker_ids: Sequence[str]) -> dict[str, int]:
+        """The flagged workers among ``worker_ids``: id -> the block size their events carry
+        (see :meth:`flag_block_size`)."""
+        values = await gather_bounded(
+            self.client.hget(self.layout.worker(WorkerId(w)), _EVENTS_BLOCK_SIZE)
+            for w in worker_ids
+        )
+        return {w: int(v) for w, v in zip(worker_ids, values, strict=True) if v is not None}
 
     async def acquire(self, worker_id: WorkerId) -> Lease | None:
         """Take the worker's lease with a new epoch, unless another owner holds it."""
