@@ -150,14 +150,13 @@ class IndexIngest:
         self._services: IngestServices | None = None
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
         self._renewer = Periodic(self.renew_leases, self.config.maintain_interval_s)
-        self._leases = LeaseKeeper(index, registry, self.metrics)
         self._gate = WriteGate(
             index.client,
-            index.layout.write_probe(registry.owner),
             self.metrics,
             retry_max_s=self.config.write_retry_max_s,
             log_interval_s=self.config.subscriber.log_interval_s,
         )
+        self._leases = LeaseKeeper(index, registry, self.metrics, self._gate)
         self._warn = RateLimitedLog(self.config.subscriber.log_interval_s, log)
 
     @property
@@ -375,11 +374,9 @@ class IndexIngest:
                     worker.keep_batches(self._leases.owns(worker.worker_id))
             async with self._membership:
                 await self._sync_registry()
-            writable = self._gate.is_open
             for worker in list(self._workers.values()):
                 if self._is_current(worker):  # not removed since this pass listed it
-                    current = functools.partial(self._is_current, worker)
-                    await self._leases.maintain(worker, current, writable=writable)
+                    await self._leases.maintain(worker, functools.partial(self._is_current, worker))
             await self._publish_flags()
             reaped = await self.registry.reap(self.index)
             self.metrics.reaped.inc(len(reaped))

@@ -33,6 +33,7 @@ from router.index.registry import WorkerRegistry, owner_of
 from router.index.scripts import StaleLeaseError
 from router.metrics import IngestMetrics
 from router.worker_ingest import WorkerIngest
+from router.write_gate import WriteGate
 
 __all__ = ["RECOVERY_ERRORS", "LeaseKeeper"]
 
@@ -60,14 +61,20 @@ class LeaseKeeper:
         index: The Redis prefix index (its lease tokens follow the leases held).
         registry: Leases and router heartbeats of the namespace.
         metrics: Where lease counters go.
+        gate: Whether the index takes writes (no rebuild is tried while it does not).
     """
 
     def __init__(
-        self, index: RedisPrefixIndex, registry: WorkerRegistry, metrics: IngestMetrics
+        self,
+        index: RedisPrefixIndex,
+        registry: WorkerRegistry,
+        metrics: IngestMetrics,
+        gate: WriteGate,
     ) -> None:
         self.index = index
         self.registry = registry
         self.metrics = metrics
+        self.gate = gate
         # NOTE: the live routers as of this router's last heartbeat (empty before the
         # first: then every worker counts as its own); per worker it does not own, when
         # it first found the lease free (cleared once anyone holds it).
@@ -96,9 +103,7 @@ class LeaseKeeper:
         """Whether this router is the worker's owner among the live routers."""
         return owner_of(worker_id, self._routers) in (None, self.registry.owner)
 
-    async def maintain(
-        self, worker: WorkerIngest, current: Callable[[], bool], *, writable: bool
-    ) -> None:
+    async def maintain(self, worker: WorkerIngest, current: Callable[[], bool]) -> None:
         """Hand over or take ``worker``'s lease as ownership says; for a worker held and
         owned, surface a failed queued write and rebuild it if it needs one. A worker
         whose lock is busy is left to the next pass.
@@ -106,7 +111,6 @@ class LeaseKeeper:
         Args:
             worker: The worker.
             current: Whether the worker is still ingested here (checked after waits).
-            writable: Whether the index takes writes (no rebuild is tried otherwise).
         """
         # NOTE: the lease says which router ingests the worker, not that the worker is
         # alive: it is renewed while the worker is registered here, quiet or not (a SUB
@@ -120,19 +124,17 @@ class LeaseKeeper:
             return
         if worker.lease is None:
             if owner in (None, self.registry.owner) or await self._unclaimed(worker):
-                await self.take_over(worker, current, writable=writable)
+                await self.take_over(worker, current)
             return
         async with worker.lock.hold():
             try:  # surfaces a failed queued write of an idle worker
                 await self.index.flush(worker.worker_id)
             except RECOVERY_ERRORS as exc:
                 worker.failed(exc)
-            if worker.needs_rebuild and worker.record.has_snapshot and writable:
+            if worker.needs_rebuild and worker.record.has_snapshot and self.gate.is_open:
                 await _guarded(worker, worker.rebuild)
 
-    async def take_over(
-        self, worker: WorkerIngest, current: Callable[[], bool], *, writable: bool = True
-    ) -> None:
+    async def take_over(self, worker: WorkerIngest, current: Callable[[], bool]) -> None:
         """Take ``worker``'s lease if free (or handed to this router): resume from the
         previous holder's handoff, else rebuild the worker (later, when the index does
         not take writes now)."""
@@ -157,7 +159,7 @@ class LeaseKeeper:
             worker.needs_rebuild = True
             # Snapshot workers are rebuilt now (also when idle); others at their next batch,
             # where a replay can be requested.
-            if not writable:
+            if not self.gate.is_open:
                 return
             if worker.record.has_snapshot:
                 await _guarded(worker, worker.rebuild)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from events.curve import CurveKeyPair
+from events.subscriber import SubscriberConfig
 from router.index.registry import WorkerRecord
 from router.policies import DEFAULT_POLICY, PolicyConfig
 from router.proxy import ProxyConfig
@@ -71,6 +72,9 @@ class RouterConfig:
             its ingest heartbeat and its shared-load hash.
         client_keys: The router's CURVE key pair for workers registered with a
             ``server_key`` (a fresh one by default).
+        replay_timeout_s: Longest silence accepted from a worker's replay endpoint.
+        replay_deadline_s: Longest a whole replay may take, however steadily its replies
+            come; past either, the replay is abandoned and the worker resynced.
     """
 
     redis_url: str
@@ -97,3 +101,5 @@ class RouterConfig:
     health_poll_s: float = 1.0
     replica_id: str | None = None
     client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)
+    replay_timeout_s: float = SubscriberConfig().replay_timeout_s
+    replay_deadline_s: float = SubscriberConfig().replay_deadline_s

@@ -4,8 +4,10 @@ A Redis at ``maxmemory`` with ``noeviction`` refuses every write that needs memo
 alone, the ingest would turn each batch into a failed write, a resync, a snapshot fetch
 and another failed write, logging each. Instead the first refusal shuts the gate: batches
 are dropped (counted; their workers marked for one rebuild), no rebuild is attempted, and
-one warning per interval says so. While shut, a cheap probe write is tried at a backoff;
-once Redis takes it, the gate opens and each marked worker is rebuilt once.
+one warning per interval says so. While shut, Redis's memory is probed at a backoff; once
+every node has room again (no ``maxmemory``, or some headroom below it: a Redis at the
+edge takes a small write now and then, which is no reason to rebuild), the gate opens
+and each marked worker is rebuilt once.
 
 The state shows as ``kvroute_index_writable`` (1 or 0) and
 ``kvroute_index_write_errors_total{reason}`` in ``/metrics``, and in the router's ``/health``.
@@ -16,7 +18,8 @@ from __future__ import annotations
 import logging
 import time
 
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import OutOfMemoryError
 
 from events.rate_limited_log import RateLimitedLog
 from router.metrics import IngestMetrics
@@ -26,7 +29,8 @@ __all__ = ["WriteGate", "is_out_of_memory"]
 
 log = logging.getLogger(__name__)
 
-_PROBE_TTL_MS = 10_000
+_HEADROOM = 0.05
+"""Share of ``maxmemory`` that must be free before writes are tried again."""
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -39,7 +43,6 @@ class WriteGate:
 
     Args:
         client: The Redis client the ingest writes with (the probe goes through it).
-        probe_key: The key the probe writes (see ``KeyLayout.write_probe``).
         metrics: Where the gauge and the error counter go.
         retry_s: The first wait before a probe; it doubles with each failed probe.
         retry_max_s: The longest wait between two probes.
@@ -49,7 +52,6 @@ class WriteGate:
     def __init__(
         self,
         client: RedisClient,
-        probe_key: str,
         metrics: IngestMetrics,
         *,
         retry_s: float = 1.0,
@@ -57,7 +59,6 @@ class WriteGate:
         log_interval_s: float = 10.0,
     ) -> None:
         self._client = client
-        self._probe_key = probe_key
         self._metrics = metrics
         self._retry_s = retry_s
         self._retry_max_s = retry_max_s
@@ -67,6 +68,7 @@ class WriteGate:
         self._is_open = True
         self._backoff_s = retry_s
         self._probe_at = 0.0
+        self._opened_at = 0.0
         self._errors = metrics.write_errors.labels("oom")
         metrics.writable.set(1)
 
@@ -80,9 +82,13 @@ class WriteGate:
         or keep it shut; warn at most once per interval."""
         self._errors.inc()
         if self._is_open:
+            now = time.monotonic()
             self._is_open = False
-            self._backoff_s = self._retry_s
-            self._probe_at = time.monotonic() + self._backoff_s
+            if now - self._opened_at > self._retry_max_s:
+                self._backoff_s = self._retry_s
+            else:  # refused again soon after it opened: keep backing off
+                self._backoff_s = min(self._backoff_s * 2, self._retry_max_s)
+            self._probe_at = now + self._backoff_s
             self._metrics.writable.set(0)
         self._warn.warning(
             ("index", "oom"),
@@ -94,27 +100,35 @@ class WriteGate:
         )
 
     async def probe(self) -> bool:
-        """While shut and a probe is due, try a small write; open when it lands.
+        """While shut and a probe is due, read Redis's memory; open when it has room.
 
         Returns:
             Whether the gate is open now.
 
         Raises:
-            redis.exceptions.RedisError: Redis failed otherwise (unreachable, say).
+            redis.exceptions.RedisError: Redis failed (unreachable, say).
         """
         if self._is_open or time.monotonic() < self._probe_at:
             return self._is_open
-        try:
-            await self._client.set(self._probe_key, b"1", px=_PROBE_TTL_MS)
-        except RedisError as exc:
-            if not is_out_of_memory(exc):
-                raise
+        if not all(_has_room(info) for info in await self._memory()):
             self._backoff_s = min(self._backoff_s * 2, self._retry_max_s)
             self._probe_at = time.monotonic() + self._backoff_s
-            self.refused(exc, "the write probe")
             return False
         self._is_open = True
+        self._opened_at = time.monotonic()
         self._metrics.writable.set(1)
         log.info("index writes accepted again: Redis has memory; rebuilding the workers "
                  "whose batches were dropped")  # fmt: skip
         return True
+
+    async def _memory(self) -> list[dict[str, object]]:
+        """``INFO memory`` of every primary."""
+        if isinstance(self._client, RedisCluster):
+            info = await self._client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+            return list(info.values())
+        return [await self._client.info("memory")]
+
+
+def _has_room(info: dict[str, object]) -> bool:
+    limit = int(str(info.get("maxmemory", 0)))
+    return limit == 0 or int(str(info.get("used_memory", 0))) < limit * (1 - _HEADROOM)

@@ -137,11 +137,6 @@ class KeyLayout:
         """Sorted set of live router ids, scored by when their heartbeat lapses (ms)."""
         return f"{self.prefix}routers"
 
-    def write_probe(self, router: str) -> str:
-        """String with a short TTL: a router's probe of whether Redis takes writes again
-        (after it refused one for lack of memory)."""
-        return f"{self.prefix}probe:{router}"
-
     @property
     def registry(self) -> str:
         """Hash worker id -> JSON registration (endpoints, kind, block size)."""
