@@ -52,10 +52,20 @@ class LiveRelay:
         return f"tcp://127.0.0.1:{self.port}"
 
     def _bind(self, port: int) -> zmq.Socket[bytes]:
-        sock = self._context.socket(zmq.XPUB)
-        sock.linger = 0
-        sock.bind(f"tcp://127.0.0.1:{port or '*'}")
-        return sock
+        """Bind an XPUB socket to ``port``; a port just released may still be held by the
+        closing socket's listener (ZeroMQ closes it in its I/O thread), so retry."""
+        deadline = time.monotonic() + SUBSCRIBE_TIMEOUT_S
+        while True:
+            sock = self._context.socket(zmq.XPUB)
+            sock.linger = 0
+            try:
+                sock.bind(f"tcp://127.0.0.1:{port or '*'}")
+                return sock
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                if port == 0 or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.01)  # polling for the old listener to close
 
     def wait_subscribed(self, timeout_s: float = SUBSCRIBE_TIMEOUT_S) -> None:
         """Block until a subscriber's subscription reaches this socket."""
@@ -78,8 +88,7 @@ class LiveRelay:
         self._sock = self._bind(self.port)
 
     def close(self) -> None:
-        self._sock.close(linger=0)
-        self._context.term()
+        self._context.destroy(linger=0)
 
     def __enter__(self) -> LiveRelay:
         return self

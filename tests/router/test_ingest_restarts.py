@@ -22,7 +22,6 @@ import pytest
 from aiohttp import web
 
 from router.index.registry import WorkerRecord
-from router.lifetime import process_start_time
 from tests.router.live_relay import EverySeq, LiveRelay
 from tests.router.test_ingest_helpers import (
     FakeWorker,
@@ -36,11 +35,9 @@ from tests.router.test_ingest_helpers import (
     stack,
     stored,
 )
-from tests.router.test_ingest_lifetime import LifetimeWorker, stream_count
+from tests.router.test_ingest_lifetime import BY_HAND, LifetimeWorker, stream_count
 
 Kind = Literal["kvroute", "vllm"]
-BY_HAND = {"maintain_interval_s": 3600.0, "lease_ttl_ms": 600_000}
-"""Stack settings under which no maintenance pass runs after the start."""
 
 
 class VllmWorker(FakeWorker):
@@ -174,15 +171,3 @@ def test_a_quiet_restart_is_found_by_the_periodic_check(
                 assert stream_count(s, "resyncs", "k1") == 0
 
     asyncio.run(main())
-
-
-def test_process_start_time_is_read_from_a_prometheus_exposition() -> None:
-    text = (
-        b"# HELP process_start_time_seconds Start time.\n"
-        b"# TYPE process_start_time_seconds gauge\n"
-        b"process_start_time_seconds_other 3.0\n"
-        b'process_start_time_seconds{pid="7"} 1.70000000125e+09\n'
-    )
-    assert process_start_time(text) == "1.70000000125e+09"
-    assert process_start_time(b"process_start_time_seconds 12.5\n") == "12.5"
-    assert process_start_time(b"# process_start_time_seconds 1\nother 2\n") is None
