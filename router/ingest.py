@@ -395,8 +395,9 @@ class IndexIngest:
         """Record in Redis which held workers' events disagree with their block size."""
         for worker in list(self._workers.values()):
             if worker.lease is not None and not worker.flag_synced:
-                worker.flag_synced = True
-                await self.registry.flag_block_size(worker.worker_id, worker.events_block_size)
+                seen = worker.events_block_size
+                await self.registry.flag_block_size(worker.worker_id, seen)
+                worker.flag_synced = seen == worker.events_block_size  # unless it changed
 
     async def _check_lifetimes(self) -> None:
         """Ask every held worker for its lifetime (concurrently, with no lock held) and

@@ -97,9 +97,10 @@ class WorkerIngest:
         self._draining = False
         # NOTE: the block size the worker's events carry when it is not the registered
         # one (None: they agree, as far as seen); published in Redis by the maintenance
-        # pass while flag_synced is False.
+        # pass while flag_synced is False (at first too: a flag left by an earlier
+        # registration of the worker is dropped once this one's lease is held).
         self.events_block_size: int | None = None
-        self.flag_synced = True
+        self.flag_synced = False
         # NOTE: the per-batch counters' labelled children, looked up once: a labels() call
         # costs about a microsecond, as much as folding two blocks.
         wid, metrics = self.worker_id, services.metrics

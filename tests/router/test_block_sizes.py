@@ -8,6 +8,7 @@ A real router service in process, real Redis, real publishers and HTTP workers.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -103,20 +104,23 @@ def test_an_absurd_block_size_harms_no_one_and_mismatched_events_are_flagged(
                             await resp.text()
                         )
 
-                    async def listed() -> bool:
-                        async with client.get("/v1/workers") as resp:
-                            views = (await resp.json())["workers"]
-                        flags = {
-                            v["worker_id"]: (v["block_size_mismatch"], v["events_block_size"])
-                            for v in views
-                        }
-                        return flags == {
-                            "a-huge": (True, 4),
-                            "w1": (False, None),
-                            "w2": (False, None),
-                        }
+                    def listed(huge_flag: tuple[bool, int | None]) -> Callable[[], Awaitable[bool]]:
+                        async def check() -> bool:
+                            async with client.get("/v1/workers") as resp:
+                                views = (await resp.json())["workers"]
+                            flags = {
+                                v["worker_id"]: (v["block_size_mismatch"], v["events_block_size"])
+                                for v in views
+                            }
+                            return flags == {
+                                "a-huge": huge_flag,
+                                "w1": (False, None),
+                                "w2": (False, None),
+                            }
 
-                    await eventually(listed, what="a-huge flagged in /v1/workers")
+                        return check
+
+                    await eventually(listed((True, 4)), what="a-huge flagged in /v1/workers")
                     async with aiohttp.ClientSession() as session:
                         targets = [(w.worker_id, w.http_url or "") for w in (huge, w1)]
                         checks = await check_workers(index, session, targets, svc.registry)
@@ -131,6 +135,13 @@ def test_an_absurd_block_size_harms_no_one_and_mismatched_events_are_flagged(
                     # The others route on as before.
                     answer = await route(client, tokens(1))
                     assert (answer["worker_id"], answer["matched_tokens"]) == ("w1", 12)
+                    # Registered again with its real block size: the flag goes.
+                    fixed = {"worker_id": "a-huge", "url": huge.http_url,
+                             "events": huge.publisher.address,
+                             "replay": huge.publisher.replay_address, "block_size": 4}  # fmt: skip
+                    async with client.post("/v1/workers", json=fixed) as resp:
+                        assert resp.status == 201, await resp.text()
+                    await eventually(listed((False, None)), what="a-huge's flag dropped")
             finally:
                 await svc.close()
 
