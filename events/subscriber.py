@@ -7,8 +7,16 @@ in seq order and exactly once. A seq gap is closed by a vLLM-compatible replay o
 ``on_resync_needed``, a seq at or below the last one with ``on_reset`` (a publisher
 restart). A stream with a restart probe (a worker that names its publisher lifetimes) is
 asked on each gap whether it restarted, since a new lifetime whose first batches were lost
-shows as a jump, not a drop. Malformed messages are counted, logged at a limited rate and
+shows as a jump, not a drop; it is also asked about the first batch after the connection
+to the worker dropped, since a restart whose lost first batches end where the old lifetime
+did looks continuous. Malformed messages are counted, logged at a limited rate and
 skipped.
+
+A replay is fetched whole before its batches are delivered: whoever asks for one inside a
+sink call may release its locks for the network part (see :meth:`EventSubscriber.request_replay`).
+Each worker's reader task is supervised: an unexpected failure is logged with the worker
+id, counted, and the reader restarts after a backoff (doubling up to a cap), first asking
+the sink for a resync (the batch in flight may be lost).
 
 The stream, sink and counter types live in :mod:`events.subscription` and are re-exported
 here.
@@ -17,11 +25,13 @@ here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final
@@ -62,6 +72,7 @@ _HANDSHAKE_FAILED: Final = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+_MONITORED: Final = _HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
 _monitor_ids = itertools.count()
 
 
@@ -83,6 +94,9 @@ class _Worker:
     last_seq: int | None = None
     live_seq: int | None = None
     replaying: bool = False
+    # NOTE: set when the connection to the worker dropped (it may have restarted): the
+    # next live batch asks the stream's restart probe first, whatever its seq.
+    probe_next: bool = False
 
 
 class EventSubscriber:
@@ -105,7 +119,9 @@ class EventSubscriber:
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None
         self._warn = RateLimitedLog(self._config.log_interval_s, _log)
-        self._replay_client = ReplayClient(self._context, self._config.replay_timeout_s)
+        self._replay_client = ReplayClient(
+            self._context, self._config.replay_timeout_s, self._config.replay_deadline_s
+        )
 
     @property
     def worker_ids(self) -> list[str]:
@@ -125,7 +141,8 @@ class EventSubscriber:
 
         Raises:
             SubscriberError: The worker id is already subscribed, or the socket cannot
-                be set up (e.g. a malformed endpoint); nothing is left open then.
+                be set up (e.g. an endpoint ZeroMQ cannot connect to); nothing is left
+                open then.
         """
         if stream.worker_id in self._workers:
             raise SubscriberError(f"worker {stream.worker_id!r} is already subscribed")
@@ -137,7 +154,7 @@ class EventSubscriber:
             if stream.curve is not None:
                 configure_client(sock, stream.curve)
             monitor = sock.get_monitor_socket(
-                _HANDSHAKE_FAILED, addr=f"inproc://kvroute-monitor-{next(_monitor_ids)}"
+                _MONITORED, addr=f"inproc://kvroute-monitor-{next(_monitor_ids)}"
             )
             sock.subscribe(stream.topic)
             sock.connect(stream.endpoint)
@@ -148,14 +165,17 @@ class EventSubscriber:
                 monitor.close(linger=0)
             sock.close(linger=0)
             raise SubscriberError(
-                f"worker {stream.worker_id!r}: cannot subscribe to {stream.endpoint!r}: "
-                f"{zmq.strerror(exc.errno or 0)}"
-            ) from exc
+                f"worker {stream.worker_id!r}: cannot subscribe to its events endpoint "
+                f"{stream.endpoint!r} ({zmq.strerror(exc.errno or 0)}); expected e.g. "
+                "tcp://HOST:PORT"
+            ) from None
         worker = _Worker(stream, sock, zmq.Socket.shadow(sock.underlying), monitor)
         worker.on_unknown = functools.partial(self._unknown_event, worker)
         self._workers[stream.worker_id] = worker
-        for coro in (self._read(worker), self._watch_handshakes(worker)):
-            task = asyncio.create_task(coro, name=f"kv-events[{stream.worker_id}]")
+        for name, body in (("reader", self._read), ("monitor", self._watch_connection)):
+            task = asyncio.create_task(
+                self._supervised(worker, name, body), name=f"kv-events-{name}[{stream.worker_id}]"
+            )
             task.add_done_callback(self._on_task_done)
             worker.tasks.append(task)
 
@@ -181,12 +201,21 @@ class EventSubscriber:
         worker.monitor.close(linger=0)
         worker.sock.close(linger=0)
 
-    async def request_replay(self, worker_id: str, from_seq: int) -> bool:
+    async def request_replay(
+        self,
+        worker_id: str,
+        from_seq: int,
+        *,
+        release: AbstractAsyncContextManager[object] | None = None,
+    ) -> bool:
         """Deliver again the worker's batches from ``from_seq`` on, then resume live.
 
         Batches already delivered are delivered again (``replayed=True``), in order; the
         caller asked for them and must be ready to apply them. Live batches of that worker
         wait until the replay ends. May be awaited from inside the sink's ``on_batch``.
+        The replay is fetched whole (bounded by the replay timeout and deadline) inside
+        ``release``, then delivered: a sink that asks from inside ``on_batch`` passes a
+        context that releases its locks there, so no lock is held across the network wait.
 
         A ``from_seq`` above the next undelivered seq is lowered to it: a replay never
         skips batches.
@@ -200,12 +229,13 @@ class EventSubscriber:
         """
         worker = self._worker(worker_id)
         if asyncio.current_task() in worker.tasks:
-            return await self._redeliver(worker, from_seq)
+            return await self._redeliver(worker, from_seq, release)
         async with worker.lock:
-            return await self._redeliver(worker, from_seq)
+            return await self._redeliver(worker, from_seq, release)
 
     async def run(self) -> None:
-        """Wait until :meth:`close`; re-raises the first failure of a reader (a sink error)."""
+        """Wait until :meth:`close`; with ``on_reader_failure="stop"``, re-raises the first
+        failure of a reader (a sink error)."""
         await self._stopped.wait()
         if self._failure is not None:
             await self.close()
@@ -244,7 +274,37 @@ class EventSubscriber:
             self._failure = task.exception()
         self._stopped.set()
 
-    async def _read(self, worker: _Worker) -> None:
+    async def _supervised(
+        self, worker: _Worker, name: str, body: Callable[[_Worker, bool], Awaitable[None]]
+    ) -> None:
+        """Run one of the worker's tasks; restart it after a failure (see the module
+        docstring), unless the config says to stop (then the failure ends the task)."""
+        config, wid = self._config, worker.stream.worker_id
+        backoff_s, restarted = config.restart_backoff_s, False
+        while True:
+            started = time.monotonic()
+            try:
+                await body(worker, restarted)
+                return
+            except Exception as exc:
+                if config.on_reader_failure == "stop":
+                    raise
+                if time.monotonic() - started > config.restart_backoff_max_s:
+                    backoff_s = config.restart_backoff_s  # it had recovered: start over
+                worker.counters.task_restarts[name] += 1
+                _log.error(
+                    "worker %s: its %s task failed (%r); restarting it in %.1f s",
+                    wid, name, exc, backoff_s, exc_info=exc,
+                )  # fmt: skip
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, config.restart_backoff_max_s)
+            restarted = True
+
+    async def _read(self, worker: _Worker, restarted: bool) -> None:
+        if restarted:
+            # The batch in flight when the reader failed may never have reached the sink.
+            async with worker.lock:
+                await self._resync(worker, "reader_restarted")
         sock, drain, max_drain = worker.sock, worker.drain, self._config.max_drain
         while True:
             frames: list[bytes] = await sock.recv_multipart()
@@ -258,10 +318,15 @@ class EventSubscriber:
                         break
                     await self._on_live(worker, frames)
 
-    async def _watch_handshakes(self, worker: _Worker) -> None:
+    async def _watch_connection(self, worker: _Worker, restarted: bool) -> None:
         stream = worker.stream
         while True:
             event = parse_monitor_message(await worker.monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                # The worker may come back as a new publisher lifetime whose first batches
+                # are lost; seqs cannot always tell (see _on_live).
+                worker.probe_next = stream.restart_probe is not None
+                continue
             worker.counters.num_handshake_failures += 1
             self._warn.warning(
                 (stream.worker_id, "handshake"),
@@ -280,13 +345,18 @@ class EventSubscriber:
             self._malformed(worker, exc)
             return
         last = worker.last_seq
-        if last is not None and seq != last + 1 and not await self._out_of_order(worker, seq):
+        if (
+            last is not None
+            and (seq != last + 1 or worker.probe_next)
+            and not await self._out_of_order(worker, seq)
+        ):
             return
         worker.live_seq = seq
         await self._deliver(worker, seq, payload, recv_ts, replayed=False)
 
     async def _out_of_order(self, worker: _Worker, seq: int) -> bool:
-        """Handle a live ``seq`` other than the next one; ``True``: deliver it now.
+        """Handle a live ``seq`` other than the next one, or the first after the connection
+        dropped; ``True``: deliver it now.
 
         A duplicate is counted, a restart reset, and a gap before ``seq`` replayed.
         """
@@ -333,10 +403,12 @@ class EventSubscriber:
         )
 
     async def _restarted(self, worker: _Worker) -> bool:
+        worker.probe_next = False
         probe = worker.stream.restart_probe
         return probe is not None and await probe()
 
     async def _reset(self, worker: _Worker, seq: int, why: str) -> None:
+        worker.probe_next = False  # this is the restart the probe would have found
         worker.counters.num_resets += 1
         self._warn.warning(
             (worker.stream.worker_id, "reset"),
@@ -391,17 +463,36 @@ class EventSubscriber:
             what,
         )
 
-    async def _redeliver(self, worker: _Worker, from_seq: int) -> bool:
+    async def _redeliver(
+        self,
+        worker: _Worker,
+        from_seq: int,
+        release: AbstractAsyncContextManager[object] | None,
+    ) -> bool:
         last = worker.last_seq
         if last is None:
-            return await self._replay(worker, from_seq, through=from_seq - 1, redeliver=True)
-        from_seq = min(from_seq, last + 1)
-        return await self._replay(worker, from_seq, through=last, redeliver=True)
+            through = from_seq - 1
+        else:
+            from_seq = min(from_seq, last + 1)
+            through = last
+        return await self._replay(
+            worker, from_seq, through=through, redeliver=True, release=release
+        )
 
     async def _replay(
-        self, worker: _Worker, from_seq: int, *, through: int, redeliver: bool
+        self,
+        worker: _Worker,
+        from_seq: int,
+        *,
+        through: int,
+        redeliver: bool,
+        release: AbstractAsyncContextManager[object] | None = None,
     ) -> bool:
-        """Replay from ``from_seq``; it must reach at least ``through`` to succeed."""
+        """Replay from ``from_seq``; it must reach at least ``through`` to succeed.
+
+        The replies are fetched inside ``release`` (the caller's locks released), then
+        delivered in order.
+        """
         stream = worker.stream
         if worker.replaying:
             await self._resync(worker, "replay_nested")
@@ -409,28 +500,24 @@ class EventSubscriber:
         if stream.replay_endpoint is None:
             await self._resync(worker, "no_replay_endpoint")
             return False
-
-        async def on_batch(seq: int, payload: bytes) -> None:
-            if redeliver or worker.last_seq is None or seq > worker.last_seq:
-                await self._deliver(worker, seq, payload, time.time(), replayed=True)
-            else:
-                worker.counters.num_duplicates += 1
-
         worker.replaying = True
         worker.counters.num_replays += 1
         try:
-            reason = await self._replay_client.fetch(
-                stream.replay_endpoint,
-                stream.curve,
-                from_seq,
-                through=through,
-                on_batch=on_batch,
-                on_malformed=lambda exc: self._malformed(worker, exc),
-            )
+            async with release or contextlib.nullcontext():
+                result = await self._replay_client.fetch(
+                    stream.replay_endpoint, stream.curve, from_seq, through=through
+                )
+            for exc in result.malformed:
+                self._malformed(worker, exc)
+            for seq, payload in result.batches:
+                if redeliver or worker.last_seq is None or seq > worker.last_seq:
+                    await self._deliver(worker, seq, payload, time.time(), replayed=True)
+                else:
+                    worker.counters.num_duplicates += 1
         finally:
             worker.replaying = False
-        if reason is not None:
-            await self._resync(worker, reason)
+        if result.failure is not None:
+            await self._resync(worker, result.failure)
             return False
         _log.info("worker %s: replayed from seq %d", stream.worker_id, from_seq)
         return True

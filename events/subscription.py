@@ -12,7 +12,7 @@ import collections
 import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import msgspec
 
@@ -72,11 +72,15 @@ class EventSink(Protocol):
         """Batches of the worker were lost for good; its state must be rebuilt.
 
         ``reason`` is one of ``"no_replay_endpoint"``, ``"replay_timeout"`` (the replay
-        endpoint stayed silent), ``"replay_buffer_overrun"`` (the first batch asked for is
-        not buffered: it left the ring buffer, or the publisher dropped it on a full
+        endpoint stayed silent), ``"replay_deadline"`` (the replay did not end within the
+        overall deadline: replies trickled), ``"replay_unreachable"`` (the replay address
+        cannot be connected to), ``"replay_buffer_overrun"`` (the first batch asked for
+        is not buffered: it left the ring buffer, or the publisher dropped it on a full
         queue), ``"replay_hole"`` / ``"replay_short"`` / ``"replay_empty"`` (the replay
         skipped or ended before batches it had to cover: the publisher restarted
-        meanwhile) and ``"replay_nested"`` (a replay was asked for during a replay).
+        meanwhile), ``"replay_nested"`` (a replay was asked for during a replay) and
+        ``"reader_restarted"`` (the worker's reader failed and was restarted: the batch
+        it was handling may be lost).
         """
 
 
@@ -91,11 +95,12 @@ class WorkerStream:
             replayed and always resync.
         topic: Topic prefix to subscribe to (``b""`` = everything).
         curve: CURVE client settings when the worker's sockets are CURVE servers.
-        restart_probe: Awaited on a live seq gap, before replaying it: ``True`` means the
+        restart_probe: Awaited on a live seq gap, before replaying it, and on the first
+            live batch after the connection to the worker dropped: ``True`` means the
             publisher restarted since the last batch delivered (a new lifetime whose first
-            batches were lost), and the gap is handled as a restart (``on_reset``, then the
-            new lifetime replayed from seq 0). It must not raise; it answers ``False`` when
-            unsure. ``None`` (vLLM's protocol): only a seq drop is a restart.
+            batches were lost), and the batch is handled as a restart (``on_reset``, then
+            the new lifetime replayed from seq 0). It must not raise; it answers ``False``
+            when unsure. ``None``: only a seq drop is a restart.
     """
 
     worker_id: str
@@ -113,16 +118,30 @@ class SubscriberConfig:
     Attributes:
         replay_timeout_s: Longest silence accepted from a replay endpoint before the
             replay is abandoned and the worker resynced.
+        replay_deadline_s: Longest a whole replay may take, however steadily its replies
+            come (a replay of a full buffer of 10,000 batches takes well under a second
+            on loopback); past it the replay is abandoned and the worker resynced.
         hwm: Receive high-water mark of each SUB socket, in messages.
         max_drain: Messages handled from one worker before yielding to other tasks.
         log_interval_s: Repeats of one warning per (worker, reason) are logged at most
             this often, with the number suppressed.
+        on_reader_failure: What an unexpected failure of a worker's reader task (a sink
+            error, say) does: ``"restart"`` it after a backoff (logged and counted; for a
+            service that must keep reading), or ``"stop"`` the subscriber and re-raise
+            it from :meth:`events.subscriber.EventSubscriber.run` (for a tool).
+        restart_backoff_s: The first wait before a failed task restarts; it doubles with
+            each failure that follows quickly, up to ``restart_backoff_max_s``.
+        restart_backoff_max_s: The longest wait before a failed task restarts.
     """
 
     replay_timeout_s: float = 5.0
+    replay_deadline_s: float = 30.0
     hwm: int = 100_000
     max_drain: int = 256
     log_interval_s: float = 10.0
+    on_reader_failure: Literal["restart", "stop"] = "restart"
+    restart_backoff_s: float = 0.1
+    restart_backoff_max_s: float = 5.0
 
 
 @dataclass
@@ -140,6 +159,8 @@ class WorkerCounters:
         num_handshake_failures: Failed ZeroMQ handshakes (wrong CURVE keys, not allowed).
         malformed: Malformed messages skipped, by reason.
         resyncs: Resync signals, by reason.
+        task_restarts: Restarts of the worker's tasks after a failure, by task
+            (``reader``, ``monitor``).
     """
 
     num_batches: int = 0
@@ -152,6 +173,7 @@ class WorkerCounters:
     num_handshake_failures: int = 0
     malformed: collections.Counter[str] = field(default_factory=collections.Counter)
     resyncs: collections.Counter[str] = field(default_factory=collections.Counter)
+    task_restarts: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def snapshot(self) -> WorkerCounters:
         """An independent copy."""
@@ -159,4 +181,5 @@ class WorkerCounters:
             self,
             malformed=collections.Counter(self.malformed),
             resyncs=collections.Counter(self.resyncs),
+            task_restarts=collections.Counter(self.task_restarts),
         )

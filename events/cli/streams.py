@@ -73,7 +73,8 @@ def parse_worker_spec(text: str, client_keys: CurveKeyPair | None = None) -> Wor
 
 
 def add_subscriber_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--worker``, ``--client-key``, ``--replay-timeout-s`` and ``--log-level``."""
+    """Add ``--worker``, ``--client-key``, ``--replay-timeout-s``, ``--replay-deadline-s``
+    and ``--log-level``."""
     parser.add_argument("--worker", action="append", required=True, metavar="SPEC", help=_SPEC_HELP)
     parser.add_argument(
         "--client-key",
@@ -88,6 +89,13 @@ def add_subscriber_arguments(parser: argparse.ArgumentParser) -> None:
         default=SubscriberConfig().replay_timeout_s,
         help="longest silence accepted from a replay endpoint before the worker is "
         "declared in need of a resync (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--replay-deadline-s",
+        type=float,
+        default=SubscriberConfig().replay_deadline_s,
+        help="longest a whole replay may take, however steadily its replies come, before "
+        "the worker is declared in need of a resync (default: %(default)s)",
     )
     parser.add_argument(
         "--log-level",
@@ -109,7 +117,14 @@ def subscriber_settings(args: argparse.Namespace) -> tuple[SubscriberConfig, lis
     ids = [s.worker_id for s in streams]
     if len(set(ids)) != len(ids):
         raise ValueError(f"worker ids must be unique, got {ids}")
-    return SubscriberConfig(replay_timeout_s=args.replay_timeout_s), streams
+    # A tool stops on a sink failure (say, its log's disk is full) rather than go on
+    # with a hole in what it records.
+    config = SubscriberConfig(
+        replay_timeout_s=args.replay_timeout_s,
+        replay_deadline_s=args.replay_deadline_s,
+        on_reader_failure="stop",
+    )
+    return config, streams
 
 
 def configure_logging(level: str) -> None:

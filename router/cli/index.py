@@ -2,8 +2,10 @@
 
 ``kvroute index check`` folds each worker's ``GET /v1/snapshot`` into a fresh engine-hash
 bridge (exactly what ingest would write) and compares the result with the worker's
-entries in Redis: missing entries, extra entries and tier mismatches, per worker; exit
-code 1 if any. ``kvroute index stats`` prints entries, keys, workers and memory.
+entries in Redis: missing entries, extra entries and tier mismatches, per worker; and
+flags a worker whose events (as the router reading them recorded, or its snapshot) carry
+another block size than its registration; exit code 1 if any. ``kvroute index stats``
+prints entries, keys, workers and memory.
 ``kvroute index register`` / ``unregister`` / ``workers`` manage the persistent worker
 registrations that every router replica ingests (from ``--worker`` specs or a JSON file).
 """
@@ -49,6 +51,11 @@ class WorkerCheck:
         num_missing: Expected but not indexed (claims too little: safe, lost hits).
         num_extra: Indexed but not expected (claims too much: misroutes).
         num_tier_mismatch: In both, on different tiers.
+        registered_block_size: The block size it is registered with (``None``: not
+            registered).
+        events_block_size: The block size its events or snapshot carry when that is not
+            the registered one (``None``: they agree); its ``BlockStored`` events are
+            dropped by the ingest until it is registered right.
     """
 
     worker_id: str
@@ -57,34 +64,55 @@ class WorkerCheck:
     num_missing: int
     num_extra: int
     num_tier_mismatch: int
+    registered_block_size: int | None = None
+    events_block_size: int | None = None
 
     @property
     def num_divergent(self) -> int:
         """Entries that differ in any way."""
         return self.num_missing + self.num_extra + self.num_tier_mismatch
 
+    @property
+    def block_size_mismatch(self) -> bool:
+        """Whether its events disagree with its registration's block size."""
+        return self.events_block_size is not None
+
 
 async def expected_entries(
     keyer: RouterKeyer, session: aiohttp.ClientSession, http_url: str
-) -> dict[BlockKey, int]:
-    """Router key -> tier mask that a worker's current snapshot implies."""
+) -> tuple[dict[BlockKey, int], int]:
+    """Router key -> tier mask that a worker's current snapshot implies, and the
+    snapshot's block size."""
     snapshot = await fetch_snapshot(session, http_url)
     # Tolerant, like a snapshot load: runs under an evicted ancestor are unreachable.
     bridge = WorkerBridge(keyer, tolerate_orphans=True)
     for event in snapshot_events(snapshot):
         bridge.store(event, Changes())
-    return {key: mask for key, (_, mask) in bridge.entries().items()}
+    return {key: mask for key, (_, mask) in bridge.entries().items()}, snapshot.block_size
 
 
 async def check_workers(
-    index: RedisPrefixIndex, session: aiohttp.ClientSession, targets: Sequence[tuple[str, str]]
+    index: RedisPrefixIndex,
+    session: aiohttp.ClientSession,
+    targets: Sequence[tuple[str, str]],
+    registry: WorkerRegistry | None = None,
 ) -> list[WorkerCheck]:
-    """Compare each ``(worker id, http url)`` worker's snapshot with its index entries."""
+    """Compare each ``(worker id, http url)`` worker's snapshot with its index entries
+    (and, given the ``registry``, its block size with its registration's)."""
+    registered: dict[str, int] = {}
+    flagged: dict[str, int] = {}
+    if registry is not None:
+        registered = {r.worker_id: r.block_size for r in await registry.records()}
+        flagged = await registry.events_block_sizes([worker_id for worker_id, _ in targets])
     out: list[WorkerCheck] = []
     for worker_id, http_url in targets:
-        expected = await expected_entries(index.keyer, session, http_url)
+        expected, snapshot_block_size = await expected_entries(index.keyer, session, http_url)
         indexed = await index.worker_entries(WorkerId(worker_id))
         both = expected.keys() & indexed.keys()
+        block_size = registered.get(worker_id)
+        seen = flagged.get(worker_id)
+        if seen is None and block_size is not None and snapshot_block_size != block_size:
+            seen = snapshot_block_size
         out.append(
             WorkerCheck(
                 worker_id=worker_id,
@@ -93,6 +121,8 @@ async def check_workers(
                 num_missing=len(expected.keys() - indexed.keys()),
                 num_extra=len(indexed.keys() - expected.keys()),
                 num_tier_mismatch=sum(1 for k in both if expected[k] != indexed[k]),
+                registered_block_size=block_size,
+                events_block_size=seen,
             )
         )
     return out
@@ -121,7 +151,8 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="compare the index with workers' /v1/snapshot (exit 1 on divergence)",
         description="Compare the index with each kvroute worker's GET /v1/snapshot and "
-        "print missing, extra and tier-mismatched entries per worker; exit code 1 if any.",
+        "print missing, extra and tier-mismatched entries per worker, and flag a worker "
+        "whose events carry another block size than its registration; exit code 1 if any.",
     )
     check.add_argument(
         "--worker",
@@ -225,20 +256,29 @@ async def _run(args: argparse.Namespace) -> int:
         if not targets:
             raise RouterError("no kvroute worker to check: pass --worker ID=HTTP_URL")
         async with aiohttp.ClientSession() as session:
-            checks = await check_workers(index, session, targets)
+            checks = await check_workers(index, session, targets, WorkerRegistry(client, layout))
         if args.json:
-            print(json.dumps([asdict(c) | {"num_divergent": c.num_divergent} for c in checks]))
+            print(json.dumps([
+                asdict(c) | {"num_divergent": c.num_divergent,
+                             "block_size_mismatch": c.block_size_mismatch}
+                for c in checks
+            ]))  # fmt: skip
         else:
             print(f"{'worker':<20} {'expected':>9} {'indexed':>9} {'missing':>8} {'extra':>8} "
-                  f"{'tier':>6}")  # fmt: skip
+                  f"{'tier':>6}  block size")  # fmt: skip
             for c in checks:
+                sizes = "-" if c.registered_block_size is None else str(c.registered_block_size)
+                if c.block_size_mismatch:
+                    sizes += f" (events: {c.events_block_size}; mismatch)"
                 print(
                     f"{c.worker_id:<20} {c.num_expected:>9} {c.num_indexed:>9} "
-                    f"{c.num_missing:>8} {c.num_extra:>8} {c.num_tier_mismatch:>6}"
+                    f"{c.num_missing:>8} {c.num_extra:>8} {c.num_tier_mismatch:>6}  {sizes}"
                 )
             total = sum(c.num_divergent for c in checks)
-            print(f"{total} divergent entries")
-        return 1 if any(c.num_divergent for c in checks) else 0
+            mismatched = sum(c.block_size_mismatch for c in checks)
+            print(f"{total} divergent entries, {mismatched} block size mismatches")
+        failed = any(c.num_divergent or c.block_size_mismatch for c in checks)
+        return 1 if failed else 0
     finally:
         await client.aclose()
 

@@ -164,6 +164,11 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
         ("--max-prompt-tokens", int, "longest prompt accepted, in tokens (default: 131072)"),
         ("--lease-ttl", float, "seconds of a worker's index lease; a dead worker or router is "
          "dropped after it (default: 10)"),
+        ("--replay-timeout", float, "seconds of silence accepted from a worker's replay "
+         f"endpoint (default: {RouterConfig.replay_timeout_s:g})"),
+        ("--replay-deadline", float, "seconds a whole replay may take, however steadily its "
+         "replies come; past it or the timeout the worker is resynced (default: "
+         f"{RouterConfig.replay_deadline_s:g})"),
         ("--route-hold", float, "seconds a POST /v1/route decision counts as load on its worker "
          "(the gateway sends the request itself; default: 2)"),
         ("--replica-id", str, "this replica's id, naming its leases, heartbeat and shared "
@@ -296,6 +301,8 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
             pick("predicted_max_entries", RouterConfig.predicted_max_entries)
         ),
         route_hold_s=float(pick("route_hold", 2.0)),
+        replay_timeout_s=float(pick("replay_timeout", RouterConfig.replay_timeout_s)),
+        replay_deadline_s=float(pick("replay_deadline", RouterConfig.replay_deadline_s)),
         client_keys=_client_keys(client_key),
         replica_id=_replica_id(pick("replica_id", None, "KVROUTE_REPLICA_ID")),
         admin_key=admin_key,

@@ -16,8 +16,12 @@ Endpoints:
   registered, 200 when the same registration was already saved, 409 when a different
   one is; ``PUT /v1/workers/{id}`` (same body): registers or replaces, 201 or 200;
   ``DELETE /v1/workers/{id}``. A registration is validated whole
-  (:mod:`router.workers.registration`) before anything is saved.
-* ``GET /health`` (200, with ``"index": "live" | "degraded"``), ``GET /metrics``.
+  (:mod:`router.workers.registration`) before anything is saved. ``GET`` also says per
+  worker whether its events carry another block size than its registration's
+  (``"block_size_mismatch"``, ``"events_block_size"``).
+* ``GET /health`` (200, with ``"index": "live" | "full" | "degraded"`` and
+  ``"index_writable"``; ``full``: Redis refuses index writes for lack of memory),
+  ``GET /metrics``.
 
 Who may call what (bearer keys, JSON-only bodies) is :mod:`router.front.access`. Every error is
 JSON ``{"error": {"message", "type"}}``: 400 for a malformed body, 401 without the
@@ -146,6 +150,7 @@ def _decode(raw: bytes, kind: type[Any]) -> Any:
 
 
 def _worker_view(record: WorkerRecord) -> dict[str, Any]:
+    """A worker's registration in the shape of a ``POST /v1/workers`` body."""
     view: dict[str, Any] = msgspec.to_builtins(
         WorkerBody(
             worker_id=record.worker_id,
@@ -265,7 +270,17 @@ class _Handlers:
         return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
 
     async def list_workers(self, request: web.Request) -> web.Response:
-        return web.json_response({"workers": [_worker_view(r) for r in self.svc.workers]})
+        # Each listed with whether its events carry another block size than registered.
+        flagged = await self.svc.events_block_sizes()
+        views = [
+            _worker_view(r)
+            | {
+                "block_size_mismatch": r.worker_id in flagged,
+                "events_block_size": flagged.get(r.worker_id),
+            }
+            for r in self.svc.workers
+        ]
+        return web.json_response({"workers": views})
 
     async def add_worker(self, request: web.Request) -> web.Response:
         """``POST /v1/workers``: register a new worker (a different saved one: 409)."""
@@ -346,11 +361,12 @@ class _Handlers:
 
     async def health(self, request: web.Request) -> web.Response:
         svc = self.svc
-        live = svc.index_live
+        live, writable = svc.index_live, svc.index_writable
         return web.json_response(
             {
-                "status": "ok" if live else "degraded",
-                "index": "live" if live else "degraded",
+                "status": "ok" if live and writable else "degraded",
+                "index": ("live" if writable else "full") if live else "degraded",
+                "index_writable": writable,
                 "shared_load": "live" if svc.load.is_shared else "local",
                 "policy": svc.policy.name,
                 "replica_id": svc.load.replica_id,

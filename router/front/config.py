@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from events.auth import BearerKey
 from events.curve import CurveKeyPair
+from events.subscriber import SubscriberConfig
 from router.front.proxy import ProxyConfig
 from router.routing.policies import DEFAULT_POLICY, PolicyConfig
 from router.workers.registry import WorkerRecord
@@ -78,6 +79,9 @@ class RouterConfig:
             is accepted there too.
         allow_worker_nets: Networks (CIDR) and host names workers may be at; empty: any.
         require_curve: Admit only workers registered with a CURVE ``server_key``.
+        replay_timeout_s: Longest silence accepted from a worker's replay endpoint.
+        replay_deadline_s: Longest a whole replay may take, however steadily its replies
+            come; past either, the replay is abandoned and the worker resynced.
     """
 
     redis_url: str
@@ -108,3 +112,5 @@ class RouterConfig:
     api_key: BearerKey | None = None
     allow_worker_nets: tuple[str, ...] = ()
     require_curve: bool = False
+    replay_timeout_s: float = SubscriberConfig().replay_timeout_s
+    replay_deadline_s: float = SubscriberConfig().replay_deadline_s

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
+from events.subscriber import SubscriberConfig
 from events.tokenizer import Tokenizer, load_tokenizer
 from router.errors import RouterError
 from router.front.chat import ChatTemplate, load_chat_template
@@ -50,6 +51,7 @@ from router.routing.policies import (
     make_policy,
 )
 from router.routing.predicted import PredictedEntries
+from router.routing.request_keys import RequestKeys, key_request
 from router.store.connection import RedisClient, RedisOptions, connect
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
@@ -73,14 +75,15 @@ class Routed:
     Attributes:
         decision: The policy's decision and explanation.
         targets: Candidates to forward to, best first (the chosen one first).
-        keys: The request's router keys (credited to the worker that serves it).
+        keys: The request's router keys per candidate block size (the worker that
+            serves it is credited with those of its size).
         num_prompt_tokens: Prompt length.
         num_output_tokens: Expected output tokens.
     """
 
     decision: Decision
     targets: tuple[ProxyTarget, ...]
-    keys: tuple[BlockKey, ...]
+    keys: RequestKeys
     num_prompt_tokens: int
     num_output_tokens: int
 
@@ -165,7 +168,6 @@ class RouterService:
         stack.push_async_callback(self._fast_client.aclose)
         self._lookup = IndexLookup(
             RedisPrefixIndex(self._fast_client, layout, self.keyer),
-            self.keyer,
             self.metrics,
             cfg.probe_interval_s,
         )
@@ -183,7 +185,13 @@ class RouterService:
         self.ingest = IndexIngest(
             RedisPrefixIndex(self._client, layout, self.keyer),
             self.registry,
-            IngestConfig(maintain_interval_s=cfg.lease_ttl_s / 3, client_keys=cfg.client_keys),
+            IngestConfig(
+                maintain_interval_s=cfg.lease_ttl_s / 3,
+                subscriber=SubscriberConfig(
+                    replay_timeout_s=cfg.replay_timeout_s, replay_deadline_s=cfg.replay_deadline_s
+                ),
+                client_keys=cfg.client_keys,
+            ),
             self.ingest_metrics,
         )
         self.load = RedisLoadTracker(
@@ -249,6 +257,21 @@ class RouterService:
     def index_live(self) -> bool:
         """False while routing is degraded to load only."""
         return self._lookup.live
+
+    @property
+    def index_writable(self) -> bool:
+        """False while Redis refuses index writes for lack of memory (see
+        :attr:`router.ingest.service.IndexIngest.index_writable`)."""
+        return self.ingest.index_writable
+
+    async def events_block_sizes(self) -> dict[str, int]:
+        """The workers whose events carry a block size other than their registration's:
+        worker id -> that block size, as the replicas holding them recorded in Redis
+        (this replica's own knowledge when Redis fails)."""
+        flagged: dict[str, int] = {str(w): n for w, n in self.ingest.events_block_sizes.items()}
+        with contextlib.suppress(*INDEX_ERRORS):
+            flagged.update(await self.registry.events_block_sizes(list(self._records)))
+        return flagged
 
     # -- workers -------------------------------------------------------------------------
 
@@ -351,31 +374,43 @@ class RouterService:
             raise NoWorkersError(
                 "no worker with an HTTP URL is registered: add one with POST /v1/workers"
             )
-        block_size = records[0].block_size
-        keys = self.keyer.keys(token_ids, block_size, cache_salt=cache_salt)
+        # Keyed once per block size among the candidates, prefixes counted in blocks of
+        # the smallest (see router.routing.request_keys): a worker registered with another block
+        # size never changes what the others match.
+        keyed = key_request(self.keyer, token_ids, records, cache_salt)
         workers = [WorkerId(r.worker_id) for r in records]
         matches: Mapping[WorkerId, PrefixMatch] = {}
         if self.policy.uses_index:
-            matches = await self._lookup.matches(token_ids, records, keys, cache_salt)
+            matches = await self._lookup.matches(keyed)
         now = time.monotonic()
-        predicted = (
-            self._predicted.lookup(keys, workers, now) if self._predicted is not None else None
-        )
+        predicted = self._predicted_blocks(keyed, now)
         loads = await self.load.snapshot(workers)
         candidates = build_candidates(workers, loads, matches, predicted)
-        request = RouteRequest(keys, len(token_ids), block_size, num_output_tokens)
+        request = RouteRequest(keyed.base_keys, len(token_ids), keyed.base, num_output_tokens)
         decision = self.policy.decide(request, candidates)
         by_id = {WorkerId(r.worker_id): r for r in records}
         order = sorted(
             decision.candidates, key=lambda c: (c.worker_id != decision.worker_id, c.score)
         )
         targets = tuple(ProxyTarget(c.worker_id, by_id[c.worker_id].http_url or "") for c in order)
-        routed_ = Routed(decision, targets, tuple(keys), len(token_ids), num_output_tokens)
+        routed_ = Routed(decision, targets, keyed, len(token_ids), num_output_tokens)
         if record:
-            self.credit(decision.worker_id, keys)
+            self.credit(decision.worker_id, keyed.of(decision.worker_id))
             self._record(decision, len(token_ids))
         self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
         return routed_
+
+    def _predicted_blocks(self, keyed: RequestKeys, now: float) -> dict[WorkerId, int] | None:
+        """Predicted prefix lengths per candidate, in blocks of ``keyed.base`` tokens."""
+        if self._predicted is None:
+            return None
+        out: dict[WorkerId, int] = {}
+        for size, members in keyed.groups.items():
+            found = self._predicted.lookup(keyed.keys[size], members, now)
+            if size != keyed.base:
+                found = {w: n * size // keyed.base for w, n in found.items()}
+            out.update(found)
+        return out
 
     def _record(self, decision: Decision, num_prompt_tokens: int) -> None:
         chosen = decision.chosen

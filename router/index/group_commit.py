@@ -93,11 +93,11 @@ class GroupCommit:
             self._progress = asyncio.Event()
 
     def _fail(self, worker_id: WorkerId, exc: Exception) -> None:
-        log.warning("worker %s: queued index write failed: %s", worker_id, exc)
         self._pending.pop(worker_id, None)
         if self.on_error is not None:
-            self.on_error(worker_id, exc)
+            self.on_error(worker_id, exc)  # which says what it makes of it
         else:
+            log.warning("worker %s: queued index write failed: %s", worker_id, exc)
             self._errors[worker_id] = exc
 
     def _busy(self, ids: Iterable[WorkerId]) -> bool:

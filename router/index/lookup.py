@@ -12,18 +12,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Final
 
 from redis.exceptions import RedisError
 
-from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
 from router.errors import PrefixIndexError
 from router.front.metrics import RouterMetrics
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
-from router.workers.registry import WorkerRecord
+from router.routing.request_keys import RequestKeys, rescale
 
 __all__ = ["INDEX_ERRORS", "IndexLookup"]
 
@@ -38,20 +37,14 @@ class IndexLookup:
 
     Args:
         index: The index, on a client that fails fast (its socket timeout bounds a lookup).
-        keyer: The router key function (workers with another block size need other keys).
         metrics: Where ``index_live`` and ``index_errors`` go.
         probe_interval_s: While degraded, the least time between two lookup attempts.
     """
 
     def __init__(
-        self,
-        index: RedisPrefixIndex,
-        keyer: RouterKeyer,
-        metrics: RouterMetrics,
-        probe_interval_s: float,
+        self, index: RedisPrefixIndex, metrics: RouterMetrics, probe_interval_s: float
     ) -> None:
         self._index = index
-        self._keyer = keyer
         self._metrics = metrics
         self._probe_interval_s = probe_interval_s
         self._live = True
@@ -62,39 +55,26 @@ class IndexLookup:
         """False while routing is degraded to load only."""
         return self._live
 
-    async def matches(
-        self,
-        token_ids: Sequence[int],
-        records: Sequence[WorkerRecord],
-        keys: Sequence[BlockKey],
-        cache_salt: str | None,
-    ) -> Mapping[WorkerId, PrefixMatch]:
-        """Index matches in units of ``records[0].block_size`` blocks (possibly also of
-        holders that are not among ``records``); {} while degraded."""
+    async def matches(self, request: RequestKeys) -> Mapping[WorkerId, PrefixMatch]:
+        """Index matches in blocks of ``request.base`` tokens, each block-size group looked
+        up with its own keys in one round trip (possibly also holders that are not
+        candidates); {} while degraded."""
         now = time.monotonic()
         if not self._live and now < self._next_probe:
             return {}
-        base = records[0].block_size
-        groups: dict[int, list[WorkerId]] = {}
-        for r in records:
-            groups.setdefault(r.block_size, []).append(WorkerId(r.worker_id))
+        base, groups = request.base, request.groups
         out: dict[WorkerId, PrefixMatch] = {}
         try:
             for size, members in groups.items():
-                group_keys = (
-                    keys
-                    if size == base
-                    else self._keyer.keys(token_ids, size, cache_salt=cache_salt)
-                )
                 # Bounded by the fast client's socket timeout (lookup_timeout_s); no
                 # wait_for, which would cost a task per decision. With one block size
                 # the family's holders are read instead of sending every candidate's id
                 # (fewer bytes, no HMGET); holders that are not candidates are ignored
                 # by build_candidates.
                 asked = None if len(groups) == 1 else members
-                found = await self._index.lookup(group_keys, asked)
+                found = await self._index.lookup(request.keys[size], asked)
                 for wid, match in found.items():
-                    out[wid] = match if size == base else _rescale(match, size, base)
+                    out[wid] = match if size == base else rescale(match, size, base)
         except Exception as exc:  # whatever the index does, it never causes a 5xx
             self._metrics.index_errors.labels("lookup").inc()
             self._next_probe = now + self._probe_interval_s
@@ -115,11 +95,3 @@ class IndexLookup:
         self._live = live
         self._metrics.index_live.set(1 if live else 0)
 
-
-def _rescale(match: PrefixMatch, size: int, base: int) -> PrefixMatch:
-    """A match in blocks of ``size`` tokens expressed in (whole) blocks of ``base`` tokens."""
-    return PrefixMatch(
-        match.num_blocks * size // base,
-        match.num_gpu_blocks * size // base,
-        match.num_cpu_blocks * size // base,
-    )

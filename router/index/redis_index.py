@@ -130,6 +130,7 @@ class RedisPrefixIndex:
         self.group_commit = group_commit
         self._tokens: dict[WorkerId, str] = {}
         self._bridges: dict[WorkerId, WorkerBridge] = {}
+        self._block_sizes: dict[WorkerId, int] = {}
         self._sinks: dict[WorkerId, _Sink] = {}
         self._pack = None if self.is_cluster else arg_packer(client)
         self._queues = GroupCommit(self._send)
@@ -144,6 +145,17 @@ class RedisPrefixIndex:
         self._bridges.pop(worker_id, None)
         self._sinks.pop(worker_id, None)
         self._queues.discard(worker_id)
+
+    def expect_block_size(self, worker_id: WorkerId, block_size: int) -> None:
+        """Skip (and count in the worker's bridge) every ``BlockStored`` of the worker
+        whose block size is not ``block_size`` (its registered one; 0: any, forgotten)."""
+        if block_size:
+            self._block_sizes[worker_id] = block_size
+        else:
+            self._block_sizes.pop(worker_id, None)
+        bridge = self._bridges.get(worker_id)
+        if bridge is not None:
+            bridge.block_size = block_size
 
     def on_write_error(self, callback: Callable[[WorkerId, Exception], None] | None) -> None:
         """With group commit, report a failed queued write to ``callback`` at once."""
@@ -166,12 +178,14 @@ class RedisPrefixIndex:
         """The engine-hash bridge of a worker (created on first use)."""
         found = self._bridges.get(worker_id)
         if found is None:
-            found = self._bridges[worker_id] = WorkerBridge(self.keyer)
+            block_size = self._block_sizes.get(worker_id, 0)
+            found = self._bridges[worker_id] = WorkerBridge(self.keyer, block_size=block_size)
         return found
 
     def adopt_bridge(self, worker_id: WorkerId, bridge: WorkerBridge) -> None:
         """Make ``bridge`` the worker's (one handed over with its lease, matching the
         worker's entries in Redis)."""
+        bridge.block_size = self._block_sizes.get(worker_id, 0)
         self._bridges[worker_id] = bridge
 
     def _token(self, worker_id: WorkerId) -> str:

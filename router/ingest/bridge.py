@@ -85,6 +85,7 @@ class BridgeCounters:
     orphans: int = 0
     detached: int = 0
     ignored_groups: int = 0
+    block_size_mismatch: int = 0
 
 
 class _Orphan(Exception):
@@ -102,11 +103,18 @@ class WorkerBridge:
         tolerate_orphans: Store a ``BlockStored`` with an unknown parent as detached
             (counted, never indexed) instead of raising; set once a worker's history is
             known to be lost (resync without snapshot) or while loading a snapshot.
+        block_size: The worker's registered block size: a ``BlockStored`` of another
+            size is counted and skipped whole (its keys would not match any request's).
+            0: any size.
+        mismatched_block_size: The block size of the last ``BlockStored`` skipped for
+            that (0: none yet).
     """
 
     keyer: RouterKeyer
     tolerate_orphans: bool = False
     counters: BridgeCounters = field(default_factory=BridgeCounters)
+    block_size: int = 0
+    mismatched_block_size: int = 0
     _copies: MutableMapping[WireHash, int] = field(default_factory=lambda: new_map(COPY_LANES))
     _keys: MutableMapping[BlockKey, int] = field(default_factory=lambda: new_map(KEY_LANES))
     # NOTE: parent key -> its held child keys (whether or not the parent is held): one
@@ -160,11 +168,17 @@ class WorkerBridge:
         """Fold one ``BlockStored`` into ``changes``.
 
         A malformed event (token count not ``len(block_hashes) * block_size``, token ids
-        outside uint32, a bad block size) is counted and skipped whole.
+        outside uint32, a bad block size) is counted and skipped whole, and so is one
+        whose block size is not the worker's (checked first: it never counts as an
+        orphan, so a worker whose registration is wrong causes no replays).
 
         Raises:
             _Orphan: The parent hash is unknown; nothing of the event was folded.
         """
+        if self.block_size and event.block_size != self.block_size:
+            self.counters.block_size_mismatch += 1
+            self.mismatched_block_size = event.block_size
+            return
         if not _is_well_formed(event):
             self.counters.malformed += 1
             return

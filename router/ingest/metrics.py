@@ -45,11 +45,14 @@ class StreamCollector(Collector):
             for worker, c in counters.items():
                 family.add_metric([worker], getattr(c, attr))
             yield family
-        for name, attr, doc in (
-            ("malformed", "malformed", "Malformed messages skipped, by reason."),
-            ("resyncs", "resyncs", "Resync signals, by reason."),
-        ):
-            family = CounterMetricFamily(f"kvroute_stream_{name}", doc, labels=["worker", "reason"])
+        for name, attr, label, doc in (
+            ("stream_malformed", "malformed", "reason", "Malformed messages skipped, by reason."),
+            ("stream_resyncs", "resyncs", "reason", "Resync signals, by reason."),
+            ("ingest_task_restarts", "task_restarts", "task",
+             "Restarts of a worker's event tasks (reader, monitor) after an unexpected "
+             "failure (logged with the worker id)."),
+        ):  # fmt: skip
+            family = CounterMetricFamily(f"kvroute_{name}", doc, labels=["worker", label])
             for worker, c in counters.items():
                 for reason, value in getattr(c, attr).items():
                     family.add_metric([worker, reason], value)
@@ -73,8 +76,8 @@ class IngestMetrics:
         r = self.registry
         self.batches = Counter(
             "kvroute_ingest_batches",
-            "Event batches received, by outcome (applied, covered_by_snapshot, not_owner, "
-            "failed, unknown_worker).",
+            "Event batches received, by outcome (applied, covered, not_owner, failed, "
+            "unknown_worker, index_full: dropped while Redis refuses writes).",
             ["worker", "outcome"],
             registry=r,
         )
@@ -87,7 +90,8 @@ class IngestMetrics:
         self.skipped = Counter(
             "kvroute_ingest_skipped",
             "Parts of events the index did not apply, by reason (malformed, "
-            "unknown_removals, detached, ignored_groups).",
+            "unknown_removals, detached, ignored_groups, block_size_mismatch: a BlockStored "
+            "whose block size is not the worker's registered one).",
             ["worker", "reason"],
             registry=r,
         )
@@ -157,5 +161,24 @@ class IngestMetrics:
         self.owned = Gauge(
             "kvroute_ingest_owned_workers",
             "Workers whose lease this router holds (it writes their entries).",
+            registry=r,
+        )
+        self.block_size_mismatch = Gauge(
+            "kvroute_ingest_block_size_mismatch",
+            "1 while a worker's events carry a block size other than its registration's "
+            "(those BlockStored events are dropped: fix the registration).",
+            ["worker"],
+            registry=r,
+        )
+        self.write_errors = Counter(
+            "kvroute_index_write_errors",
+            "Index writes Redis refused, by reason (oom: out of memory at maxmemory).",
+            ["reason"],
+            registry=r,
+        )
+        self.writable = Gauge(
+            "kvroute_index_writable",
+            "1 while Redis takes index writes; 0 while it refuses them for lack of memory "
+            "(batches are dropped, their workers rebuilt once it takes them again).",
             registry=r,
         )

@@ -61,6 +61,15 @@ class RecoveryRules:
             return Rebuild.REPLAY_FROM_START
         return self.after_loss()
 
+    def after_restart(self) -> Rebuild:
+        """The publisher restarted unseen (a new lifetime whose first batches were lost):
+        the snapshot; else the new lifetime replayed from seq 0 (from inside a batch, so
+        a restart found outside one waits for the next batch); else only what comes next.
+        """
+        if self.has_snapshot:
+            return Rebuild.LOAD_SNAPSHOT
+        return Rebuild.REPLAY_FROM_START if self.can_replay else Rebuild.KEEP_FROM_NOW
+
     def after_takeover(self, *, in_batch: bool) -> Rebuild:
         """The lease was (re)acquired, or a write failed: rebuild from scratch.
 

@@ -3,21 +3,30 @@
 :class:`IndexIngest` is the :class:`events.subscriber.EventSink` of one
 :class:`events.subscriber.EventSubscriber` over all registered workers. Per worker:
 
-* it writes only while it holds the worker's lease (renewed every third of its TTL);
-  on acquiring one it resumes from the previous holder's handoff, or drops the worker's
-  old entries and rebuilds them: from ``GET /v1/snapshot`` for kvroute workers, by replay
-  from seq 0 for others;
+* it writes only while it holds the worker's lease (renewed every third of its TTL by a
+  task of its own that waits on no worker's ingest); on acquiring one it resumes from the
+  previous holder's handoff, or drops the worker's old entries and rebuilds them: from
+  ``GET /v1/snapshot`` for kvroute workers, by replay from seq 0 for others;
 * each batch is one fenced Redis script call, or shares one with the batches that arrive
   while the previous write is in flight (group commit); a batch already covered (by a
   snapshot or an earlier delivery) is skipped by seq;
 * a ``BlockStored`` with an unknown parent is counted and triggers a replay from seq 0
-  (entries cleared first); if replay cannot help, a resync: clear, then the snapshot
+  (entries cleared first; the replay is fetched with the worker's lock set down, within
+  an overall deadline); if replay cannot help, a resync: clear, then the snapshot
   (kvroute workers) or tolerant mode (others: orphans are stored detached, counted,
   never indexed);
-* a publisher restart clears the worker. A restart shows as a seq drop; for kvroute
-  workers also as a change of the lifetime id in ``GET /health`` (:mod:`router.workers.lifetime`),
-  checked on every seq jump before it is replayed as a gap, so a restart whose first
-  batches were lost is not taken for a gap (vLLM engines have no such id: a jump is a gap);
+* a ``BlockStored`` whose block size is not the worker's registered one is counted and
+  dropped, and the worker flagged (``/metrics``, Redis for ``/v1/workers`` and
+  ``kvroute index check``);
+* a publisher restart clears the worker. A restart shows as a seq drop, or as a change of
+  the worker's lifetime (:mod:`router.workers.lifetime`: the id in a kvroute worker's
+  ``GET /health``, a vLLM engine's ``process_start_time_seconds``), checked on every seq
+  jump before it is replayed as a gap, on the first batch after a reconnect and at every
+  maintenance pass, so a restart whose first batches were lost is never taken for a gap
+  or for the old lifetime going on;
+* while Redis refuses writes for lack of memory, batches are dropped and counted, one
+  warning per interval says so, and the workers are rebuilt once it takes writes again
+  (:mod:`router.ingest.write_gate`; :attr:`IndexIngest.index_writable`);
 * a lost lease or a Redis failure (e.g. Redis restarted empty) marks the worker for a
   rebuild, which the maintenance pass or the next batch performs.
 
@@ -55,6 +64,7 @@ from redis.exceptions import RedisError
 from events.curve import CurveClientConfig, CurveKeyPair
 from events.errors import EventsError
 from events.identity import WorkerId
+from events.rate_limited_log import RateLimitedLog
 from events.subscriber import (
     EventSubscriber,
     ReceivedBatch,
@@ -65,6 +75,7 @@ from events.subscriber import (
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.metrics import IngestMetrics, StreamCollector
 from router.ingest.worker import IngestServices, WorkerIngest
+from router.ingest.write_gate import WriteGate, is_out_of_memory
 from router.tasks.periodic import Periodic
 from router.workers.lifetime import LifetimeTracker
 from router.workers.ownership import RECOVERY_ERRORS, LeaseKeeper
@@ -80,12 +91,14 @@ class IngestConfig:
     """Settings of :class:`IndexIngest`.
 
     Attributes:
-        maintain_interval_s: Period of the maintenance pass (lease renewal, takeover of
-            lapsed workers, reaping, registry sync); keep it at most a third of the
-            registry's lease TTL.
+        maintain_interval_s: Period of the lease renewal and of the maintenance pass
+            (takeover of lapsed workers, rebuilds, reaping, registry sync, lifetime
+            checks); keep it at most a third of the registry's lease TTL.
         snapshot_timeout_s: Timeout of one ``GET /v1/snapshot``.
-        lifetime_timeout_s: Timeout of one ``GET /health`` that reads a kvroute worker's
-            lifetime id (a seq jump waits for it; no answer: the jump is a gap).
+        lifetime_timeout_s: Timeout of one request that reads a worker's lifetime
+            (a seq jump waits for it; no answer: the jump is a gap).
+        write_retry_max_s: While Redis refuses writes for lack of memory, the longest
+            wait between two probes of whether it takes them again.
         snapshot_chunk_runs: Snapshot runs written per index batch.
         group_commit: Turn on the index's group commit: a batch returns once folded, and
             a worker's batches that arrive while its previous write is in flight go to
@@ -98,6 +111,7 @@ class IngestConfig:
     maintain_interval_s: float = 3.0
     snapshot_timeout_s: float = 10.0
     lifetime_timeout_s: float = 2.0
+    write_retry_max_s: float = 10.0
     snapshot_chunk_runs: int = 512
     group_commit: bool = True
     subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
@@ -137,7 +151,15 @@ class IndexIngest:
         self._lifetimes: LifetimeTracker | None = None
         self._services: IngestServices | None = None
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
-        self._leases = LeaseKeeper(index, registry, self.metrics)
+        self._renewer = Periodic(self.renew_leases, self.config.maintain_interval_s)
+        self._gate = WriteGate(
+            index.client,
+            self.metrics,
+            retry_max_s=self.config.write_retry_max_s,
+            log_interval_s=self.config.subscriber.log_interval_s,
+        )
+        self._leases = LeaseKeeper(index, registry, self.metrics, self._gate)
+        self._warn = RateLimitedLog(self.config.subscriber.log_interval_s, log)
 
     @property
     def ingested_workers(self) -> list[str]:
@@ -148,6 +170,22 @@ class IndexIngest:
     def owned_workers(self) -> list[WorkerId]:
         """Workers whose lease this router holds, sorted."""
         return sorted(w.worker_id for w in self._workers.values() if w.lease is not None)
+
+    @property
+    def index_writable(self) -> bool:
+        """False while Redis refuses index writes for lack of memory (``maxmemory``):
+        batches are then dropped (counted) and the workers rebuilt once it takes them."""
+        return self._gate.is_open
+
+    @property
+    def events_block_sizes(self) -> dict[WorkerId, int]:
+        """The workers held here whose events carry a block size other than their
+        registration's: worker id -> that block size."""
+        return {
+            w.worker_id: w.events_block_size
+            for w in self._workers.values()
+            if w.events_block_size is not None
+        }
 
     async def start(self, records: Sequence[WorkerRecord] = ()) -> None:
         """Register ``records``, subscribe to every registered worker, start maintenance."""
@@ -160,6 +198,7 @@ class IndexIngest:
             subscriber=self._subscriber,
             session=self._session,
             lifetimes=self._lifetimes,
+            gate=self._gate,
             snapshot_timeout_s=self.config.snapshot_timeout_s,
             snapshot_chunk_runs=self.config.snapshot_chunk_runs,
         )
@@ -171,6 +210,7 @@ class IndexIngest:
                 await self._add(record, replace=True)
             await self._sync_registry()
         await self.maintain_once()
+        self._renewer.start("kvroute-lease-renewal", wait_first=True)
         self._maintainer.start("kvroute-ingest", wait_first=True)
 
     async def close(self) -> None:
@@ -181,6 +221,7 @@ class IndexIngest:
         (so a restarted router resumes it without a rebuild).
         """
         await self._maintainer.stop()
+        await self._renewer.stop()
         with contextlib.suppress(RedisError):
             await self.registry.leave()  # the others own our workers from their next pass
         if self._subscriber is not None:
@@ -261,6 +302,9 @@ class IndexIngest:
             await self._subscriber.remove_worker(wid)
         if self._lifetimes is not None:
             self._lifetimes.forget(wid)
+        self.index.expect_block_size(wid, 0)
+        with contextlib.suppress(KeyError):
+            self.metrics.block_size_mismatch.remove(wid)
         async with worker.lock.hold():  # waits for a maintenance step in flight
             if worker.lease is not None:
                 await self.index.clear_worker(wid)
@@ -322,7 +366,7 @@ class IndexIngest:
                 worker.failed(exc)
 
     async def _restart_probe(self, worker_id: str) -> bool:
-        """The subscriber's restart probe of a kvroute worker's stream (see ``WorkerStream``)."""
+        """The subscriber's restart probe of a worker's stream (see ``WorkerStream``)."""
         worker = self._workers.get(worker_id)
         if worker is None or worker.lease is None:
             return False  # nothing of it to keep or drop here
@@ -335,13 +379,24 @@ class IndexIngest:
 
     # -- maintenance ---------------------------------------------------------------------
 
-    async def maintain_once(self) -> None:
-        """Sync registrations, renew or take leases, rebuild what needs it, reap lapsed workers.
-
-        Redis errors are logged and counted; the next pass retries.
-        """
+    async def renew_leases(self) -> None:
+        """Renew the held leases and this router's heartbeat (a task of its own: it waits
+        on no worker's ingest). Redis errors are logged; the next round retries."""
         try:
-            await self._leases.heartbeat()
+            await self._leases.renew(self._workers.values())
+        except RedisError as exc:
+            self._redis_failed(exc, "lease renewal")
+
+    async def maintain_once(self) -> None:
+        """Renew leases, sync registrations, take or hand over leases, rebuild what needs
+        it, publish block size flags, reap lapsed workers, check the workers' lifetimes.
+
+        Redis errors are logged and counted; the next pass retries. A worker whose lock
+        is busy (its ingest is at work) is skipped: no pass waits on one worker.
+        """
+        await self.renew_leases()
+        try:
+            await self._gate.probe()
             for worker in self._workers.values():
                 # A worker this router owns but does not hold is being handed to it (or
                 # will be taken): keep its batches from now on, as the lease may come with
@@ -353,11 +408,47 @@ class IndexIngest:
             for worker in list(self._workers.values()):
                 if self._is_current(worker):  # not removed since this pass listed it
                     await self._leases.maintain(worker, functools.partial(self._is_current, worker))
+            await self._publish_flags()
             reaped = await self.registry.reap(self.index)
             self.metrics.reaped.inc(len(reaped))
         except RedisError as exc:
-            log.warning("ingest maintenance: Redis error (%s); retrying next pass", exc)
+            self._redis_failed(exc, "maintenance")
+        await self._check_lifetimes()
         self.metrics.owned.set(len(self.owned_workers))
+
+    def _redis_failed(self, exc: RedisError, what: str) -> None:
+        if is_out_of_memory(exc):
+            self._gate.refused(exc, what)
+        else:
+            log.warning("ingest %s: Redis error (%s); retrying next pass", what, exc)
+
+    async def _publish_flags(self) -> None:
+        """Record in Redis which held workers' events disagree with their block size."""
+        for worker in list(self._workers.values()):
+            if worker.lease is not None and not worker.flag_synced:
+                seen = worker.events_block_size
+                await self.registry.flag_block_size(worker.worker_id, seen)
+                worker.flag_synced = seen == worker.events_block_size  # unless it changed
+
+    async def _check_lifetimes(self) -> None:
+        """Ask every held worker for its lifetime (concurrently, with no lock held) and
+        reset the ones that restarted unseen (see :meth:`WorkerIngest.check_lifetime`)."""
+        tracker = self._tracker
+        if not self._gate.is_open:
+            return  # a reset could not be written; the rebuild after it covers restarts
+        held = [w for w in self._workers.values() if w.lease is not None]
+        held = [w for w in held if tracker.can_tell(w.record)]
+        found = await asyncio.gather(*(tracker.current(w.record) for w in held))
+        for worker, current in zip(held, found, strict=True):
+            if current is None or current == tracker.recorded(worker.worker_id):
+                continue  # the common case: nothing to do, no lock taken
+            if worker.lock.is_held or not self._is_current(worker):
+                continue  # its ingest is at work (and may see it); the next pass will
+            async with worker.lock.hold():
+                try:
+                    await worker.check_lifetime(current)
+                except RECOVERY_ERRORS as exc:
+                    worker.failed(exc)
 
     async def _sync_registry(self) -> None:
         """Persist this router's workers again and follow the saved registrations.
@@ -399,7 +490,7 @@ class IndexIngest:
                     if record.server_key is None
                     else CurveClientConfig(record.server_key.encode(), self.config.client_keys),
                     restart_probe=functools.partial(self._restart_probe, record.worker_id)
-                    if record.has_snapshot
+                    if self._tracker.can_tell(record)
                     else None,
                 )
             )

@@ -5,6 +5,12 @@ far its stream is folded, whether it needs a rebuild) and runs its batch path an
 paths; :class:`router.ingest.service.IndexIngest` owns one per worker, serialises the calls with the
 worker's :attr:`WorkerIngest.lock` and turns errors into :meth:`WorkerIngest.failed`. Which
 rebuild follows which loss is decided by :mod:`router.ingest.recovery`.
+
+No lock is held while a replay is fetched: the worker's lock is set down for the network
+part and taken again to apply what came (the maintenance pass may step in meanwhile, so
+the batch path checks the lease again after a replay). While the index refuses writes
+for lack of memory (:mod:`router.ingest.write_gate`), batches are dropped, counted, and the
+worker rebuilt once the gate opens.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from router.ingest.handoff import HandoffError, decode_handoff, encode_handoff
 from router.ingest.metrics import IngestMetrics
 from router.ingest.recovery import KeptStream, Rebuild, RecoveryRules, Restart, StreamPosition
 from router.ingest.task_lock import TaskLock
+from router.ingest.write_gate import WriteGate, is_out_of_memory
 from router.store.scripts import StaleLeaseError
 from router.workers.lifetime import LifetimeTracker
 from router.workers.registry import Lease, WorkerRecord
@@ -47,7 +54,8 @@ class IngestServices:
         metrics: Where counters go.
         subscriber: The event subscriber, asked for replays.
         session: The HTTP session snapshots are fetched with.
-        lifetimes: The kvroute workers' recorded publisher lifetimes.
+        lifetimes: The workers' recorded publisher lifetimes.
+        gate: Whether the index takes writes (shut while Redis is out of memory).
         snapshot_timeout_s: Timeout of one ``GET /v1/snapshot``.
         snapshot_chunk_runs: Snapshot runs written per index batch.
     """
@@ -57,6 +65,7 @@ class IngestServices:
     subscriber: EventSubscriber
     session: aiohttp.ClientSession
     lifetimes: LifetimeTracker
+    gate: WriteGate
     snapshot_timeout_s: float
     snapshot_chunk_runs: int
 
@@ -86,12 +95,20 @@ class WorkerIngest:
         # keep_batches), applied before the next batch once the lease is held.
         self._kept: KeptStream | None = None
         self._draining = False
+        # NOTE: the block size the worker's events carry when it is not the registered
+        # one (None: they agree, as far as seen); published in Redis by the maintenance
+        # pass while flag_synced is False (at first too: a flag left by an earlier
+        # registration of the worker is dropped once this one's lease is held).
+        self.events_block_size: int | None = None
+        self.flag_synced = False
         # NOTE: the per-batch counters' labelled children, looked up once: a labels() call
         # costs about a microsecond, as much as folding two blocks.
         wid, metrics = self.worker_id, services.metrics
-        outcomes = ("applied", "covered", "not_owner")
+        outcomes = ("applied", "covered", "not_owner", "index_full")
         self._batches = {o: metrics.batches.labels(wid, o) for o in outcomes}
         self._events: dict[type, Counter] = {}
+        services.index.expect_block_size(wid, record.block_size)
+        metrics.block_size_mismatch.labels(wid).set(0)
 
     @property
     def worker_id(self) -> WorkerId:
@@ -130,13 +147,28 @@ class WorkerIngest:
 
     async def catch_up(self) -> None:
         """After a resumed takeover, from the maintenance pass that took the lease: reset a
-        kvroute worker whose publisher lifetime is no longer the handed-over one (it
-        restarted meanwhile, quiet since), then apply the batches kept while the lease
-        was on its way, up to the first that needs a replay (only the batch path may ask
-        for one); the rest go in before the next delivered batch."""
-        if self.rules.has_snapshot and await self._services.lifetimes.changed(self.record):
-            await self._reset_lifetime("since the handoff")
+        worker whose publisher lifetime is no longer the handed-over one (it restarted
+        meanwhile, quiet since), then apply the batches kept while the lease was on its
+        way, up to the first that needs a replay (only the batch path may ask for one);
+        the rest go in before the next delivered batch."""
+        if await self._services.lifetimes.changed(self.record):
+            await self._reset_lifetime("since the handoff", in_batch=False)
         await self._apply_kept(in_batch=False)
+
+    async def check_lifetime(self, current: str | None) -> None:
+        """The periodic check: ``current`` is the lifetime id the worker reports now (read
+        without the lock); a new one means it restarted unseen (its new lifetime's first
+        batches lost, and the rest continuous or not sent yet), so it is reset."""
+        lifetimes = self._services.lifetimes
+        if self.lease is None or current is None or self.position.replaying:
+            return
+        recorded = lifetimes.recorded(self.worker_id)
+        if recorded is None:
+            lifetimes.adopt(self.worker_id, current)
+        elif recorded != current:
+            await self._reset_lifetime(
+                "found by the periodic check", in_batch=False, current=current
+            )
 
     async def _apply_kept(self, *, in_batch: bool) -> None:
         if self._draining:
@@ -167,6 +199,11 @@ class WorkerIngest:
         wid, index, metrics = self.worker_id, self._services.index, self._services.metrics
         if self.lease is None:
             return True  # lost while applying the batches kept before this one
+        if not self._services.gate.is_open:
+            # Redis refuses writes: drop the batch, rebuild the worker once it takes them.
+            self.needs_rebuild = True
+            self._batches["index_full"].inc()
+            return True
         if self.needs_rebuild:
             if not in_batch:
                 return False
@@ -178,14 +215,14 @@ class WorkerIngest:
             if not in_batch:
                 return False
             if await self._services.lifetimes.changed(self.record):
-                await self._reset_lifetime(f"at seq {received.seq}")
+                await self._reset_lifetime(f"at seq {received.seq}", in_batch=True)
             else:
                 # Batches before this one never reached the index (a late join, a
                 # snapshot older than the stream): fetch them; the replay redelivers
                 # this one too.
                 await self._replay(first_missing, clear=False)
-        if self._covered(received):
-            return True
+        if self._covered(received) or self.lease is None:
+            return True  # (the lease may have gone while a replay was fetched)
         try:
             await index.apply(wid, received.batch)
         except OrphanParentError as exc:
@@ -201,7 +238,7 @@ class WorkerIngest:
             else:
                 log.warning("%s; resyncing worker %s", exc, wid)
             await self._rebuild_as(how, "orphan_parent")
-            if self._covered(received):
+            if self._covered(received) or self.lease is None:
                 return True
             # Rebuilt without this batch (tolerant mode now, or a snapshot older than
             # it): apply it once more; an orphan left now is claimed by nobody (safe).
@@ -235,15 +272,36 @@ class WorkerIngest:
         self._sync_counters()
 
     def _sync_counters(self) -> None:
-        now = self._services.index.bridge(self.worker_id).counters
+        bridge = self._services.index.bridge(self.worker_id)
+        now = bridge.counters
         before = self._seen
         if now == before:  # the common case: nothing skipped
             return
-        for reason in ("malformed", "unknown_removals", "detached", "ignored_groups"):
+        reasons = ("malformed", "unknown_removals", "detached", "ignored_groups",
+                   "block_size_mismatch")  # fmt: skip
+        for reason in reasons:
             delta = getattr(now, reason) - getattr(before, reason)
             if delta > 0:
                 self._services.metrics.skipped.labels(self.worker_id, reason).inc(delta)
+        if now.block_size_mismatch > before.block_size_mismatch:
+            self._flag_block_size(bridge.mismatched_block_size)
         self._seen = replace(now)
+
+    def _flag_block_size(self, seen: int) -> None:
+        """The worker's events carry block size ``seen``, not its registered one."""
+        if seen == self.events_block_size:
+            return
+        self.events_block_size = seen
+        self.flag_synced = False
+        self._services.metrics.block_size_mismatch.labels(self.worker_id).set(1)
+        log.error(
+            "worker %s: its events carry block size %d but it is registered with %d; "
+            "their BlockStored events are dropped (counted) until it is registered with "
+            "its real block size",
+            self.worker_id,
+            seen,
+            self.record.block_size,
+        )
 
     # -- lease handoff -------------------------------------------------------------------
 
@@ -332,7 +390,8 @@ class WorkerIngest:
         self.position.applied_ts = None
 
     def failed(self, exc: Exception) -> None:
-        """A write failed (``exc``): drop a lost lease, rebuild the worker later."""
+        """A write failed (``exc``): drop a lost lease, rebuild the worker later (once the
+        index takes writes again, when Redis refused it for lack of memory)."""
         wid, metrics = self.worker_id, self._services.metrics
         if isinstance(exc, StaleLeaseError):
             metrics.lease_lost.labels(wid).inc()
@@ -342,7 +401,10 @@ class WorkerIngest:
         else:
             if isinstance(exc, RedisError):
                 metrics.redis_errors.labels(wid).inc()
-            log.warning("worker %s: index write failed (%s); it will be rebuilt", wid, exc)
+            if is_out_of_memory(exc):
+                self._services.gate.refused(exc, f"worker {wid}")  # says so once per interval
+            else:
+                log.warning("worker %s: index write failed (%s); it will be rebuilt", wid, exc)
         self.needs_rebuild = True
 
     async def _rebuild_as(self, how: Rebuild, reason: str) -> None:
@@ -360,7 +422,12 @@ class WorkerIngest:
             await self.clear(applied_through=-1)
         self.position.replaying = True
         try:
-            ok = await self._services.subscriber.request_replay(self.record.worker_id, from_seq)
+            # The lock is set down while the replay is fetched: a slow or trickling
+            # replay endpoint must not stall the maintenance of this worker (or, through
+            # it, anyone else's); the batches are applied under the lock again.
+            ok = await self._services.subscriber.request_replay(
+                self.record.worker_id, from_seq, release=self.lock.released()
+            )
         finally:
             self.position.replaying = False
         self._services.metrics.replays.labels(self.worker_id, "ok" if ok else "failed").inc()
@@ -380,17 +447,41 @@ class WorkerIngest:
         await self.clear(applied_through=-1)
         await self._services.lifetimes.record(self.record)
 
-    async def _reset_lifetime(self, when: str) -> None:
-        """A kvroute worker restarted and its new lifetime's first batches were lost (or
-        reached another router)."""
-        self._services.metrics.resets.labels(self.worker_id).inc()
+    async def _reset_lifetime(
+        self, when: str, *, in_batch: bool, current: str | None = None
+    ) -> None:
+        """The worker restarted and its new lifetime's first batches were lost (or
+        reached another router): clear it and rebuild it from the new lifetime.
+
+        Args:
+            when: Where the new lifetime was seen (for the log).
+            in_batch: Called from the subscriber's delivery (a replay may be asked for).
+            current: The new lifetime id when already read (else it is read now).
+        """
+        wid, lifetimes = self.worker_id, self._services.lifetimes
+        how = self.rules.after_restart()
+        self._services.metrics.resets.labels(wid).inc()
         log.warning(
-            "worker %s: a new publisher lifetime %s: it restarted; resetting it from its "
-            "snapshot",
-            self.worker_id,
-            when,
-        )
-        await self._reload(self.rules.after_loss())
+            "worker %s: a new publisher lifetime %s: it restarted; %s", wid, when,
+            {Rebuild.LOAD_SNAPSHOT: "resetting it from its snapshot",
+             Rebuild.REPLAY_FROM_START: "clearing it and replaying the new lifetime",
+             Rebuild.KEEP_FROM_NOW: "clearing it (no replay endpoint)"}[how],
+        )  # fmt: skip
+        if how is Rebuild.LOAD_SNAPSHOT:
+            await self._reload(how)  # records the new lifetime before the snapshot
+            return
+        await self.clear(applied_through=-1)
+        if current is None:
+            await lifetimes.record(self.record)
+        else:
+            lifetimes.adopt(wid, current)
+        if how is Rebuild.KEEP_FROM_NOW:
+            self._services.index.bridge(wid).tolerate_orphans = True
+            self.position.applied_through = None
+        elif in_batch:
+            await self._replay(0, clear=False)
+        else:
+            self.needs_rebuild = True  # replayed from seq 0 at its next batch
 
     async def _reload(self, how: Rebuild) -> None:
         """Clear the worker, then load its snapshot or keep what arrives from now on."""

@@ -34,7 +34,7 @@ class LoadAccounting:
     async def attempt_started(self, target: ProxyTarget) -> None:
         """Add the request's load to ``target`` (a retry also moves the prefix credit)."""
         if target.worker_id != self._routed.decision.worker_id:
-            self._service.credit(target.worker_id, self._routed.keys)
+            self._service.credit(target.worker_id, self._routed.keys.of(target.worker_id))
         prefill = self._routed.prefill_of(target.worker_id)
         self._service.load.add_nowait(
             target.worker_id, routed(prefill, self._routed.num_output_tokens)

@@ -32,6 +32,7 @@ from typing import Any, Final
 from redis.exceptions import RedisError
 
 from events.identity import WorkerId
+from events.rate_limited_log import RateLimitedLog
 from router.errors import RouterError
 from router.load.model import WorkerLoad
 from router.store.connection import RedisClient
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 _FIELDS: Final = ("r", "p", "d")  # num_requests, queued_prefill_tokens, decode_tokens
 _IDLE: Final = WorkerLoad()
+_LOG_INTERVAL_S: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,9 @@ class RedisLoadTracker:
         self._remote: dict[WorkerId, WorkerLoad] = {}
         self._reported: dict[WorkerId, WorkerLoad] = {}
         self._is_shared = False
+        # Each retry of a failing Redis (down, or out of memory) fails again: say so at
+        # most once per interval, not once per retry.
+        self._warn = RateLimitedLog(_LOG_INTERVAL_S, logger)
         self._next_heartbeat = 0.0
         self._loop = Periodic(self.refresh, self.config.refresh_interval_s)
         self.num_errors = 0
@@ -261,8 +266,11 @@ class RedisLoadTracker:
         except (RedisError, OSError) as exc:
             self.num_errors += 1
             if self._is_shared:
-                logger.warning(
-                    "shared load: Redis %s failed (%s); using local load only", what, exc
+                self._warn.warning(
+                    ("shared_load", what),
+                    "shared load: Redis %s failed (%s); using local load only",
+                    what,
+                    exc,
                 )
             self._is_shared = False
             self._remote = {}

@@ -118,7 +118,9 @@ class KeyLayout:
         return f"{self.prefix}handoff:{{w:{worker_id}}}"
 
     def worker(self, worker_id: WorkerId) -> str:
-        """Hash of a worker's index state: ``epoch`` counter and ``entries`` count."""
+        """Hash of a worker's index state: ``epoch`` counter and ``entries`` count, and
+        ``events_block_size`` while its events carry a block size other than its
+        registration's (set by the router that reads them)."""
         return f"{self.prefix}worker:{{w:{worker_id}}}"
 
     def families(self, worker_id: WorkerId) -> str:

@@ -10,6 +10,11 @@ A lease given up on purpose (a handover, a shutdown) carries this router's state
 worker (:mod:`router.ingest.handoff`): the next holder resumes the stream where it
 stopped and the worker's entries stay. A lease taken without a valid handoff (its holder
 crashed, or someone held it in between) means a rebuild of the worker.
+
+Renewal (:meth:`LeaseKeeper.renew`) takes no worker's lock and runs in a task of its own,
+so no worker's ingest (a slow replay, a snapshot being loaded) delays any lease; the
+maintenance steps that do take a worker's lock skip a worker whose lock is busy (its own
+ingest is at work; the next pass comes back to it).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from redis.exceptions import RedisError
 
@@ -26,6 +31,7 @@ from router.errors import PrefixIndexError
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.metrics import IngestMetrics
 from router.ingest.worker import WorkerIngest
+from router.ingest.write_gate import WriteGate
 from router.store.scripts import StaleLeaseError
 from router.workers.registry import WorkerRegistry, owner_of
 
@@ -55,22 +61,42 @@ class LeaseKeeper:
         index: The Redis prefix index (its lease tokens follow the leases held).
         registry: Leases and router heartbeats of the namespace.
         metrics: Where lease counters go.
+        gate: Whether the index takes writes (no rebuild is tried while it does not).
     """
 
     def __init__(
-        self, index: RedisPrefixIndex, registry: WorkerRegistry, metrics: IngestMetrics
+        self,
+        index: RedisPrefixIndex,
+        registry: WorkerRegistry,
+        metrics: IngestMetrics,
+        gate: WriteGate,
     ) -> None:
         self.index = index
         self.registry = registry
         self.metrics = metrics
+        self.gate = gate
         # NOTE: the live routers as of this router's last heartbeat (empty before the
         # first: then every worker counts as its own); per worker it does not own, when
         # it first found the lease free (cleared once anyone holds it).
         self._routers: list[str] = []
         self._unclaimed_since: dict[str, float] = {}
 
-    async def heartbeat(self) -> None:
-        """Renew this router's membership and learn the live routers."""
+    async def renew(self, workers: Iterable[WorkerIngest]) -> None:
+        """Renew every lease held among ``workers``, then this router's membership (and
+        learn the live routers). Takes no worker's lock: it never waits on an ingest.
+
+        Raises:
+            redis.exceptions.RedisError: Redis failed (the leases renewed before stay).
+        """
+        for worker in list(workers):
+            lease = worker.lease
+            if lease is None or await self.registry.renew(lease):
+                continue
+            if worker.lease is lease:  # not replaced or dropped meanwhile
+                self.metrics.lease_lost.labels(worker.worker_id).inc()
+                log.warning("worker %s: lease lapsed or taken; retaking it", worker.worker_id)
+                worker.lease = None
+                self.index.forget_lease(worker.worker_id)
         self._routers = await self.registry.heartbeat()
 
     def owns(self, worker_id: str) -> bool:
@@ -78,8 +104,9 @@ class LeaseKeeper:
         return owner_of(worker_id, self._routers) in (None, self.registry.owner)
 
     async def maintain(self, worker: WorkerIngest, current: Callable[[], bool]) -> None:
-        """Renew, hand over or take ``worker``'s lease as ownership says; for a worker
-        held and owned, surface a failed queued write and rebuild it if it needs one.
+        """Hand over or take ``worker``'s lease as ownership says; for a worker held and
+        owned, surface a failed queued write and rebuild it if it needs one. A worker
+        whose lock is busy is left to the next pass.
 
         Args:
             worker: The worker.
@@ -89,11 +116,8 @@ class LeaseKeeper:
         # alive: it is renewed while the worker is registered here, quiet or not (a SUB
         # socket cannot tell a quiet publisher from a dead one). The service drops a
         # worker it cannot reach (remove_worker), which releases the lease.
-        if worker.lease is not None and not await self.registry.renew(worker.lease):
-            self.metrics.lease_lost.labels(worker.worker_id).inc()
-            log.warning("worker %s: lease lapsed or taken; retaking it", worker.worker_id)
-            worker.lease = None
-            self.index.forget_lease(worker.worker_id)
+        if worker.lock.is_held:
+            return
         owner = owner_of(worker.worker_id, self._routers)
         if worker.lease is not None and owner not in (None, self.registry.owner):
             await self._hand_over(worker, str(owner))
@@ -107,12 +131,13 @@ class LeaseKeeper:
                 await self.index.flush(worker.worker_id)
             except RECOVERY_ERRORS as exc:
                 worker.failed(exc)
-            if worker.needs_rebuild and worker.record.has_snapshot:
+            if worker.needs_rebuild and worker.record.has_snapshot and self.gate.is_open:
                 await _guarded(worker, worker.rebuild)
 
     async def take_over(self, worker: WorkerIngest, current: Callable[[], bool]) -> None:
         """Take ``worker``'s lease if free (or handed to this router): resume from the
-        previous holder's handoff, else rebuild the worker."""
+        previous holder's handoff, else rebuild the worker (later, when the index does
+        not take writes now)."""
         lease = await self.registry.acquire(worker.worker_id)
         if lease is None:
             return  # another router replica ingests this worker
@@ -134,6 +159,8 @@ class LeaseKeeper:
             worker.needs_rebuild = True
             # Snapshot workers are rebuilt now (also when idle); others at their next batch,
             # where a replay can be requested.
+            if not self.gate.is_open:
+                return
             if worker.record.has_snapshot:
                 await _guarded(worker, worker.rebuild)
             else:
@@ -175,7 +202,8 @@ class LeaseKeeper:
         return owner_of(worker_id, others) or ""
 
     async def _hand_over(self, worker: WorkerIngest, owner: str) -> None:
-        """Give the lease of a worker another live router owns to that router."""
+        """Give the lease of a worker another live router owns to that router (callers
+        checked its lock was free; the handoff waits for nothing but Redis)."""
         async with worker.lock.hold():
             if worker.lease is None:
                 return

@@ -29,7 +29,7 @@ from events.curve import load_public_key
 from events.identity import WorkerId
 from router.errors import PrefixIndexError
 from router.index.redis_index import RedisPrefixIndex
-from router.store.connection import RedisClient, reply_bytes
+from router.store.connection import RedisClient, gather_bounded, reply_bytes
 from router.store.layout import KeyLayout
 from router.store.scripts import ACQUIRE, HAND_OFF, HEARTBEAT, RELEASE, RENEW, Script
 from router.workers.registration import (
@@ -62,6 +62,9 @@ _renew = Script(RENEW)
 _release = Script(RELEASE)
 _hand_off = Script(HAND_OFF)
 _heartbeat = Script(HEARTBEAT)
+
+_EVENTS_BLOCK_SIZE = "events_block_size"
+"""Field of a worker's hash: the block size its events carry when it is not the registered one."""
 
 
 def owner_of(worker_id: str, routers: Sequence[str]) -> str | None:
@@ -334,6 +337,23 @@ class WorkerRegistry:
             raise RegistrationError(f"it names another worker id, {record.worker_id!r}")
         self.policy.check(record)
         return record
+    async def flag_block_size(self, worker_id: WorkerId, events_block_size: int | None) -> None:
+        """Record that the worker's events carry ``events_block_size``, not its registered
+        block size (``None``: they agree, or nothing says otherwise; the flag is dropped)."""
+        key = self.layout.worker(worker_id)
+        if events_block_size is None:
+            await self.client.hdel(key, _EVENTS_BLOCK_SIZE)
+        else:
+            await self.client.hset(key, _EVENTS_BLOCK_SIZE, events_block_size)
+
+    async def events_block_sizes(self, worker_ids: Sequence[str]) -> dict[str, int]:
+        """The flagged workers among ``worker_ids``: id -> the block size their events carry
+        (see :meth:`flag_block_size`)."""
+        values = await gather_bounded(
+            self.client.hget(self.layout.worker(WorkerId(w)), _EVENTS_BLOCK_SIZE)
+            for w in worker_ids
+        )
+        return {w: int(v) for w, v in zip(worker_ids, values, strict=True) if v is not None}
 
     async def acquire(self, worker_id: WorkerId) -> Lease | None:
         """Take the worker's lease with a new epoch, unless another owner holds it."""

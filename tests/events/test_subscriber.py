@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
+import zmq.asyncio
 from test_subscriber_helpers import (
     DEADLINE_S,
     RecordingSink,
@@ -434,14 +436,14 @@ def test_remove_worker_from_its_own_sink_call_is_refused() -> None:
     asyncio.run(scenario())
 
 
-def test_sink_failure_surfaces_from_run() -> None:
+def test_sink_failure_surfaces_from_run_when_told_to_stop() -> None:
     class FailingSink(RecordingSink):
         async def on_batch(self, received: ReceivedBatch) -> None:
             raise RuntimeError("index unavailable")
 
     async def scenario() -> None:
         with loopback_publisher() as pub:
-            sub = EventSubscriber(FailingSink())
+            sub = EventSubscriber(FailingSink(), SubscriberConfig(on_reader_failure="stop"))
             await sub.add_worker(stream_of(pub))
             runner = asyncio.create_task(sub.run())
             deadline = time.monotonic() + DEADLINE_S
@@ -452,5 +454,100 @@ def test_sink_failure_surfaces_from_run() -> None:
             with pytest.raises(RuntimeError, match="index unavailable"):
                 runner.result()
             assert sub.worker_ids == []
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_reader_restarts_says_so_and_reads_on(caplog: pytest.LogCaptureFixture) -> None:
+    """A sink error kills no stream: the reader is restarted after a backoff, the failure
+    logged with the worker id and counted, a resync asked for (the failed batch may be
+    lost), and the batches after it delivered."""
+
+    class FailingOnceSink(RecordingSink):
+        failed = False
+
+        async def on_batch(self, received: ReceivedBatch) -> None:
+            if not self.failed and batch_id(received) == 7:
+                self.failed = True
+                raise RuntimeError("a bug in the sink")
+            await super().on_batch(received)
+
+    async def scenario() -> None:
+        with loopback_publisher() as pub:
+            sink = FailingOnceSink()
+            async with EventSubscriber(sink) as sub:  # the default: restart
+                await sub.add_worker(stream_of(pub))
+                await handshake(sink, "w0", lambda: pub.publish(batch(0)))
+                pub.publish(batch(7))  # the sink fails on it
+                n = 8
+
+                def probe() -> None:
+                    nonlocal n
+                    pub.publish(batch(n))
+                    n += 1
+
+                await sink.wait_for(lambda: any(batch_id(b) >= 8 for b in sink.batches), poke=probe)
+                counters = sub.counters("w0")
+        assert sink.failed
+        assert counters.task_restarts == {"reader": 1}
+        assert counters.resyncs == {"reader_restarted": 1}
+        assert ("resync", "w0", "reader_restarted") in sink.calls
+        # The batches after the failure arrive in order, each once.
+        after = [batch_id(b) for b in sink.batches if batch_id(b) >= 8]
+        assert after == sorted(set(after))
+        failures = [r for r in caplog.records if "its reader task failed" in r.getMessage()]
+        assert len(failures) == 1 and "w0" in failures[0].getMessage()
+        assert failures[0].exc_info is not None
+
+    asyncio.run(scenario())
+
+
+def test_a_trickling_replay_endpoint_is_cut_off_at_the_deadline() -> None:
+    """Malformed replies every 0.1 s keep a replay under its silence timeout forever; the
+    overall deadline ends it (a resync), and the live stream goes on."""
+
+    async def scenario() -> None:
+        context = zmq.asyncio.Context()
+        trickler = context.socket(zmq.ROUTER)
+        trickler.linger = 0
+        port = trickler.bind_to_random_port("tcp://127.0.0.1")
+
+        async def trickle() -> None:
+            peers: list[bytes] = []
+            while True:
+                if await trickler.poll(100):
+                    peers.append((await trickler.recv_multipart())[0])
+                for peer in peers:
+                    await trickler.send_multipart([peer, b"malformed"])
+
+        skipped: set[int] = set()
+        task = asyncio.create_task(trickle())
+        try:
+            with loopback_publisher(skip_live_seqs=skipped) as pub:
+                sink = RecordingSink()
+                config = SubscriberConfig(replay_timeout_s=1.0, replay_deadline_s=2.0)
+                async with EventSubscriber(sink, config) as sub:
+                    stream = WorkerStream("w0", pub.address, f"tcp://127.0.0.1:{port}")
+                    await sub.add_worker(stream)
+                    await handshake(sink, "w0", lambda: pub.publish(batch(0)))
+                    skipped.add(pub.next_seq)
+                    pub.publish(batch(1))
+                    began = time.monotonic()
+                    pub.publish(batch(2))  # reveals the gap; the replay trickles
+                    await sink.wait_for(
+                        lambda: ("resync", "w0", "replay_deadline") in sink.calls
+                    )
+                    took = time.monotonic() - began
+                    pub.publish(batch(3))
+                    await sink.wait_for(lambda: 3 in [batch_id(b) for b in sink.batches])
+                    counters = sub.counters("w0")
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            context.destroy(linger=0)
+        assert 2.0 <= took < 2.0 + DEADLINE_S / 2
+        assert counters.resyncs == {"replay_deadline": 1}
+        assert counters.malformed["bad_replay_frames"] >= 10  # each reply, counted
 
     asyncio.run(scenario())

@@ -1,5 +1,5 @@
 """Event stream faults into a real router: PUB high-water-mark drops; silent and slow replay;
-a restart whose first batches are lost.
+a restart whose first batches are lost (a seq jump, or a stream that looks continuous).
 
 The worker is a :class:`SyntheticWorker` (a real pool and publisher in the test process,
 with the worker's ``/health`` and ``/v1/snapshot``), so the test controls the publisher's
@@ -32,6 +32,7 @@ from fault_helpers import (
 )
 
 from events.framing import unpack_seq
+from tests.router.live_relay import EverySeq, LiveRelay
 
 STALL_BOUND_S = 60.0
 """Replaying some thousands of batches and applying them, plus ``index check`` runs."""
@@ -40,6 +41,8 @@ REPLAY_TIMEOUT_S = 5.0
 SILENT_BOUND_S = REPLAY_TIMEOUT_S + 40.0
 RESTART_BOUND_S = 10.0
 """A lifetime check, a reset, a replay from seq 0 and ``index check`` runs."""
+BY_PROBE_ONLY = ("--lease-ttl", "600")
+"""A maintenance pass every 200 s: only the subscriber's restart probe can see a restart."""
 
 
 def unique_prompts(seed: int, num_blocks: int = 16) -> Iterator[list[int]]:
@@ -250,7 +253,7 @@ def test_restart_whose_first_batches_are_lost_is_still_a_reset(tmp_path: Path) -
     with Cluster(tmp_path, num_workers=0) as cluster:
         old = SyntheticWorker("s3")
         try:
-            router = cluster.start_router("router", [old.ports.spec()])
+            router = cluster.start_router("router", [old.ports.spec()], *BY_PROBE_ONLY)
             cluster.wait_healthy([router])
             handshake(cluster, router, old, prompts)
             targets = [("s3", old.url)]
@@ -274,3 +277,61 @@ def test_restart_whose_first_batches_are_lost_is_still_a_reset(tmp_path: Path) -
     assert metric(samples, "kvroute_ingest_resets_total", worker="s3") == 1
     assert metric(samples, "kvroute_stream_gaps_total", worker="s3") == 1
     assert metric(samples, "kvroute_stream_resyncs_total", worker="s3") == 0
+
+
+LIFETIME_STEPS = 12
+"""Batches of the old lifetime (seqs 0..11), and of the new one lost on the way."""
+
+
+def test_restart_whose_lost_batches_make_the_stream_look_continuous_is_a_reset(
+    tmp_path: Path,
+) -> None:
+    """The old lifetime ended at seq 11; the new one's 0..11 are lost (the router does not
+    get them while the worker restarts and serves 12 batches), so the first it sees is
+    seq 12: the next seq, no jump. The connection dropped, so the router asks the worker
+    for its lifetime id before taking that batch, sees a new one, resets the worker and
+    replays the new lifetime from seq 0.
+
+    The live stream goes through the test's :class:`LiveRelay` on the worker's events
+    address (restarted with it), so exactly seqs 0..11 of the new lifetime are lost.
+    """
+    prompts = unique_prompts(6)
+    with Cluster(tmp_path, num_workers=0) as cluster, LiveRelay() as relay:
+        old = SyntheticWorker("s4", skip_live_seqs=EverySeq())
+        try:
+            ports = old.ports
+            spec = (
+                f"s4={old.url},events={relay.address},replay=tcp://{HOST}:{ports.replay},"
+                f"block-size={BLOCK_SIZE}"
+            )
+            router = cluster.start_router("router", [spec], *BY_PROBE_ONLY)
+            cluster.wait_healthy([router])
+            relay.wait_subscribed()
+            for _ in range(LIFETIME_STEPS):
+                seq = old.step(next(prompts))
+                relay.send(seq, old.last_batch)
+            assert seq == LIFETIME_STEPS - 1
+            wait_converged(cluster, [("s4", old.url)], SILENT_BOUND_S)
+            applied = metric(scrape(router), "kvroute_ingest_batches_total", worker="s4",
+                             outcome="applied")  # fmt: skip
+        finally:
+            old.close()
+        relay.restart()
+        with SyntheticWorker("s4", ports=ports, skip_live_seqs=EverySeq()) as new:
+            for _ in range(LIFETIME_STEPS):
+                new.step(next(prompts))  # seqs 0..11: lost, kept for replay
+            relay.wait_subscribed()  # the router is connected again
+            seq = new.step(next(prompts))
+            assert seq == LIFETIME_STEPS
+            relay.send(seq, new.last_batch)
+            took = wait_converged(cluster, [("s4", new.url)], RESTART_BOUND_S)
+            samples = scrape(router)
+    assert took < RESTART_BOUND_S
+    assert applied >= LIFETIME_STEPS
+    assert metric(samples, "kvroute_stream_resets_total", worker="s4") == 1
+    assert metric(samples, "kvroute_ingest_resets_total", worker="s4") == 1
+    assert metric(samples, "kvroute_stream_gaps_total", worker="s4") == 1  # 0..11 replayed
+    assert metric(samples, "kvroute_stream_replayed_batches_total", worker="s4") == (
+        LIFETIME_STEPS + 1
+    )
+    assert metric(samples, "kvroute_stream_resyncs_total", worker="s4") == 0

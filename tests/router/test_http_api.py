@@ -300,7 +300,9 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
         assert await svc.registry.holder(WorkerId("w0")) == f"1:{svc.load.replica_id}"
         assert sorted(listed[0]) == [
             "block_size",
+            "block_size_mismatch",
             "events",
+            "events_block_size",
             "kind",
             "replay",
             "server_key",
@@ -511,7 +513,7 @@ def test_a_subscription_that_fails_saves_nothing(redis_url: str, namespace: str)
     ) -> None:
         record = WorkerRecord(worker_id="w9", events_endpoint="tcp://127.0.0.1:1")
         msgspec.structs.force_setattr(record, "events_endpoint", "tcp://-no-such-host:1")
-        with pytest.raises(SubscriberError, match="cannot subscribe to 'tcp://-no-such-host:1'"):
+        with pytest.raises(SubscriberError, match="cannot subscribe to its events endpoint 'tcp://-no-such-host:1'"):
             await svc.add_worker(record)
         assert await saved_ids(svc) == ["w0"]
         assert svc.ingest.ingested_workers == ["w0"]

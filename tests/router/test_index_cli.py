@@ -51,7 +51,10 @@ def test_check_and_stats(
                         "num_missing": 0,
                         "num_extra": 0,
                         "num_tier_mismatch": 0,
+                        "registered_block_size": 4,
+                        "events_block_size": None,
                         "num_divergent": 0,
+                        "block_size_mismatch": False,
                     }
                 ]
                 assert await cli("stats", *common, "--json") == 0

@@ -101,6 +101,7 @@ class FakeWorker:
         self.chains = CachedChains(BS)
         self.skip_live_seqs = skip_live_seqs if skip_live_seqs is not None else set()
         self.hide_snapshot = False  # serve an empty snapshot (a buggy worker)
+        self.last_batch: KVEventBatch | None = None
         self.publisher = self._new_publisher(
             "tcp://127.0.0.1:*", "tcp://127.0.0.1:*" if replay else None
         )
@@ -144,7 +145,8 @@ class FakeWorker:
         """Publish one batch (none: an empty probe batch); returns its seq."""
         seq = self.publisher.next_seq
         self.chains.apply(events)
-        assert self.publisher.publish(KVEventBatch(ts=time.time(), events=list(events)))
+        self.last_batch = KVEventBatch(ts=time.time(), events=list(events))
+        assert self.publisher.publish(self.last_batch)
         return seq
 
     def restart_publisher(self) -> None:

@@ -31,6 +31,8 @@ from tests.router.test_ingest_helpers import (
 )
 
 LIFETIME_TIMEOUT_S = 0.5
+BY_HAND = {"maintain_interval_s": 3600.0, "lease_ttl_ms": 600_000}
+"""No maintenance pass after the start: its lifetime check would find a restart first."""
 
 
 class LifetimeWorker(FakeWorker):
@@ -145,7 +147,7 @@ def test_jump_under_a_new_lifetime_is_a_reset(redis_url: str, namespace: str) ->
         skip: set[int] = set()
         async with (
             fake_workers(LifetimeWorker("k1", skip_live_seqs=skip)) as (k1,),
-            stack(redis_url, namespace) as s,
+            stack(redis_url, namespace, **BY_HAND) as s,
         ):
             await started(s, k1)
             await s.handshake(k1)
@@ -177,7 +179,7 @@ def test_jump_past_a_snapshot_under_a_new_lifetime_is_a_reset(
         skip: set[int] = {0}
         async with (
             fake_workers(LifetimeWorker("k1", skip_live_seqs=skip)) as (k1,),
-            stack(redis_url, namespace) as s,
+            stack(redis_url, namespace, **BY_HAND) as s,
         ):
             k1.publish(stored(1, 0, 4))  # seq 0, never live: only the snapshot has it
             await started(s, k1)

@@ -66,3 +66,53 @@ def test_an_error_or_a_cancelled_waiter_leaves_it_free() -> None:
 async def _enter(lock: TaskLock) -> None:
     async with lock.hold():
         pass
+
+
+def test_the_holder_sets_it_down_for_others_and_takes_it_back() -> None:
+    async def main() -> None:
+        lock, order = TaskLock(), []
+        down = asyncio.Event()
+
+        async def holder() -> None:
+            async with lock.hold():
+                order.append("holder in")
+                async with lock.released():  # e.g. waiting on the network
+                    down.set()
+                    await asyncio.sleep(0)  # let the other task in
+                    async with lock.hold():  # a nested hold takes it like anyone
+                        order.append("holder nested")
+                order.append("holder back")
+                assert lock.is_held
+
+        async def other() -> None:
+            await down.wait()
+            async with lock.hold():
+                order.append("other in")
+
+        await asyncio.wait_for(asyncio.gather(holder(), other()), 10)
+        assert order == ["holder in", "other in", "holder nested", "holder back"]
+        assert not lock.is_held
+
+    asyncio.run(main())
+
+
+def test_a_holder_cancelled_while_it_has_set_the_lock_down_leaves_it_free() -> None:
+    async def main() -> None:
+        lock = TaskLock()
+        down = asyncio.Event()
+
+        async def holder() -> None:
+            async with lock.hold(), lock.released():
+                down.set()
+                await asyncio.Event().wait()  # cancelled here
+
+        task = asyncio.create_task(holder())
+        await asyncio.wait_for(down.wait(), 10)
+        async with lock.hold():  # another task holds it when the cancel lands
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert lock.is_held  # the cancelled holder did not release ours
+        await asyncio.wait_for(_enter(lock), 5)
+
+    asyncio.run(main())

@@ -183,6 +183,7 @@ def test_a_failed_subscription_leaves_nothing_open() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
-        "refused: worker 'w': cannot subscribe to 'tcp://-not-a-host:1': Invalid argument",
+        "refused: worker 'w': cannot subscribe to its events endpoint 'tcp://-not-a-host:1' "
+        "(Invalid argument); expected e.g. tcp://HOST:PORT",
         "closed",
     ]
