@@ -135,6 +135,17 @@ class IndexIngest:
         self._services: IngestServices | None = None
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
         self._leases = LeaseKeeper(index, registry, self.metrics)
+        self._writable = True
+
+    @property
+    def index_writable(self) -> bool:
+        """Whether Redis took this router's last index write.
+
+        False from a batch write or a maintenance pass (its heartbeat is a write) that
+        failed on a Redis error (Redis refused it, e.g. out of memory, or did not
+        answer) until the next maintenance pass succeeds; a lost lease is no such failure.
+        """
+        return self._writable
 
     @property
     def owned_workers(self) -> list[WorkerId]:
@@ -241,6 +252,7 @@ class IndexIngest:
             try:
                 await worker.apply_batch(received)
             except RECOVERY_ERRORS as exc:
+                self._note_write_error(exc)
                 worker.failed(exc)
                 self.metrics.batches.labels(worker.worker_id, "failed").inc()
             except Exception as exc:  # a bug: the worker's stream must outlive it
@@ -288,6 +300,7 @@ class IndexIngest:
         return await self._tracker.changed(worker.record)
 
     def _write_failed(self, worker_id: WorkerId, exc: Exception) -> None:
+        self._note_write_error(exc)
         worker = self._workers.get(worker_id)
         if worker is not None:
             worker.failed(exc)
@@ -314,7 +327,9 @@ class IndexIngest:
                     await self._leases.maintain(worker, functools.partial(self._is_current, worker))
             reaped = await self.registry.reap(self.index)
             self.metrics.reaped.inc(len(reaped))
+            self._writable = True
         except RedisError as exc:
+            self._writable = False
             log.warning("ingest maintenance: Redis error (%s); retrying next pass", exc)
         self.metrics.owned.set(len(self.owned_workers))
 
@@ -349,6 +364,10 @@ class IndexIngest:
         )
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _note_write_error(self, exc: Exception) -> None:
+        if isinstance(exc, RedisError):
+            self._writable = False
 
     def _is_current(self, worker: WorkerIngest) -> bool:
         """Whether ``worker`` is still the one ingested under its id."""

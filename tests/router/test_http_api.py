@@ -290,6 +290,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
         assert await svc.registry.holder(WorkerId("w0")) == f"1:{svc.load.replica_id}"
         assert sorted(listed[0]) == [
             "block_size",
+            "circuit",
             "events",
             "kind",
             "replay",

@@ -14,6 +14,7 @@ from aiohttp import web
 from router.chat import ChatRewriter
 from router.index.base import WorkerId
 from router.proxy import (
+    AttemptOutcome,
     ProxyConfig,
     ProxyTarget,
     ResponseRewriter,
@@ -30,7 +31,7 @@ class Recorder:
     """An AttemptObserver that writes down every call in order."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, str] | tuple[str, str, bool]] = []
+        self.calls: list[tuple[str, str] | tuple[str, str, str]] = []
 
     async def attempt_started(self, target: ProxyTarget) -> None:
         self.calls.append(("start", target.worker_id))
@@ -38,8 +39,8 @@ class Recorder:
     async def first_byte(self, target: ProxyTarget) -> None:
         self.calls.append(("first_byte", target.worker_id))
 
-    async def attempt_ended(self, target: ProxyTarget, ok: bool) -> None:
-        self.calls.append(("end", target.worker_id, ok))
+    async def attempt_ended(self, target: ProxyTarget, outcome: AttemptOutcome) -> None:
+        self.calls.append(("end", target.worker_id, outcome))
 
 
 @asynccontextmanager
@@ -80,9 +81,14 @@ async def sse(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def status(code: int) -> Handler:
+def status(code: int, kind: str | None = None) -> Handler:
+    """A worker answering every request with ``code`` and a JSON error (of type ``kind``)."""
+    error: dict[str, str] = {"message": f"status {code}"}
+    if kind is not None:
+        error["type"] = kind
+
     async def handler(_: web.Request) -> web.Response:
-        return web.json_response({"error": {"message": f"status {code}"}}, status=code)
+        return web.json_response({"error": error}, status=code)
 
     return handler
 
@@ -106,7 +112,7 @@ async def run_proxy(
     results: list[object] = []
 
     async with aiohttp.ClientSession() as upstream:
-        proxy = WorkerProxy(upstream, config or ProxyConfig(connect_timeout_s=5, read_timeout_s=30))
+        proxy = WorkerProxy(upstream, config or ProxyConfig(connect_timeout_s=5))
 
         async def front(request: web.Request) -> web.StreamResponse:
             raw = await request.read()
@@ -142,7 +148,7 @@ def test_passes_answer_through_and_names_the_worker() -> None:
         assert code == 200
         assert headers["X-Kvroute-Worker"] == "w1"
         assert json.loads(body)["choices"][0]["text"] == "ok:hi"
-        assert rec.calls == [("start", "w1"), ("first_byte", "w1"), ("end", "w1", True)]
+        assert rec.calls == [("start", "w1"), ("first_byte", "w1"), ("end", "w1", "ok")]
         (result,) = results
         assert result.worker_id == "w1" and result.num_attempts == 1  # type: ignore[attr-defined]
         assert result.usage == _USAGE  # type: ignore[attr-defined]
@@ -153,7 +159,11 @@ def test_passes_answer_through_and_names_the_worker() -> None:
 @pytest.mark.parametrize("failure", ["refused", "503", "hang_up"])
 def test_retries_on_the_next_best_when_the_chosen_worker_fails(failure: str) -> None:
     async def scenario() -> None:
-        async with serve(echo) as good, serve(status(503)) as busy, serve(hang_up) as dying:
+        async with (
+            serve(echo) as good,
+            serve(status(503, "draining")) as busy,
+            serve(hang_up) as dying,
+        ):
             bad = {"refused": _dead_url(), "503": busy, "hang_up": dying}[failure]
             targets = [ProxyTarget(WorkerId("bad"), bad), ProxyTarget(WorkerId("good"), good)]
             code, headers, body, rec, results = await run_proxy(targets, {"prompt": "x"})
@@ -162,10 +172,10 @@ def test_retries_on_the_next_best_when_the_chosen_worker_fails(failure: str) -> 
         assert json.loads(body)["choices"][0]["text"] == "ok:x"
         assert rec.calls == [
             ("start", "bad"),
-            *([("end", "bad", False)]),
+            *([("end", "bad", "failed")]),
             ("start", "good"),
             ("first_byte", "good"),
-            ("end", "good", True),
+            ("end", "good", "ok"),
         ]
         (result,) = results
         assert result.num_attempts == 2  # type: ignore[attr-defined]
@@ -182,17 +192,17 @@ def test_client_errors_of_a_worker_are_its_answer_not_a_failure() -> None:
         assert code == 400
         assert headers["X-Kvroute-Worker"] == "picky"
         assert json.loads(body) == {"error": {"message": "status 400"}}
-        assert rec.calls == [("start", "picky"), ("first_byte", "picky"), ("end", "picky", True)]
+        assert rec.calls == [("start", "picky"), ("first_byte", "picky"), ("end", "picky", "ok")]
 
     asyncio.run(scenario())
 
 
 def test_every_worker_failing_is_reported_with_each_reason() -> None:
     async def scenario() -> None:
-        async with serve(status(502)) as broken:
+        async with serve(status(503, "overloaded")) as busy:
             targets = [
                 ProxyTarget(WorkerId("a"), _dead_url()),
-                ProxyTarget(WorkerId("b"), broken),
+                ProxyTarget(WorkerId("b"), busy),
                 ProxyTarget(WorkerId("c"), _dead_url()),
             ]
             code, _, _, rec, results = await run_proxy(
@@ -202,12 +212,12 @@ def test_every_worker_failing_is_reported_with_each_reason() -> None:
         (exc,) = results
         assert isinstance(exc, WorkersUnavailableError)
         assert [f.split(":")[0] for f in exc.failures] == ["a", "b"]  # max_attempts=2
-        assert "HTTP 502" in exc.failures[1]
+        assert "HTTP 503 (not taken)" in exc.failures[1]
         assert rec.calls == [
             ("start", "a"),
-            ("end", "a", False),
+            ("end", "a", "failed"),
             ("start", "b"),
-            ("end", "b", False),
+            ("end", "b", "failed"),
         ]
 
     asyncio.run(scenario())
@@ -228,7 +238,7 @@ def test_streams_pass_through_event_by_event() -> None:
         assert events[-1] == "data: [DONE]"
         assert len(events) == 4
         assert results[0].usage == _USAGE  # type: ignore[attr-defined]
-        assert rec.calls == [("start", "s"), ("first_byte", "s"), ("end", "s", True)]
+        assert rec.calls == [("start", "s"), ("first_byte", "s"), ("end", "s", "ok")]
 
     asyncio.run(scenario())
 
@@ -306,6 +316,6 @@ def test_a_client_leaving_mid_stream_ends_the_attempt_and_the_worker_stream() ->
                 resp.close()  # the client leaves
                 await asyncio.wait_for(done.wait(), 30)
                 await asyncio.wait_for(stopped.wait(), 30)
-        assert recorder.calls == [("start", "s"), ("first_byte", "s"), ("end", "s", True)]
+        assert recorder.calls == [("start", "s"), ("first_byte", "s"), ("end", "s", "aborted")]
 
     asyncio.run(scenario())
