@@ -136,14 +136,17 @@ class IndexIngest:
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
         self._leases = LeaseKeeper(index, registry, self.metrics)
         self._writable = True
+        self._write_errors = 0
+        self._write_errors_seen = 0  # as of the end of the last maintenance pass
 
     @property
     def index_writable(self) -> bool:
-        """Whether Redis took this router's last index write.
+        """Whether Redis takes this router's index writes.
 
-        False from a batch write or a maintenance pass (its heartbeat is a write) that
-        failed on a Redis error (Redis refused it, e.g. out of memory, or did not
-        answer) until the next maintenance pass succeeds; a lost lease is no such failure.
+        False from the moment a write fails on a Redis error (Redis refused it, e.g. out
+        of memory or read-only, or did not answer), until a maintenance pass (its
+        heartbeat is a write too) completes with no write failed since the previous
+        pass. A lost lease is no such failure.
         """
         return self._writable
 
@@ -327,10 +330,11 @@ class IndexIngest:
                     await self._leases.maintain(worker, functools.partial(self._is_current, worker))
             reaped = await self.registry.reap(self.index)
             self.metrics.reaped.inc(len(reaped))
-            self._writable = True
+            self._writable = self._write_errors == self._write_errors_seen
         except RedisError as exc:
             self._writable = False
             log.warning("ingest maintenance: Redis error (%s); retrying next pass", exc)
+        self._write_errors_seen = self._write_errors
         self.metrics.owned.set(len(self.owned_workers))
 
     async def _sync_registry(self) -> None:
@@ -368,6 +372,7 @@ class IndexIngest:
     def _note_write_error(self, exc: Exception) -> None:
         if isinstance(exc, RedisError):
             self._writable = False
+            self._write_errors += 1
 
     def _is_current(self, worker: WorkerIngest) -> bool:
         """Whether ``worker`` is still the one ingested under its id."""

@@ -488,6 +488,7 @@ class WorkerProxy:
             if worker_refused(upstream.status, upstream.headers, refusal):
                 text = refusal[:200].decode(errors="replace")
                 raise _Failed(f"HTTP 503 (not taken): {text}")
+            await observer.first_byte(target)
             raw = refusal
         else:
             await observer.first_byte(target)

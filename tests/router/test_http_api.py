@@ -63,8 +63,10 @@ class EchoWorker:
 
 
 @asynccontextmanager
-async def echo_workers(n: int) -> AsyncIterator[list[EchoWorker]]:
-    workers = [EchoWorker(f"w{i}") for i in range(n)]
+async def echo_workers(
+    n: int, kind: type[EchoWorker] = EchoWorker
+) -> AsyncIterator[list[EchoWorker]]:
+    workers = [kind(f"w{i}") for i in range(n)]
     runners = []
     for w in workers:
         app = web.Application()
