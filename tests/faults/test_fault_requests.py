@@ -225,8 +225,9 @@ def test_clients_that_leave_are_counted_and_their_worker_request_aborted(
             "the router to count the client that left mid-stream",
         )
         poll(
-            lambda: aborted(worker.url, "kvroute_worker_requests_total", finish_reason="abort")
-            == 1,
+            lambda: (
+                aborted(worker.url, "kvroute_worker_requests_total", finish_reason="abort") == 1
+            ),
             "the worker to abort the request the router closed",
         )
         asyncio.run(leave_mid_body(router))
