@@ -11,7 +11,8 @@ worker has not answered and nothing went to the client:
 * no first byte came for ``first_byte_timeout_s`` and the worker gives no HTTP answer to
   ``GET /health`` within ``connect_timeout_s`` (frozen, or cut off). A worker that answers
   is still working (a long prefill; a buffered answer comes whole, after the completion)
-  and is waited on, probed again after each further ``first_byte_timeout_s`` of silence;
+  and is waited on, probed again after each further ``first_byte_timeout_s`` of silence
+  (:mod:`router.watchdog`);
 * a 503 that says the worker did not take the request: a ``Retry-After`` header, or a
   JSON error of type ``draining``, ``overloaded`` or ``unavailable`` (what a kvroute
   worker answers while shutting down).
@@ -38,8 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
@@ -51,6 +53,7 @@ from router.breaker import CircuitBreakers
 from router.errors import RouterError
 from router.hops import HOPS_HEADER
 from router.index.base import WorkerId
+from router.watchdog import SilenceWatchdog
 
 __all__ = [
     "RETRYABLE_503_TYPES",
@@ -234,77 +237,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-class _Watchdog:
-    """Watches one attempt for silence and for the request's deadline.
-
-    After ``first_byte_timeout_s`` without a byte from the worker it probes the worker's
-    ``GET /health``; when that gets no answer, or once the deadline passes, it calls
-    :attr:`hang_up` (which makes the pending read fail) and says why in :attr:`verdict`.
-    :meth:`heard` is all the hot path pays: one clock read per line.
-    """
-
-    def __init__(
-        self,
-        proxy: WorkerProxy,
-        target: ProxyTarget,
-        deadline: float,
-        hang_up: Callable[[], object],
-    ) -> None:
-        self.hang_up = hang_up
-        self.verdict: str | None = None
-        self.unreachable = False
-        self.timed_out = False
-        self._proxy = proxy
-        self._target = target
-        self._deadline = deadline
-        self._loop = asyncio.get_running_loop()
-        self._window_s = proxy.config.first_byte_timeout_s
-        self._last = self._loop.time()
-        self._probe: asyncio.Task[None] | None = None
-        self._timer = self._arm()
-
-    def heard(self) -> None:
-        """The worker sent something."""
-        self._last = self._loop.time()
-
-    def stop(self) -> None:
-        """The attempt is over."""
-        self._timer.cancel()
-        if self._probe is not None:
-            self._probe.cancel()
-
-    def _arm(self) -> asyncio.TimerHandle:
-        return self._loop.call_at(min(self._last + self._window_s, self._deadline), self._check)
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        if now >= self._deadline:
-            self.timed_out = True
-            self._give_up(f"no complete answer within the total timeout "
-                          f"({self._proxy.config.total_timeout_s:g} s)")  # fmt: skip
-        elif now < self._last + self._window_s:
-            self._timer = self._arm()  # heard from it meanwhile
-        else:
-            self._probe = asyncio.ensure_future(self._probe_worker(now))
-
-    async def _probe_worker(self, since: float) -> None:
-        alive = await self._proxy.alive(self._target)
-        if alive or self._last > since:
-            if alive:
-                self._last = max(self._last, self._loop.time())
-            self._timer = self._arm()
-            return
-        self.unreachable = True
-        self._give_up(
-            f"silent for {self._window_s:g} s and no answer to GET /health within "
-            f"{self._proxy.config.connect_timeout_s:g} s"
-        )
-
-    def _give_up(self, verdict: str) -> None:
-        self.verdict = verdict
-        self.hang_up()
-
-
 class WorkerProxy:
     """Forwards requests to workers with an aiohttp client session.
 
@@ -437,7 +369,14 @@ class WorkerProxy:
     ) -> _Answer:
         url = target.url.rstrip("/") + path
         opening = asyncio.ensure_future(self._post(url, body, headers))
-        dog = _Watchdog(self, target, deadline, opening.cancel)
+        dog = SilenceWatchdog(
+            window_s=self.config.first_byte_timeout_s,
+            deadline=deadline,
+            probe=functools.partial(self.alive, target),
+            probe_timeout_s=self.config.connect_timeout_s,
+            total_timeout_s=self.config.total_timeout_s,
+            hang_up=opening.cancel,
+        )
         try:
             upstream = await self._opened(opening, dog)
             async with upstream:
@@ -453,7 +392,7 @@ class WorkerProxy:
         return await self._session.post(url, data=body, headers=headers, timeout=self._timeout)
 
     async def _opened(
-        self, opening: asyncio.Future[aiohttp.ClientResponse], dog: _Watchdog
+        self, opening: asyncio.Future[aiohttp.ClientResponse], dog: SilenceWatchdog
     ) -> aiohttp.ClientResponse:
         """The worker's response headers, or :class:`_Failed` with why none came."""
         try:
@@ -470,7 +409,7 @@ class WorkerProxy:
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise _Failed(f"connection lost before answering: {_describe(exc)}") from exc
 
-    def _broken(self, dog: _Watchdog, exc: BaseException, what: str) -> str:
+    def _broken(self, dog: SilenceWatchdog, exc: BaseException, what: str) -> str:
         return dog.verdict if dog.verdict is not None else f"{what}: {_describe(exc)}"
 
     async def _buffered(
@@ -479,7 +418,7 @@ class WorkerProxy:
         target: ProxyTarget,
         observer: AttemptObserver,
         rewriter: ResponseRewriter | None,
-        dog: _Watchdog,
+        dog: SilenceWatchdog,
     ) -> _Answer:
         if upstream.status == 503:
             refusal = b""
@@ -513,7 +452,7 @@ class WorkerProxy:
         return _Answer(response, upstream.status, usage, worker_failed=upstream.status >= 500)
 
     async def _read_limited(
-        self, upstream: aiohttp.ClientResponse, dog: _Watchdog, limit: int
+        self, upstream: aiohttp.ClientResponse, dog: SilenceWatchdog, limit: int
     ) -> bytes:
         chunks: list[bytes] = []
         size = 0
@@ -532,7 +471,7 @@ class WorkerProxy:
         target: ProxyTarget,
         observer: AttemptObserver,
         rewriter: ResponseRewriter | None,
-        dog: _Watchdog,
+        dog: SilenceWatchdog,
     ) -> _Answer:
         """Pass an SSE stream through line by line, keeping the last ``usage`` seen."""
         try:

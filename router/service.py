@@ -234,7 +234,7 @@ class RouterService:
 
     @property
     def index_writable(self) -> bool:
-        """Whether Redis took the ingest's last index write (see ``IndexIngest``)."""
+        """Whether Redis takes the ingest's index writes (see ``IndexIngest.index_writable``)."""
         return self.ingest.index_writable
 
     @property
