@@ -38,6 +38,7 @@ from router.cli.cost_flags import add_cost_arguments, cost_weights_from
 from router.errors import PrefixIndexError, RouterError
 from router.front.access import exposure_warning
 from router.front.app import guards
+from router.front.breaker import BreakerConfig
 from router.front.config import RequestLimits, RouterConfig
 from router.front.proxy import ProxyConfig
 from router.front.service import RouterService
@@ -57,6 +58,11 @@ _WORKER_USAGE = (
     "ID=HTTP_URL,events=ENDPOINT[,replay=ENDPOINT][,topic=T][,block-size=N][,kind=vllm]"
     "[,server_key=FILE]"
 )
+
+# Defaults of the settings (slotted dataclasses keep them on instances only).
+_PROXY = ProxyConfig()
+_BREAKER = BreakerConfig()
+_LIMITS = RequestLimits()
 
 
 class RouterCliError(RouterError, ValueError):
@@ -171,6 +177,35 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          f"{RouterConfig.replay_deadline_s:g})"),
         ("--route-hold", float, "seconds a POST /v1/route decision counts as load on its worker "
          "(the gateway sends the request itself; default: 2)"),
+        ("--max-attempts", int, "workers a request is tried on at most, the chosen one "
+         f"included (default: {_PROXY.max_attempts}); only a worker that sent no answer "
+         "is retried (refused, dropped or silent before its first byte, or a 503 saying it "
+         "is draining or overloaded), never after a 4xx/5xx answer or once the client got a "
+         "byte"),
+        ("--proxy-connect-timeout-s", float, "seconds to connect to a worker, and for a silent "
+         "worker to answer the GET /health liveness probe; past it the next worker is tried "
+         f"(default: {_PROXY.connect_timeout_s:g})"),
+        ("--proxy-first-byte-timeout-s", float, "seconds a worker may stay silent (before its "
+         "first byte, or mid-answer) before it is probed with GET /health; if that gets no "
+         "answer the worker is given up and the request retried elsewhere. A long prompt's "
+         "prefill comes before the first byte, and a non-streamed answer comes whole after "
+         "its completion, so a worker that answers the probe is waited on: this bounds "
+         "failover from a frozen or cut-off worker (in about this + the connect timeout), "
+         "not the length of a request. The default, 30, outlasts the prefill of a long "
+         "prompt, so busy workers are rarely probed, and still fails over in seconds "
+         f"(default: {_PROXY.first_byte_timeout_s:g})"),
+        ("--proxy-total-timeout-s", float, "seconds one proxied request may take, every "
+         "attempt and the whole stream included; past it the request is ended (504 if "
+         f"nothing was sent yet; default: {_PROXY.total_timeout_s:g})"),
+        ("--body-read-timeout-s", float, "seconds a client may take to send its request body "
+         f"(408 after it; default: {_LIMITS.body_read_timeout_s:g})"),
+        ("--circuit-failures", int, "consecutive failures (connect errors, timeouts, 5xx) that "
+         "open a worker's circuit, keeping it out of routing; one failure that shows the "
+         "worker unreachable opens it at once "
+         f"(default: {_BREAKER.failure_threshold})"),
+        ("--circuit-cooldown-s", float, "seconds an open circuit keeps a worker out of routing "
+         "before one trial request is let through (closed again on its success; default: "
+         f"{_BREAKER.cooldown_s:g})"),
         ("--replica-id", str, "this replica's id, naming its leases, heartbeat and shared "
          "load in Redis and metrics ([A-Za-z0-9_.:@-]; default: $KVROUTE_REPLICA_ID, else a "
          "random one)"),
@@ -261,10 +296,27 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
             predicted_ttl_s=pick("predicted_ttl", PolicyConfig().predicted_ttl_s),
         )
         limits = RequestLimits(
-            max_body_bytes=pick("max_body_bytes", RequestLimits().max_body_bytes),
-            max_prompt_tokens=pick("max_prompt_tokens", RequestLimits().max_prompt_tokens),
+            max_body_bytes=pick("max_body_bytes", _LIMITS.max_body_bytes),
+            max_prompt_tokens=pick("max_prompt_tokens", _LIMITS.max_prompt_tokens),
+            body_read_timeout_s=_positive(
+                "body_read_timeout_s",
+                pick("body_read_timeout_s", _LIMITS.body_read_timeout_s),
+            ),
         )
-    except (TypeError, ValueError) as exc:
+        proxy = ProxyConfig(
+            connect_timeout_s=float(pick("proxy_connect_timeout_s", _PROXY.connect_timeout_s)),
+            first_byte_timeout_s=float(
+                pick("proxy_first_byte_timeout_s", _PROXY.first_byte_timeout_s)
+            ),
+            total_timeout_s=float(pick("proxy_total_timeout_s", _PROXY.total_timeout_s)),
+            max_attempts=int(pick("max_attempts", _PROXY.max_attempts)),
+            forward_authorization=bool(pick("forward_authorization", False)),
+        )
+        breaker = BreakerConfig(
+            failure_threshold=int(pick("circuit_failures", _BREAKER.failure_threshold)),
+            cooldown_s=float(pick("circuit_cooldown_s", _BREAKER.cooldown_s)),
+        )
+    except (TypeError, ValueError, RouterError) as exc:
         raise RouterCliError(f"invalid setting: {exc}") from exc
     workers = _config_workers(file.get("workers", [])) + [parse_worker_flag(s) for s in args.worker]
     client_key = pick("client_key", None, "KVROUTE_CLIENT_KEY")
@@ -295,7 +347,8 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         chat_template=pick("chat_template", None),
         decision_log=pick("decision_log", None),
         limits=limits,
-        proxy=ProxyConfig(forward_authorization=bool(pick("forward_authorization", False))),
+        proxy=proxy,
+        breaker=breaker,
         lease_ttl_s=float(pick("lease_ttl", 10.0)),
         predicted_max_entries=int(
             pick("predicted_max_entries", RouterConfig.predicted_max_entries)
@@ -310,6 +363,14 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         allow_worker_nets=allowed,
         require_curve=require_curve,
     )
+
+
+def _positive(name: str, value: Any) -> float:
+    """``value`` as a number of seconds above 0."""
+    seconds = float(value)
+    if not seconds > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return seconds
 
 
 def _replica_id(value: str | None) -> str | None:

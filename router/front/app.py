@@ -10,29 +10,37 @@ Endpoints:
   ``"dry_run": true`` (decide and explain, record nothing). Answer: ``{"worker_id",
   "url", "matched_tokens", "candidates": [{"worker_id", "matched_tokens",
   "predicted_tokens", "load", "score"}, ...]}``.
-* ``GET /v1/workers``; ``POST /v1/workers`` (``{"worker_id", "url", "events",
-  "replay", "topic", "block_size"}``, optional ``"kind": "vllm"`` and ``"server_key"``,
-  the worker's z85 CURVE public key for CURVE-secured event streams): 201 when
-  registered, 200 when the same registration was already saved, 409 when a different
-  one is; ``PUT /v1/workers/{id}`` (same body): registers or replaces, 201 or 200;
-  ``DELETE /v1/workers/{id}``. A registration is validated whole
-  (:mod:`router.workers.registration`) before anything is saved. ``GET`` also says per
-  worker whether its events carry another block size than its registration's
-  (``"block_size_mismatch"``, ``"events_block_size"``).
-* ``GET /health`` (200, with ``"index": "live" | "full" | "degraded"`` and
-  ``"index_writable"``; ``full``: Redis refuses index writes for lack of memory),
-  ``GET /metrics``.
+* ``GET /v1/workers`` (each registration plus its ``"circuit": {"state",
+  "consecutive_failures", "retry_in_s"}``, and whether its events carry another block
+  size than its registration's: ``"block_size_mismatch"``, ``"events_block_size"``);
+  ``POST /v1/workers`` (``{"worker_id", "url", "events", "replay", "topic",
+  "block_size"}``, optional ``"kind": "vllm"`` and ``"server_key"``, the worker's z85
+  CURVE public key for CURVE-secured event streams): 201 when registered, 200 when the
+  same registration was already saved, 409 when a different one is; ``PUT
+  /v1/workers/{id}`` (same body): registers or replaces, 201 or 200; ``DELETE
+  /v1/workers/{id}``. A registration is validated whole
+  (:mod:`router.workers.registration`) before anything is saved.
+* ``GET /health``: liveness, 200 while the process serves (``"index": "live" | "full" |
+  "degraded"``, ``"index_writable"``; ``full``: Redis refuses index writes for lack of
+  memory); ``GET /ready``: readiness, 200 ``{"ready": true, ...}`` or 503 ``{"ready":
+  false, "reasons": [...], "error"}`` when no worker is routable; ``GET /metrics``.
 
-Who may call what (bearer keys, JSON-only bodies) is :mod:`router.front.access`. Every error is
-JSON ``{"error": {"message", "type"}}``: 400 for a malformed body, 401 without the
-endpoint's key, 404 for an unknown worker, 409 for a conflicting registration, 413 for a
-body above the size limit, 415 for a body not sent as JSON, 502 when no worker could
-serve, 503 when none is registered. The prefix index never causes a 5xx: without it the
-service routes on load.
+Who may call what (bearer keys, JSON-only bodies) is :mod:`router.front.access`. Every
+error is JSON ``{"error": {"message", "type"}}``: 400 for a malformed body, 401 without
+the endpoint's key, 404 for an unknown worker or path, 405 for a wrong method, 408 for a
+body not received within its timeout, 409 for a conflicting registration, 413 for a body
+above the size limit, 415 for a body not sent as JSON, 502 when no worker could serve,
+503 when no worker is registered or every one is failing, 504 when the request ran out of
+time, 508 for a request that already passed through this router (a worker URL pointing
+at a router: see :mod:`router.front.hops`). A worker's own answer, error or not, is
+passed back as is. The prefix index never causes a 5xx: without it the service routes on
+load. A client that leaves is counted (``kvroute_router_client_aborts_total``), logged
+at debug level and recorded with status 499; its worker request is closed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
@@ -49,6 +57,7 @@ from events.tokenizer import TokenizerError
 from router.front.access import AccessError, Guard
 from router.front.chat import ChatMessage, ChatRewriter, ChatTemplateError
 from router.front.config import RouterConfig
+from router.front.hops import hop_refusal, next_hops
 from router.front.proxy import ResponseRewriter, WorkersUnavailableError
 from router.front.service import NoWorkersError, Routed
 from router.workers.registration import RegistrationConflict, RegistrationError
@@ -65,6 +74,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 _SERVICE: Final = web.AppKey("service", object)
+_CLIENT_CLOSED: Final = 499  # nginx's "client closed request": no answer was sent
 # Sampling fields of a chat request that carry over to the completion sent to the worker.
 _CHAT_PASSTHROUGH: Final = (
     "temperature", "top_p", "seed", "stop", "ignore_eos", "stream_options", "model", "n",
@@ -120,11 +130,22 @@ class _ApiError(Exception):
         message: str,
         kind: str = "invalid_request_error",
         extra: dict[str, Any] | None = None,
+        *,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
         self.extra = extra or {}
+        self.close = close
+
+
+class _ClientGone(Exception):
+    """The client closed its connection (``stage``: where the request was)."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(stage)
+        self.stage = stage
 
 
 def _error(
@@ -174,12 +195,28 @@ class _Handlers:
         self.limits = service.config.limits
 
     async def _body(self, request: web.Request) -> bytes:
+        timeout_s = self.limits.body_read_timeout_s
         try:
-            return await request.read()
+            raw = await asyncio.wait_for(request.read(), timeout_s)
         except web.HTTPRequestEntityTooLarge as exc:
             raise _ApiError(
                 413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes"
             ) from exc
+        except asyncio.TimeoutError as exc:
+            raise _ApiError(
+                408, f"request body not received within {timeout_s:g} s", "timeout", close=True
+            ) from exc
+        except ConnectionError as exc:  # the client closed mid-body
+            raise _ClientGone("body") from exc
+        return raw
+
+    def _check_hops(self, request: web.Request) -> str:
+        """The hop header to forward with; 508 for a request that looped back here."""
+        replica_id = self.svc.replica_id
+        refusal = hop_refusal(request.headers, replica_id)
+        if refusal is not None:
+            raise _ApiError(508, refusal, "loop_detected")
+        return next_hops(request.headers, replica_id)
 
     def _tokens(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -210,26 +247,34 @@ class _Handlers:
         routed: Routed,
         body: bytes,
         rewriter: ResponseRewriter | None = None,
+        *,
+        hops: str,
     ) -> web.StreamResponse:
         try:
             response, result = await self.svc.proxy.forward(
                 request, "/v1/completions", body, routed.targets, self.svc.accounting(routed),
-                rewriter,
+                rewriter, hops=hops,
             )  # fmt: skip
         except WorkersUnavailableError as exc:
+            if exc.timed_out:
+                raise _ApiError(504, str(exc), "timeout") from exc
             raise _ApiError(502, str(exc), "worker_unavailable") from exc
+        if result.client_aborted:
+            self.svc.metrics.client_aborts.labels("answer").inc()
         self.svc.actual_hits(result.worker_id, result.usage)
         return response
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        hops = self._check_hops(request)
         raw = await self._body(request)
         body: CompletionBody = _decode(raw, CompletionBody)
         self._check_output(body.max_tokens)
         tokens = self._tokens(body.prompt)
         routed = await self.svc.decide(tokens, body.max_tokens, cache_salt=body.cache_salt)
-        return await self._proxy(request, routed, raw)
+        return await self._proxy(request, routed, raw, hops=hops)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
+        hops = self._check_hops(request)
         raw = await self._body(request)
         body: ChatBody = _decode(raw, ChatBody)
         if not body.messages:
@@ -249,7 +294,8 @@ class _Handlers:
         completion: dict[str, Any] = {k: extra[k] for k in _CHAT_PASSTHROUGH if k in extra}
         completion.update(prompt=prompt, max_tokens=max_tokens, stream=body.stream)
         routed = await self.svc.decide(tokens, max_tokens, cache_salt=body.cache_salt)
-        return await self._proxy(request, routed, msgspec.json.encode(completion), ChatRewriter())
+        completion_body = msgspec.json.encode(completion)
+        return await self._proxy(request, routed, completion_body, ChatRewriter(), hops=hops)
 
     async def route(self, request: web.Request) -> web.Response:
         body: RouteBody = _decode(await self._body(request), RouteBody)
@@ -270,17 +316,22 @@ class _Handlers:
         return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
 
     async def list_workers(self, request: web.Request) -> web.Response:
-        # Each listed with whether its events carry another block size than registered.
+        # Each listed with its circuit, and whether its events carry another block size
+        # than registered.
         flagged = await self.svc.events_block_sizes()
-        views = [
-            _worker_view(r)
-            | {
+        breakers = self.svc.breakers
+        workers = [
+            {
+                **_worker_view(r),
+                "circuit": breakers.view(WorkerId(r.worker_id)),
                 "block_size_mismatch": r.worker_id in flagged,
                 "events_block_size": flagged.get(r.worker_id),
             }
             for r in self.svc.workers
         ]
-        return web.json_response({"workers": views})
+        return web.Response(
+            body=msgspec.json.encode({"workers": workers}), content_type="application/json"
+        )
 
     async def add_worker(self, request: web.Request) -> web.Response:
         """``POST /v1/workers``: register a new worker (a different saved one: 409)."""
@@ -361,18 +412,34 @@ class _Handlers:
 
     async def health(self, request: web.Request) -> web.Response:
         svc = self.svc
-        live, writable = svc.index_live, svc.index_writable
+        state = svc.index_state
         return web.json_response(
             {
-                "status": "ok" if live and writable else "degraded",
-                "index": ("live" if writable else "full") if live else "degraded",
-                "index_writable": writable,
+                "status": "ok" if state == "live" else "degraded",
+                "index": state,
+                "index_writable": svc.index_writable,
                 "shared_load": "live" if svc.load.is_shared else "local",
                 "policy": svc.policy.name,
                 "replica_id": svc.load.replica_id,
                 "num_workers": len(svc.workers),
             }
         )
+
+    async def ready(self, request: web.Request) -> web.Response:
+        svc = self.svc
+        readiness = svc.readiness()
+        body: dict[str, Any] = {
+            "ready": readiness.ready,
+            "reasons": list(readiness.reasons),
+            "routable_workers": list(readiness.routable_workers),
+            "num_workers": len(svc.workers),
+            "index": svc.index_state,
+            "index_writable": svc.index_writable,
+        }
+        if not readiness.ready:
+            message = "not ready: " + "; ".join(readiness.reasons)
+            body["error"] = {"message": message, "type": "not_ready"}
+        return web.json_response(body, status=200 if readiness.ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -384,27 +451,64 @@ class _Handlers:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own 404/405/413 as JSON errors (a 405 keeps its ``Allow`` header)."""
+    where = f"{request.method} {request.path}"
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        response = _error(405, f"{where}: method not allowed; allowed: {allowed}",
+                          "invalid_request_error")  # fmt: skip
+        response.headers["Allow"] = allowed
+        return response
+    if isinstance(exc, web.HTTPNotFound):
+        return _error(404, f"{where}: no such endpoint", "invalid_request_error")
+    return _error(exc.status, f"{where}: {exc.reason}", "invalid_request_error")
+
+
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turns every failure into a JSON error and counts answers per endpoint."""
     resource = request.match_info.route.resource
     endpoint = resource.canonical if resource is not None else "unmatched"
+    service: RouterService = request.app[_SERVICE]  # type: ignore[assignment]
     try:
         response = await handler(request)
     except _ApiError as exc:
         response = _error(exc.status, str(exc), exc.kind, exc.extra)
+        if exc.close:
+            response.force_close()
     except AccessError as exc:
         response = _error(exc.status, str(exc), exc.kind, headers=exc.headers)
     except NoWorkersError as exc:
         response = _error(503, str(exc), "no_workers")
-    except web.HTTPException as exc:  # aiohttp's own 404/405/413
-        response = _error(exc.status, exc.reason, "invalid_request_error")
+    except web.HTTPException as exc:
+        response = _http_error(request, exc)
+    except (_ClientGone, asyncio.CancelledError) as exc:
+        # The client left (its handler was cancelled, or its body cut): not a failure.
+        if isinstance(exc, _ClientGone):
+            stage = exc.stage
+        else:  # cancelled: the body tells how far the request was
+            stage = "answer" if request.content.is_eof() else "body"
+        logger.debug("%s %s: the client left (%s)", request.method, request.path, stage)
+        service.metrics.client_aborts.labels(stage).inc()
+        service.metrics.requests.labels(endpoint, str(_CLIENT_CLOSED)).inc()
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        return web.Response(status=_CLIENT_CLOSED)  # nobody reads it
     except Exception:
         logger.exception("%s %s failed", request.method, request.path)
         response = _error(500, "internal router error (logged)", "internal_error")
-    service: RouterService = request.app[_SERVICE]  # type: ignore[assignment]
     service.metrics.requests.labels(endpoint, str(response.status)).inc()
     return response
+
+
+def _run_to_completion(handler: Handler) -> Handler:
+    """``handler`` finishes even if its client leaves (it changes shared state)."""
+
+    async def run(request: web.Request) -> web.StreamResponse:
+        return await asyncio.shield(handler(request))
+
+    return run
 
 
 def make_app(service: RouterService) -> web.Application:
@@ -421,10 +525,11 @@ def make_app(service: RouterService) -> web.Application:
             web.post("/v1/chat/completions", inference(h.chat)),
             web.post("/v1/route", inference(h.route)),
             web.get("/v1/workers", admin(h.list_workers)),
-            web.post("/v1/workers", admin(h.add_worker)),
-            web.put("/v1/workers/{worker_id}", admin(h.put_worker)),
-            web.delete("/v1/workers/{worker_id}", admin(h.remove_worker)),
+            web.post("/v1/workers", admin(_run_to_completion(h.add_worker))),
+            web.put("/v1/workers/{worker_id}", admin(_run_to_completion(h.put_worker))),
+            web.delete("/v1/workers/{worker_id}", admin(_run_to_completion(h.remove_worker))),
             web.get("/health", h.health),
+            web.get("/ready", h.ready),
             web.get("/metrics", h.metrics),
         ]
     )

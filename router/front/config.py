@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from events.auth import BearerKey
 from events.curve import CurveKeyPair
 from events.subscriber import SubscriberConfig
+from router.front.breaker import BreakerConfig
 from router.front.proxy import ProxyConfig
 from router.routing.policies import DEFAULT_POLICY, PolicyConfig
 from router.workers.registry import WorkerRecord
@@ -27,12 +28,15 @@ class RequestLimits:
         max_prompt_tokens: Longest prompt in tokens.
         max_output_tokens: Largest ``max_tokens``.
         max_messages: Most messages in a chat request.
+        body_read_timeout_s: Longest time a client may take to send its body (408 after
+            it: a slow or stalled client must not hold a connection and a handler).
     """
 
     max_body_bytes: int = 4 * 1024 * 1024
     max_prompt_tokens: int = 131_072
     max_output_tokens: int = 65_536
     max_messages: int = 1_024
+    body_read_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -55,13 +59,14 @@ class RouterConfig:
         decision_log: File that gets one JSON line per routing decision.
         limits: Request size limits.
         proxy: Forwarding timeouts and attempts.
+        breaker: When a failing worker's circuit opens and for how long (see
+            :mod:`router.front.breaker`).
         lease_ttl_s: Lease of a worker's index entries (a dead router's workers are
             reaped after it).
         lookup_timeout_s: Longest index lookup before routing without it.
         probe_interval_s: While degraded, how often a lookup tries Redis again.
         route_hold_s: How long a ``/v1/route`` decision counts as load on its worker
             (the gateway, not the router, sends the request).
-        suspect_s: How long a worker that failed a forwarded request is skipped.
         dead_after_s: A worker unreachable for this long loses its index entries and
             registration until it answers again (``None``: the lease TTL).
         predicted_max_entries: Bound on the predicted entries' (key, worker) credits
@@ -97,11 +102,11 @@ class RouterConfig:
     decision_log: str | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
     lease_ttl_s: float = 10.0
     lookup_timeout_s: float = 0.5
     probe_interval_s: float = 1.0
     route_hold_s: float = 2.0
-    suspect_s: float = 5.0
     dead_after_s: float | None = None
     predicted_max_entries: int = 100_000
     load_refresh_s: float = 0.05

@@ -8,11 +8,38 @@ outcome words.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-__all__ = ["RouterMetrics"]
+from router.front.breaker import CircuitState
+
+__all__ = ["CIRCUIT_STATE_VALUES", "RouterMetrics"]
+
+CIRCUIT_STATE_VALUES = {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitState.OPEN: 2}
+"""``kvroute_router_worker_circuit_state`` per state."""
+
+
+class _CircuitCollector(Collector):
+    """Exports each registered worker's circuit state at scrape time (it changes with time)."""
+
+    def __init__(self, read: Callable[[], Mapping[str, CircuitState]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvroute_router_worker_circuit_state",
+            "Each worker's circuit: 0 closed (routed to), 1 half-open (one trial request "
+            "let through), 2 open (skipped).",
+            labels=["worker"],
+        )
+        for worker, state in self._read().items():
+            family.add_metric([worker], CIRCUIT_STATE_VALUES[state])
+        yield family
+
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
 
@@ -85,8 +112,28 @@ class RouterMetrics:
         )
         self.proxy_attempts = Counter(
             "kvroute_router_proxy_attempts",
-            "Attempts to forward a request to a worker, by outcome (ok, failed).",
+            "Attempts to forward a request to a worker, by outcome (ok: answered below "
+            "500; failed: the worker's fault; aborted: the client left).",
             ["worker", "outcome"],
+            registry=r,
+        )
+        self.circuit_opens = Counter(
+            "kvroute_router_circuit_opens",
+            "Times a worker's circuit opened (it failed repeatedly, or could not be reached).",
+            ["worker"],
+            registry=r,
+        )
+        self.client_aborts = Counter(
+            "kvroute_router_client_aborts",
+            "Requests whose client left before the answer was complete, by stage (body: "
+            "while sending its body; answer: while waiting for or reading the answer).",
+            ["stage"],
+            registry=r,
+        )
+        self.index_writable = Gauge(
+            "kvroute_router_index_writable",
+            "1 while Redis takes the router's index writes, 0 after one failed (routing "
+            "then degrades to load only until a write succeeds).",
             registry=r,
         )
         self.requests = Counter(
@@ -101,3 +148,7 @@ class RouterMetrics:
             "router's policy); each saved value is counted once.",
             registry=r,
         )
+
+    def watch_circuits(self, read: Callable[[], Mapping[str, CircuitState]]) -> None:
+        """Export ``kvroute_router_worker_circuit_state`` from ``read`` (called per scrape)."""
+        self.registry.register(_CircuitCollector(read))

@@ -6,9 +6,11 @@ in-flight load with the other replicas (:mod:`router.load.shared`), decides rout
 policy (:mod:`router.routing.policies`) and forwards requests (:mod:`router.front.proxy`) behind the
 HTTP API of :mod:`router.front.app`.
 
-When the index lookup fails, routing degrades to load alone (:mod:`router.index.lookup`): the
-index never causes a 5xx. Each forwarded request's load is accounted by
-:mod:`router.load.accounting`.
+When the index lookup fails, or Redis refuses the ingest's writes (the index would go
+stale), routing degrades to load alone (:mod:`router.index.lookup`): the index never
+causes a 5xx. Each forwarded request's load is accounted by :mod:`router.load.accounting`;
+each worker's failures by its circuit (:mod:`router.front.breaker`), which keeps a failing
+worker out of routing decisions for a while.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from events.identity import WorkerId
 from events.subscriber import SubscriberConfig
 from events.tokenizer import Tokenizer, load_tokenizer
 from router.errors import RouterError
+from router.front.breaker import CircuitBreakers, CircuitState
 from router.front.chat import ChatTemplate, load_chat_template
 from router.front.config import RouterConfig
 from router.front.metrics import RouterMetrics
@@ -59,13 +62,30 @@ from router.workers.registration import RegistrationError, RegistrationPolicy
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
 from router.workers.reports import WorkerReportPoller
 
-__all__ = ["NoWorkersError", "Routed", "RouterService"]
+__all__ = ["NoWorkersError", "Readiness", "Routed", "RouterService"]
 
 logger = logging.getLogger(__name__)
 
 
 class NoWorkersError(RouterError):
-    """No worker is registered (or every one is unreachable): nothing to route to."""
+    """No worker is registered, or every one's circuit is open: nothing to route to."""
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    """Whether the replica can serve requests now (``GET /ready``).
+
+    Attributes:
+        ready: At least one worker is routable (its circuit is not open and its last
+            ``GET /health`` poll got an answer). The index never makes a replica unready:
+            it is writable, or routing has degraded to load alone, explicitly.
+        reasons: Why it is not ready (empty when ready).
+        routable_workers: The routable workers, sorted.
+    """
+
+    ready: bool
+    reasons: tuple[str, ...]
+    routable_workers: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +128,10 @@ class RouterService:
         self.chat_template: ChatTemplate = load_chat_template(config.chat_template)
         self.policy = make_policy(config.policy, config.policy_config)
         self.metrics = RouterMetrics()
+        self.breakers = CircuitBreakers(config.breaker, on_open=self._circuit_opened)
+        self.metrics.watch_circuits(
+            lambda: {r.worker_id: self.breakers.state(WorkerId(r.worker_id)) for r in self.workers}
+        )
         self.ingest_metrics = IngestMetrics(self.metrics.registry)
         self.keyer = RouterKeyer(config.key_seed)
         self._predicted = (
@@ -118,7 +142,6 @@ class RouterService:
         self._records: dict[WorkerId, WorkerRecord] = {}
         self._dead: dict[WorkerId, WorkerRecord] = {}
         self._unreachable_since: dict[WorkerId, float] = {}
-        self._suspect_until: dict[WorkerId, float] = {}
         self._decision_log: IO[bytes] | None = None
         self._holds: set[asyncio.TimerHandle] = set()
         self._maintainer = Periodic(self.maintain_once, min(1.0, config.lease_ttl_s / 3))
@@ -198,9 +221,11 @@ class RouterService:
             self._fast_client,
             SharedLoadConfig(cfg.namespace, replica_id, cfg.lease_ttl_s, cfg.load_refresh_s),
         )
-        self._session = aiohttp.ClientSession()
+        # No cap on pooled connections: waiting for a free one would hold requests behind
+        # unrelated streams (the proxy times the TCP connect alone).
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         stack.push_async_callback(self._session.close)
-        self.proxy = WorkerProxy(self._session, cfg.proxy)
+        self.proxy = WorkerProxy(self._session, cfg.proxy, self.breakers)
         self.poller = WorkerReportPoller(self.load, self._session, cfg.health_poll_s)
         if cfg.decision_log is not None:
             self._decision_log = stack.enter_context(open(cfg.decision_log, "ab"))  # noqa: SIM115
@@ -214,7 +239,9 @@ class RouterService:
         self.poller.start()
         stack.push_async_callback(self._maintainer.stop)
         self._maintainer.start("router-maintenance", wait_first=True)
-        runner = web.AppRunner(make_app(self), access_log=None)
+        # A client that leaves cancels its handler: the request to its worker is closed
+        # too, so the worker aborts it (the HTTP layer shields what must not be cut short).
+        runner = web.AppRunner(make_app(self), access_log=None, handler_cancellation=True)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         try:
@@ -232,6 +259,7 @@ class RouterService:
             )
             self.registry.policy = self.registration
         self.metrics.index_live.set(1)
+        self.metrics.index_writable.set_function(lambda: 1 if self.index_writable else 0)
         logger.info("router listening on http://%s:%d (policy %s)", cfg.host, self.port, cfg.policy)
         return self.port
 
@@ -255,14 +283,26 @@ class RouterService:
 
     @property
     def index_live(self) -> bool:
-        """False while routing is degraded to load only."""
-        return self._lookup.live
+        """False while routing is degraded to load only (lookups fail, or writes do)."""
+        return self._lookup.live and self.index_writable
 
     @property
     def index_writable(self) -> bool:
-        """False while Redis refuses index writes for lack of memory (see
-        :attr:`router.ingest.service.IndexIngest.index_writable`)."""
+        """Whether Redis takes the ingest's index writes (see ``IndexIngest.index_writable``)."""
         return self.ingest.index_writable
+
+    @property
+    def replica_id(self) -> str:
+        """This replica's id (leases, shared load, the hop header)."""
+        return self.load.replica_id
+
+    @property
+    def index_state(self) -> str:
+        """``"live"``; ``"full"`` while Redis refuses index writes for lack of memory;
+        ``"degraded"`` while lookups or other writes fail (routing on load alone then)."""
+        if self.ingest.index_full:
+            return "full"
+        return "live" if self.index_live else "degraded"
 
     async def events_block_sizes(self) -> dict[str, int]:
         """The workers whose events carry a block size other than their registration's:
@@ -323,6 +363,7 @@ class RouterService:
     def _drop_worker(self, worker_id: WorkerId) -> None:
         self._records.pop(worker_id, None)
         self.poller.set_worker(worker_id, None)
+        self.breakers.forget(worker_id)
         if self._predicted is not None:
             self._predicted.forget(worker_id)
 
@@ -339,11 +380,34 @@ class RouterService:
 
     # -- routing -------------------------------------------------------------------------
 
+    def _proxied(self) -> list[WorkerRecord]:
+        """Registered workers with an HTTP URL (events-only ones: nowhere to proxy)."""
+        return [r for r in self.workers if r.http_url]
+
     def _candidates(self) -> list[WorkerRecord]:
-        now = time.monotonic()
-        records = [r for r in self.workers if r.http_url]  # events-only: nowhere to proxy
-        healthy = [r for r in records if self._suspect_until.get(WorkerId(r.worker_id), 0) <= now]
-        return healthy or records
+        """Workers a new request may go to.
+
+        Raises:
+            NoWorkersError: None is registered, or every one's circuit is open.
+        """
+        records = self._proxied()
+        if not records:
+            raise NoWorkersError(
+                "no worker with an HTTP URL is registered: add one with POST /v1/workers"
+            )
+        routable = [r for r in records if self.breakers.routable(WorkerId(r.worker_id))]
+        if not routable:
+            raise NoWorkersError(
+                "every worker is failing and skipped for now: "
+                + "; ".join(self._circuit_text(WorkerId(r.worker_id)) for r in records)
+            )
+        return routable
+
+    def _circuit_text(self, worker_id: WorkerId) -> str:
+        view = self.breakers.view(worker_id)
+        if view.retry_in_s is not None:
+            return f"{worker_id} circuit open (next trial in {view.retry_in_s:.1f} s)"
+        return f"{worker_id} circuit {view.state.value} (a trial request is in flight)"
 
     async def decide(
         self,
@@ -366,21 +430,17 @@ class RouterService:
             The decision and the forwarding order.
 
         Raises:
-            NoWorkersError: No worker is registered.
+            NoWorkersError: No worker is registered, or every one's circuit is open.
         """
         started = time.perf_counter()
         records = self._candidates()
-        if not records:
-            raise NoWorkersError(
-                "no worker with an HTTP URL is registered: add one with POST /v1/workers"
-            )
         # Keyed once per block size among the candidates, prefixes counted in blocks of
         # the smallest (see router.routing.request_keys): a worker registered with another block
         # size never changes what the others match.
         keyed = key_request(self.keyer, token_ids, records, cache_salt)
         workers = [WorkerId(r.worker_id) for r in records]
         matches: Mapping[WorkerId, PrefixMatch] = {}
-        if self.policy.uses_index:
+        if self.policy.uses_index and self.index_writable:
             matches = await self._lookup.matches(keyed)
         now = time.monotonic()
         predicted = self._predicted_blocks(keyed, now)
@@ -424,7 +484,7 @@ class RouterService:
                     "worker_id": decision.worker_id,
                     "policy": decision.policy,
                     "num_prompt_tokens": num_prompt_tokens,
-                    "index_live": self._lookup.live,
+                    "index_live": self.index_live,
                     "candidates": decision.candidates,
                 }
             )
@@ -445,6 +505,25 @@ class RouterService:
         # A timer, not a sleeping task per decision: /v1/route is the hot path.
         handle = asyncio.get_running_loop().call_later(self.config.route_hold_s, expire)
         self._holds.add(handle)
+
+    def readiness(self) -> Readiness:
+        """Whether this replica can serve requests now, and why not."""
+        records = self._proxied()
+        if not records:
+            return Readiness(False, ("no worker with an HTTP URL is registered",), ())
+        routable: list[str] = []
+        problems: list[str] = []
+        for record in records:
+            wid = WorkerId(record.worker_id)
+            if self.breakers.state(wid) is CircuitState.OPEN:
+                problems.append(self._circuit_text(wid))
+            elif not self.poller.is_reachable(wid):
+                problems.append(f"{wid} gives no answer to GET /health")
+            else:
+                routable.append(wid)
+        if routable:
+            return Readiness(True, (), tuple(routable))
+        return Readiness(False, ("no routable worker: " + "; ".join(problems),), ())
 
     def accounting(self, routed_: Routed) -> LoadAccounting:
         """An observer that accounts a forwarded request's load on each worker tried."""
@@ -496,6 +575,8 @@ class RouterService:
         if self._predicted is not None:
             self._predicted.credit(worker_id, keys, time.monotonic())
 
-    def mark_suspect(self, worker_id: WorkerId) -> None:
-        """Skip a worker that just failed a forwarded request for ``suspect_s``."""
-        self._suspect_until[worker_id] = time.monotonic() + self.config.suspect_s
+    def _circuit_opened(self, worker_id: WorkerId) -> None:
+        self.metrics.circuit_opens.labels(worker_id).inc()
+        logger.warning(
+            "worker %s: circuit open, skipped for %.1f s", worker_id, self.config.breaker.cooldown_s
+        )

@@ -160,6 +160,11 @@ class IndexIngest:
         )
         self._leases = LeaseKeeper(index, registry, self.metrics, self._gate)
         self._warn = RateLimitedLog(self.config.subscriber.log_interval_s, log)
+        # NOTE: _writable is False from a failed write until a maintenance pass completes
+        # with no write failed since the pass before (the gate covers out-of-memory apart).
+        self._writable = True
+        self._write_errors = 0
+        self._write_errors_seen = 0  # as of the end of the last maintenance pass
 
     @property
     def ingested_workers(self) -> list[str]:
@@ -173,9 +178,20 @@ class IndexIngest:
 
     @property
     def index_writable(self) -> bool:
-        """False while Redis refuses index writes for lack of memory (``maxmemory``):
-        batches are then dropped (counted) and the workers rebuilt once it takes them."""
-        return self._gate.is_open
+        """Whether Redis takes this router's index writes.
+
+        False while Redis refuses them for lack of memory (``maxmemory``: batches are then
+        dropped, counted, and the workers rebuilt once it takes them again), and from any
+        other write that fails on a Redis error (read-only, unanswered) until a
+        maintenance pass completes with no write failed since the pass before. A lost
+        lease is no such failure.
+        """
+        return self._gate.is_open and self._writable
+
+    @property
+    def index_full(self) -> bool:
+        """True while Redis refuses index writes for lack of memory (``maxmemory``)."""
+        return not self._gate.is_open
 
     @property
     def events_block_sizes(self) -> dict[WorkerId, int]:
@@ -326,6 +342,7 @@ class IndexIngest:
             try:
                 await worker.apply_batch(received)
             except RECOVERY_ERRORS as exc:
+                self._note_write_error(exc)
                 worker.failed(exc)
                 self.metrics.batches.labels(worker.worker_id, "failed").inc()
             except Exception as exc:  # a bug: the worker's stream must outlive it
@@ -373,6 +390,7 @@ class IndexIngest:
         return await self._tracker.changed(worker.record)
 
     def _write_failed(self, worker_id: WorkerId, exc: Exception) -> None:
+        self._note_write_error(exc)
         worker = self._workers.get(worker_id)
         if worker is not None:
             worker.failed(exc)
@@ -411,8 +429,11 @@ class IndexIngest:
             await self._publish_flags()
             reaped = await self.registry.reap(self.index)
             self.metrics.reaped.inc(len(reaped))
+            self._writable = self._write_errors == self._write_errors_seen
         except RedisError as exc:
+            self._writable = False
             self._redis_failed(exc, "maintenance")
+        self._write_errors_seen = self._write_errors
         await self._check_lifetimes()
         self.metrics.owned.set(len(self.owned_workers))
 
@@ -500,6 +521,11 @@ class IndexIngest:
         return worker
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _note_write_error(self, exc: Exception) -> None:
+        if isinstance(exc, RedisError):
+            self._writable = False
+            self._write_errors += 1
 
     def _is_current(self, worker: WorkerIngest) -> bool:
         """Whether ``worker`` is still the one ingested under its id."""

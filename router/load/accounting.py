@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from events.identity import WorkerId
-from router.front.proxy import ProxyTarget
+from router.front.proxy import AttemptOutcome, ProxyTarget
 from router.load.model import finished, prefilled, routed
 
 if TYPE_CHECKING:
@@ -47,13 +47,12 @@ class LoadAccounting:
             target.worker_id, prefilled(self._routed.prefill_of(target.worker_id))
         )
 
-    async def attempt_ended(self, target: ProxyTarget, ok: bool) -> None:
-        """Remove the rest of the request's load; a failing worker becomes suspect."""
+    async def attempt_ended(self, target: ProxyTarget, outcome: AttemptOutcome) -> None:
+        """Remove the rest of the request's load and count the attempt by outcome (the
+        worker's circuit heard of it from the proxy)."""
         wid = target.worker_id
         delta = finished(self._routed.num_output_tokens)
         if wid not in self._prefilled:
             delta = delta + prefilled(self._routed.prefill_of(wid))
         self._service.load.add_nowait(wid, delta)
-        self._service.metrics.proxy_attempts.labels(wid, "ok" if ok else "failed").inc()
-        if not ok:
-            self._service.mark_suspect(wid)
+        self._service.metrics.proxy_attempts.labels(wid, outcome).inc()

@@ -3,7 +3,8 @@
 No tests live here; the fault test modules import it by name.
 
 * :class:`Cluster`: a private Redis, kvroute workers and routers as real processes on
-  fixed loopback ports, each one killable (SIGKILL) and restartable in place.
+  fixed loopback ports, each one killable (SIGKILL), freezable (SIGSTOP) and restartable
+  in place.
 * :class:`SyntheticWorker`: a worker without a model, in the test process: a real
   ``KVCacheManager`` + ``EventPublisher`` (loss injection, small high-water marks) and the
   worker's ``/health`` and ``/v1/snapshot`` over HTTP (with its publisher lifetime id), so
@@ -21,6 +22,7 @@ import asyncio
 import itertools
 import json
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -150,6 +152,15 @@ class Cluster:
         proc.kill()
         proc.wait()
         self.group.stop([name])
+
+    def freeze(self, name: str) -> None:
+        """SIGSTOP a process: it keeps its sockets (connections are accepted) but answers
+        nothing, like a hung host or a partitioned link."""
+        self.group._procs[name].send_signal(signal.SIGSTOP)
+
+    def thaw(self, name: str) -> None:
+        """SIGCONT a frozen process."""
+        self.group._procs[name].send_signal(signal.SIGCONT)
 
     def wait_healthy(self, urls: Sequence[str]) -> None:
         async def run() -> None:

@@ -68,8 +68,10 @@ class EchoWorker:
 
 
 @asynccontextmanager
-async def echo_workers(n: int) -> AsyncIterator[list[EchoWorker]]:
-    workers = [EchoWorker(f"w{i}") for i in range(n)]
+async def echo_workers(
+    n: int, kind: type[EchoWorker] = EchoWorker
+) -> AsyncIterator[list[EchoWorker]]:
+    workers = [kind(f"w{i}") for i in range(n)]
     runners = []
     for w in workers:
         app = web.Application()
@@ -301,6 +303,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
         assert sorted(listed[0]) == [
             "block_size",
             "block_size_mismatch",
+            "circuit",
             "events",
             "events_block_size",
             "kind",

@@ -21,7 +21,9 @@ from router.cli.router import (
     main,
     parse_worker_flag,
 )
+from router.front.breaker import BreakerConfig
 from router.front.config import RouterConfig
+from router.front.proxy import ProxyConfig
 from router.routing.cost import CostWeights
 from router.workers.registry import WorkerRecord
 
@@ -123,6 +125,47 @@ def test_config_file_toml_and_json_with_flags_winning(tmp_path: Path) -> None:
         config_from_args(build_parser().parse_args(["--config", str(negative)]), "redis://x")
 
 
+def test_failover_flags_and_config_keys_map_onto_the_config(tmp_path: Path) -> None:
+    def config(*argv: str) -> RouterConfig:
+        return config_from_args(build_parser().parse_args(list(argv)), "redis://x")
+
+    default = config()
+    assert default.proxy == ProxyConfig(
+        connect_timeout_s=2.0, first_byte_timeout_s=30.0, total_timeout_s=600.0, max_attempts=2
+    )
+    assert default.breaker == BreakerConfig(failure_threshold=3, cooldown_s=5.0)
+    assert default.limits.body_read_timeout_s == 30.0
+    flags = config(
+        "--proxy-connect-timeout-s", "0.5", "--proxy-first-byte-timeout-s", "12",
+        "--proxy-total-timeout-s", "90", "--max-attempts", "3", "--body-read-timeout-s", "4",
+        "--circuit-failures", "5", "--circuit-cooldown-s", "2.5",
+    )  # fmt: skip
+    assert flags.proxy == ProxyConfig(
+        connect_timeout_s=0.5, first_byte_timeout_s=12.0, total_timeout_s=90.0, max_attempts=3
+    )
+    assert flags.breaker == BreakerConfig(failure_threshold=5, cooldown_s=2.5)
+    assert flags.limits.body_read_timeout_s == 4.0
+    file = tmp_path / "router.toml"
+    file.write_text(
+        "proxy_first_byte_timeout_s = 45\nmax_attempts = 1\ncircuit_cooldown_s = 10\n"
+        "body_read_timeout_s = 7.5\n"
+    )
+    from_file = config("--config", str(file), "--max-attempts", "2")
+    assert (from_file.proxy.first_byte_timeout_s, from_file.proxy.max_attempts) == (45.0, 2)
+    assert from_file.breaker.cooldown_s == 10.0
+    assert from_file.limits.body_read_timeout_s == 7.5
+    for argv, message in [
+        (["--max-attempts", "0"], "max_attempts must be >= 1, got 0"),
+        (["--proxy-first-byte-timeout-s", "0"], "first_byte_timeout_s must be > 0, got 0"),
+        (["--proxy-connect-timeout-s", "-1"], "connect_timeout_s must be > 0, got -1"),
+        (["--body-read-timeout-s", "0"], "body_read_timeout_s must be > 0, got 0"),
+        (["--circuit-failures", "0"], "circuit failure threshold must be >= 1, got 0"),
+        (["--circuit-cooldown-s", "0"], "circuit cooldown must be > 0 s, got 0"),
+    ]:
+        with pytest.raises(RouterCliError, match=message):
+            config(*argv)
+
+
 def test_replica_id_from_flag_environment_or_config_is_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -147,7 +190,9 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     flags = "--redis --namespace --host --port --worker --config --policy --prefill-weight "
-    flags += "--decode-weight --decision-log --chat-template --max-body-bytes"
+    flags += "--decode-weight --decision-log --chat-template --max-body-bytes --max-attempts "
+    flags += "--proxy-connect-timeout-s --proxy-first-byte-timeout-s --proxy-total-timeout-s "
+    flags += "--body-read-timeout-s --circuit-failures --circuit-cooldown-s"
     for flag in flags.split():
         assert flag in out
 
