@@ -59,7 +59,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=0,
-        help="router key seed of the cluster (default 0, the router's default)",
+        help="router key seed of the cluster (default: 0, as the router)",
     )
 
 

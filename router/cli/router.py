@@ -21,13 +21,14 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
+from events.cli.flags import add_flag, renamed_dests
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
 from events.hashing import NATIVE_KEYS
@@ -143,7 +144,7 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
         ("--port", int, "port to listen on; 0 picks a free one (default: 8000)"),
         ("--config", str, "TOML or JSON file with any of these settings (keys with underscores; "
          "'workers' a list of --worker specs or POST /v1/workers tables); flags override it"),
-        ("--predicted-ttl", float, "seconds a routed prefix is credited to its worker before "
+        ("--predicted-ttl-s", float, "seconds a routed prefix is credited to its worker before "
          f"its events confirm it (default: {PolicyConfig().predicted_ttl_s})"),
         ("--predicted-max-entries", int, "most (prefix block, worker) credits the predicted "
          "entries keep, up to ~350 bytes each; past it the oldest are forgotten early "
@@ -157,9 +158,9 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          "requests (default: a built-in <|role|> template)"),
         ("--max-body-bytes", int, "largest request body accepted (default: 4194304)"),
         ("--max-prompt-tokens", int, "longest prompt accepted, in tokens (default: 131072)"),
-        ("--lease-ttl", float, "seconds of a worker's index lease; a dead worker or router is "
+        ("--lease-ttl-s", float, "seconds of a worker's index lease; a dead worker or router is "
          "dropped after it (default: 10)"),
-        ("--route-hold", float, "seconds a POST /v1/route decision counts as load on its worker "
+        ("--route-hold-s", float, "seconds a POST /v1/route decision counts as load on its worker "
          "(the gateway sends the request itself; default: 2)"),
         ("--replica-id", str, "this replica's id, naming its leases, heartbeat and shared "
          "load in Redis and metrics ([A-Za-z0-9_.:@-]; default: $KVROUTE_REPLICA_ID, else a "
@@ -171,6 +172,17 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
     ]  # fmt: skip
 
 
+_ALIASES: Final[dict[str, tuple[str, ...]]] = {
+    "--predicted-ttl-s": ("--predicted-ttl",),
+    "--lease-ttl-s": ("--lease-ttl",),
+    "--route-hold-s": ("--route-hold",),
+}
+"""Flags renamed to carry their unit -> their old spellings (hidden, still accepted)."""
+
+_RENAMED: Final = renamed_dests(_ALIASES)
+"""Config-file keys of the old spellings -> the new keys."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvroute router``."""
     p = argparse.ArgumentParser(
@@ -179,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         "index and routes each request to the worker that holds most of its prefix without "
         "overloading it. Several replicas may share one Redis and namespace.",
     )
-    for flag, kind, help_text in _flags():
-        p.add_argument(flag, type=kind, help=help_text)
+    for flag, kind, meaning in _flags():
+        add_flag(p, flag, aliases=_ALIASES.get(flag, ()), type=kind, meaning=meaning)
     add_cost_arguments(p)
     p.add_argument(
         "--worker",
@@ -203,6 +215,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         RouterCliError: A setting is invalid.
     """
     file = load_config_file(args.config) if args.config else {}
+    file = {_RENAMED.get(key, key): value for key, value in file.items()}
     known = {a.dest for a in build_parser()._actions} | {"workers"}
     unknown = sorted(set(file) - known)
     if unknown:
@@ -221,7 +234,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         policy_config = PolicyConfig(
             weights=weights,
             seed=pick("seed", 0),
-            predicted_ttl_s=pick("predicted_ttl", PolicyConfig().predicted_ttl_s),
+            predicted_ttl_s=pick("predicted_ttl_s", PolicyConfig().predicted_ttl_s),
         )
         limits = RequestLimits(
             max_body_bytes=pick("max_body_bytes", RequestLimits().max_body_bytes),
@@ -243,11 +256,11 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         decision_log=pick("decision_log", None),
         limits=limits,
         proxy=ProxyConfig(),
-        lease_ttl_s=float(pick("lease_ttl", 10.0)),
+        lease_ttl_s=float(pick("lease_ttl_s", 10.0)),
         predicted_max_entries=int(
             pick("predicted_max_entries", RouterConfig.predicted_max_entries)
         ),
-        route_hold_s=float(pick("route_hold", 2.0)),
+        route_hold_s=float(pick("route_hold_s", 2.0)),
         client_keys=_client_keys(pick("client_key", None, "KVROUTE_CLIENT_KEY")),
         replica_id=_replica_id(pick("replica_id", None, "KVROUTE_REPLICA_ID")),
     )

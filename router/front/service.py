@@ -49,7 +49,7 @@ from router.routing.policies import (
     make_policy,
 )
 from router.routing.predicted import PredictedEntries
-from router.store.connection import RedisClient, RedisOptions, connect
+from router.store.connection import RedisClient, RedisOptions, connect, redact_url
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
 from router.workers.registry import WorkerRecord, WorkerRegistry
@@ -138,6 +138,7 @@ class RouterService:
         self._fast_client: RedisClient = await connect(
             cfg.redis_url, RedisOptions(socket_timeout_s=cfg.lookup_timeout_s, retries=0)
         )
+        logger.info("connected to Redis %s", redact_url(cfg.redis_url))
         self._lookup = IndexLookup(
             RedisPrefixIndex(self._fast_client, layout, self.keyer),
             self.keyer,

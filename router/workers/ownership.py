@@ -135,7 +135,8 @@ class LeaseKeeper:
             # Snapshot workers are rebuilt now (also when idle); others at their next batch,
             # where a replay can be requested.
             if worker.record.has_snapshot:
-                await _guarded(worker, worker.rebuild)
+                first = functools.partial(worker.rebuild, is_first_lease=lease.epoch == 1)
+                await _guarded(worker, first)
             else:
                 await _guarded(worker, functools.partial(worker.clear, applied_through=-1))
 
