@@ -164,7 +164,7 @@ _HELP: Final[dict[str, str]] = {
     "max_num_seqs": "requests running at once",
     "max_num_batched_tokens": "tokens one engine step computes",
     "chunked_prefill": "split prompts longer than --max-num-batched-tokens across steps, "
-    "decodes keep running meanwhile (vLLM V1's default); --no-chunked-prefill runs them alone",
+    "decodes keep running meanwhile (as vLLM V1 does); --no-chunked-prefill runs them alone",
     "model_name": "the 'model' field of completion responses",
     "torch_threads": "torch CPU threads; 0 keeps torch's default (use 1 on a shared box)",
     "curve_secret_key": "CURVE server secret key file (NAME.key_secret from `kvroute keys`): "

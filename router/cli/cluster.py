@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Final
 
+from events.cli.flags import help_text
 from router.cli.progress import DEFAULT_INTERVAL_S, progress
 from router.cluster.processes import LogDirectory, log_directory
 from router.cluster.report import format_report, write_plot
@@ -75,15 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         choices=WORKLOAD_NAMES,
         default=WORKLOAD_NAMES[0],
-        help="mooncake: a slice of a Mooncake-format trace as token ids (default): --trace, "
-        "else the Mooncake trace beside the checkout, else the built-in generated trace; "
-        "chat: short built-in conversations sharing system prompts",
+        help="mooncake: a slice of a Mooncake-format trace as token ids (--trace, else the "
+        "Mooncake trace beside the checkout, else the built-in generated trace); chat: short "
+        "built-in conversations sharing system prompts (default: mooncake)",
     )
     p.add_argument(
         "--trace",
         type=Path,
-        help=f"Mooncake-format JSONL trace; default: {DEFAULT_TRACE_PATH} when present, else "
-        f"the built-in generated trace ({GeneratorConfig().summary()}; docs/workload.md)",
+        help=help_text(
+            "Mooncake-format JSONL trace",
+            default_text=f"{DEFAULT_TRACE_PATH} when present, else the built-in generated "
+            f"trace: {GeneratorConfig().summary()}; docs/workload.md",
+        ),
     )
     p.add_argument(
         "--requests", type=int, help="requests taken from the trace (default: 300; --quick: 40)"

@@ -72,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_replay_arguments(p)
     target = p.add_mutually_exclusive_group()
-    target.add_argument("--memory", action="store_true", help="rebuild in memory (the default)")
+    target.add_argument(
+        "--memory", action="store_true", help="rebuild in memory (default: yes, unless --redis)"
+    )
     target.add_argument(
         "--redis",
         metavar="URL",

@@ -271,9 +271,11 @@ def build_figure(report: ClusterReport) -> Any:
     runs = report.runs
     fig, (ax_hit, ax_ttft, ax_load) = new_figure(3, f"kvroute cluster: {report.workload}")
     colours = {run.policy: f"C{i}" for i, run in enumerate(runs)}
-    names = [r.policy for r in runs]
-    bars = ax_hit.bar(names, [100 * r.hit_rate for r in runs], color=[colours[n] for n in names])
-    ax_hit.bar_label(bars, fmt="%.1f %%", label_type="center", color="white")
+    for run in runs:  # one series per policy: its label and colour match the other panels
+        bars = ax_hit.bar(
+            run.policy, 100 * run.hit_rate, color=colours[run.policy], label=run.policy
+        )
+        ax_hit.bar_label(bars, fmt="%.1f %%", label_type="center", color="white")
     ax_hit.axhline(
         100 * report.ideal_hit_rate, color="gray", linestyle="--", label="infinite cache (bound)"
     )
