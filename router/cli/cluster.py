@@ -234,7 +234,7 @@ def main(argv: list[str]) -> int:
     _LOG.info("%s", source.describe() if source else "workload: built-in chats (--workload chat)")
     with log_directory(args.log_dir) as logs:
         code = _run(args, source, logs)
-        if code not in (0, 130) and logs.is_temporary:
+        if code not in (0, 130) and logs.is_temporary and any(logs.path.iterdir()):
             logs.keep()
             _LOG.error("process logs kept in %s", logs.path)
         return code
