@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats",
         type=int,
         default=None,
-        help="runs per row, median reported (default 3, 1 with --quick)",
+        help="runs per row, median reported (default: 3, 1 with --quick)",
     )
     parser.add_argument("--sender", choices=("raw", "kvroute"), help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=1, help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """Benchmark: BlockPool cost per block on vLLM's operation mix, beside vLLM's own figures.
 
-Rows follow the table "Measured cost of vLLM's BlockPool" in ``VLLM_WIRE.md`` (a 10,000
+Rows follow the table "vLLM's BlockPool cost" in ``docs/vllm-compat.md`` (a 10,000
 block pool, batches of 32 blocks of 16 tokens), plus the router's fast block key:
 
 * alloc+free: ``get_new_blocks(32)`` then ``free_blocks`` of never-cached blocks;
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats",
         type=int,
         default=None,
-        help="timed repeats per row, the median is reported (default 15, 3 with --quick)",
+        help="timed repeats per row, the median is reported (default: 15, 3 with --quick)",
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             if median_us > row.vllm_us:
                 missed.append(row.name)
         print(f"| {row.name:<58} | {median_us:>8.3f} | {min_us:>6.3f} | {vllm:>5} | {ratio:>5} |")
-    print("ratio = ours / vLLM (<= 1.00 meets the target); vLLM figures from VLLM_WIRE.md")
+    print("ratio = ours / vLLM (<= 1.00 meets the target); vLLM figures from docs/vllm-compat.md")
     if missed:
         print(f"rows above vLLM's figure: {', '.join(missed)}")
     return 0

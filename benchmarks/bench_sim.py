@@ -1,12 +1,13 @@
-"""Benchmark: routing policies on the Mooncake synthetic trace, in the trace simulator.
+"""Benchmark: routing policies on a Mooncake-format trace, in the trace simulator.
 
-Replays the trace (``../shared/data/mooncake/synthetic_trace.jsonl``) over 8 simulated
+Replays the trace (``--trace``, else the Mooncake synthetic trace beside the checkout when
+present, else the built-in generated trace: ``docs/workload.md``) over 8 simulated
 workers of 5,859 blocks of 512 tokens each (real BlockPools, the router's real policies
 and in-memory index fed by the pools' events) once per policy, and prints each policy's
 prefix hit rate with its ratio to the infinite-cache ideal and to ``round_robin``
 measured in the same run, its load imbalance (max/mean requests and prefill tokens),
-simulated TTFT and the wall time of the run. Targets (issue 7): ``cache_aware`` at
->= 97 % of the ideal with max/mean load <= 1.25, every policy in under a minute in all.
+simulated TTFT and the wall time of the run. Targets: ``cache_aware`` at >= 97 % of the
+ideal with max/mean load <= 1.25, every policy in under a minute in all.
 
 Run: ``python -m benchmarks.bench_sim`` (``--quick``: the first 600 requests only).
 """
@@ -18,11 +19,11 @@ import time
 
 from benchmarks.environment import describe
 from router.cli.sim import pool_cache_factory, run_policies
-from router.cluster.workload import DEFAULT_TRACE_PATH
+from router.cluster.trace_source import choose_trace
 from router.routing.policies import POLICY_NAMES
 from router.sim.engine import SimConfig
 from router.sim.report import format_table
-from router.sim.trace import load_trace
+from router.sim.trace import to_requests
 
 __all__ = ["main"]
 
@@ -36,15 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print its table; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_sim", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="first 600 requests only")
-    parser.add_argument("--trace", default=str(DEFAULT_TRACE_PATH), help="Mooncake-format trace")
+    parser.add_argument(
+        "--trace", help="Mooncake-format trace (default: as `kvroute sim` chooses, see above)"
+    )
     parser.add_argument("--speed", type=float, default=1.0, help="trace time divided by X")
     args = parser.parse_args(argv)
 
-    requests = load_trace(args.trace, QUICK_REQUESTS if args.quick else None)
+    source = choose_trace(args.trace)
+    requests = to_requests(source.records(QUICK_REQUESTS if args.quick else None))
     config = SimConfig(speed=args.speed)
     print("bench_sim:", describe(("msgspec", "xxhash")))
+    print(source.describe())
     print(
-        f"{len(requests)} requests of {args.trace}; {config.num_workers} workers x "
+        f"{len(requests)} requests of {source.name}; {config.num_workers} workers x "
         f"{config.capacity_blocks} blocks of {config.block_size} tokens; speed {config.speed}; "
         f"prefill {config.prefill_tokens_per_s:g} tokens/s, decode "
         f"{config.decode_s_per_token:g} s/token"

@@ -3,7 +3,7 @@
 A :class:`~benchmarks.bench_throughput.LocalStack` (embedded Redis, ``--workers`` real
 workers of ``--num-blocks`` blocks each, one router) takes ``--clients`` closed-loop
 clients sending prompts that never repeat (every block a new prefix, so every request
-evicts and every eviction is a ``BlockRemoved`` the index must apply) for ``--minutes``
+evicts and every eviction is a ``BlockRemoved`` the index must apply) for ``--duration-min``
 (10 by default; ``--quick``: 20 seconds). Every ``--sample-s`` it records the index's
 entries, Redis ``used_memory`` and the router's RSS.
 
@@ -33,6 +33,7 @@ import psutil
 
 from benchmarks.bench_throughput import LocalStack
 from benchmarks.environment import describe
+from events.cli.flags import add_flag
 from router.index.redis_index import RedisPrefixIndex
 from router.store.connection import connect
 from router.store.layout import KeyLayout
@@ -155,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         "Redis memory and router RSS must stay bounded by the configured capacity.",
     )
     parser.add_argument("--quick", action="store_true", help="a 20-second smoke run")
-    parser.add_argument("--minutes", type=float, default=10.0, help="duration (default: 10)")
+    add_flag(
+        parser, "--duration-min", aliases=("--minutes",), type=float, default=10.0,
+        meaning="duration in minutes",
+    )  # fmt: skip
     parser.add_argument("--workers", type=int, default=2, help="workers (default: 2)")
     parser.add_argument(
         "--num-blocks", type=int, default=256, help="KV blocks per worker (default: 256)"
@@ -165,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--prompt-tokens", type=int, default=128, help="tokens per unique prompt (default: 128)"
     )
-    parser.add_argument(
-        "--sample-s", type=float, default=None, help="seconds between samples (default 10; 1 quick)"
-    )
+    add_flag(
+        parser, "--sample-s", type=float, default_text="10; --quick: 1",
+        meaning="seconds between samples",
+    )  # fmt: skip
     parser.add_argument(
         "--plot",
         default=None,
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--log-dir", default=None, help="process logs (default: a temp dir)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    seconds = 20.0 if args.quick else args.minutes * 60
+    seconds = 20.0 if args.quick else args.duration_min * 60
     sample_s = args.sample_s or (1.0 if args.quick else 10.0)
     tag = uuid.uuid4().hex[:8]
     plot_path = Path(args.plot) if args.plot else (

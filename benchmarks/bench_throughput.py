@@ -4,7 +4,7 @@ One run starts an embedded Redis, ``--workers`` real ``kvroute worker`` processe
 model), one ``kvroute router`` and one bare HTTP proxy (this module with ``--bare-proxy``:
 round-robin, no index, no decision, the same aiohttp stack), all as separate processes on
 loopback. ``--clients`` concurrent closed-loop clients then send completions
-(``max_tokens`` 1, prompts drawn from a fixed set sharing prefixes) for ``--seconds`` per
+(``max_tokens`` 1, prompts drawn from a fixed set sharing prefixes) for ``--duration-s`` per
 row to: a worker directly (the floor), the bare proxy (the baseline), the router's
 ``/v1/completions`` and the router's ``/v1/route`` (the decision alone). The table gives
 requests/s, p50 and p99 latency and each row's ratio to the bare proxy.
@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from benchmarks.environment import describe
+from events.cli.flags import add_flag
 from router.cluster.report import percentile
 from router.cluster.runner import ProcessGroup, wait_healthy
 from router.store.server import RedisServer, free_port
@@ -251,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run")
     parser.add_argument("--workers", type=int, default=2, help="kvroute workers (default: 2)")
     parser.add_argument("--clients", type=int, default=16, help="concurrent clients (default: 16)")
-    parser.add_argument(
-        "--seconds", type=float, default=None, help="measured seconds per row (default 20; 2 quick)"
-    )
+    add_flag(
+        parser, "--duration-s", aliases=("--seconds",), type=float, default_text="20; --quick: 2",
+        meaning="measured seconds per row",
+    )  # fmt: skip
     parser.add_argument(
         "--prompt-tokens", type=int, default=128, help="tokens per prompt (default: 128)"
     )
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bare_proxy:
         run_bare_proxy(args.bare_proxy, args.upstream)
         return 0
-    seconds = args.seconds or (2.0 if args.quick else 20.0)
+    seconds = args.duration_s or (2.0 if args.quick else 20.0)
     clients = min(args.clients, 8) if args.quick else args.clients
     prompts = make_prompts(64, args.prompt_tokens)
     log_dir = Path(args.log_dir or f"/tmp/kvroute-bench-throughput-{uuid.uuid4().hex[:8]}")

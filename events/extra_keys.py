@@ -2,7 +2,7 @@
 
 A request's LoRA adapter and cache salt change the hashes of its blocks, so blocks of
 different adapters or tenants never share a cache entry. vLLM 0.33 puts them into the
-hash as a tuple of **tagged** entries, in this order (``VLLM_WIRE.md``, "Block hashing"):
+hash as a tuple of **tagged** entries, in this order (``docs/vllm-compat.md``, "Block hashing"):
 
 * ``("lora", name, path)`` on every block of a LoRA request;
 * ``("cache_salt", salt)`` on block 0 only, when the salt is not empty;

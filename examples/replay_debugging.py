@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import aiohttp
 
 from events.recorder import read_log
 from router.cli.main import main as kvroute
-from router.cluster.processes import ProcessGroup, wait_healthy
+from router.cluster.processes import ProcessGroup, log_directory, wait_healthy
 from router.store.server import free_port
 
 SYSTEM = "You are a careful assistant for the kvroute project. Answer briefly. " * 3
@@ -122,9 +121,25 @@ def _each(flag: str, values: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--keep", type=Path, help="directory for the log (default: temporary)")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="directory for the event log and process logs, kept (default: a temporary one, "
+        "removed at the end unless the example fails)",
+    )
     args = parser.parse_args(argv)
-    workdir = args.keep or Path(tempfile.mkdtemp(prefix="kvroute-replay-"))
+    with log_directory(args.keep, prefix="kvroute-replay-") as workdir:
+        code = run(workdir.path)
+        if code and workdir.is_temporary:
+            workdir.keep()
+            print(f"\nfiles kept in {workdir.path}", file=sys.stderr)
+        elif not workdir.is_temporary:
+            print(f"\nevent log kept in {workdir.path / 'events.kvlog'}")
+        return code
+
+
+def run(workdir: Path) -> int:
+    """Run the whole loop with its files in ``workdir``; returns the exit code."""
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "events.kvlog"
     decisions = workdir / "decisions.jsonl"
@@ -161,7 +176,6 @@ def main(argv: list[str]) -> int:
         explain = ["explain", str(log), "--at", at, "--prompt", SECOND]
         if kvroute([*explain, "--decisions", str(decisions)]) != 0:
             return 1
-    print(f"\nevent log kept in {log}")
     return 0
 
 

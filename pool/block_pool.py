@@ -13,7 +13,7 @@ the ones a vLLM engine emits for the same requests:
   :meth:`BlockPool.take_events` once per engine step.
 
 Events carry what vLLM 0.33's ``BlockPool`` sends for one full-attention group
-(``VLLM_WIRE.md``): hashes in their 64-bit wire form, ``group_idx=0`` and, on
+(``docs/vllm-compat.md``): hashes in their 64-bit wire form, ``group_idx=0`` and, on
 ``BlockStored``, the request's LoRA int id and name as ``lora_id`` and ``lora_name``
 (``None`` without LoRA) and ``extra_keys`` as a list with one entry per block: the
 untagged form of what was hashed into it, ``None`` for a block without extra keys. The

@@ -15,8 +15,10 @@ from router.cli.main import COMMANDS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(name: str, *args: str, timeout_s: float = 240.0) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def run_example(name: str, *args: str, tmp: Path, timeout_s: float = 240.0) -> str:
+    """Run an example; its temporary files go under ``tmp`` (TMPDIR), which it must empty."""
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp))
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args],
         cwd=ROOT,
@@ -26,12 +28,19 @@ def run_example(name: str, *args: str, timeout_s: float = 240.0) -> str:
         timeout=timeout_s,
     )
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    assert list(tmp.iterdir()) == [], f"{name} left temporary files behind"
     return proc.stdout
 
 
 @pytest.mark.slow
+def test_replay_debugging_example_without_keep_leaves_nothing(tmp_path: Path) -> None:
+    out = run_example("replay_debugging.py", tmp=tmp_path)
+    assert "the second question went to" in out
+
+
+@pytest.mark.slow
 def test_replay_debugging_example(tmp_path: Path) -> None:
-    out = run_example("replay_debugging.py", "--keep", str(tmp_path))
+    out = run_example("replay_debugging.py", "--keep", str(tmp_path), tmp=tmp_path / "tmp")
     # The router sends the second question after the worker that cached the system prompt.
     match = re.search(r"the second question went to (w\d) \(224 cached prompt tokens\); "
                       r"the first went to (w\d)", out)  # fmt: skip
@@ -54,8 +63,8 @@ def test_replay_debugging_example(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif("router" not in COMMANDS, reason="`kvroute router` is not registered yet")
-def test_local_cluster_example() -> None:
-    out = run_example("local_cluster.py", "--workers", "2", "--requests", "12")
+def test_local_cluster_example(tmp_path: Path) -> None:
+    out = run_example("local_cluster.py", "--workers", "2", "--requests", "12", tmp=tmp_path)
     lines = out.splitlines()
     hit = next(line for line in lines if line.startswith("prefix hit rate"))
     assert hit.split()[-1].endswith("x")

@@ -34,6 +34,7 @@ from typing import Any, Final
 import torch
 
 from events.auth import ADMIN_KEY, API_KEY, AuthKeyError, add_key_arguments, is_loopback, load_key
+from events.cli.flags import help_text as flag_help
 from events.curve import CurveKeyError, CurveKeyPair, CurveServerConfig, load_public_key
 from events.endpoints import Endpoint, EndpointError
 from events.publisher import EventPublisher, PublisherConfig
@@ -145,9 +146,20 @@ _FLAGS: Final[dict[str, str]] = {"worker_id": "id"}
 _KEY_FIELD: Final = "keys"
 """The config field set by the key flags of :func:`events.auth.add_key_arguments`."""
 
+_DEFAULT_TEXT: Final[dict[str, str]] = {
+    "host": "127.0.0.1, loopback only",
+    "replay": "none",
+    "topic": "empty",
+    "weights": "random weights from --seed",
+    "tokenizer": "byte-level, as the router's",
+    "curve_secret_key": "none, events in the clear",
+    "curve_allow": "any subscriber that has the server's public key",
+}
+"""Defaults whose value says little (``None``, empty), in words, for ``--help``."""
+
 _HELP: Final[dict[str, str]] = {
     "worker_id": "worker id in the cluster",
-    "host": "HTTP listen address (loopback by default)",
+    "host": "HTTP listen address",
     "port": "HTTP port; 0 picks a free one (printed on the ready line)",
     "events": "ZeroMQ PUB endpoint the KV events bind to (tcp://HOST:* picks a port); "
     "'none' disables events",
@@ -164,12 +176,12 @@ _HELP: Final[dict[str, str]] = {
     "vocab_size": "vocabulary size; 0 means the tokenizer's",
     "dtype": "weight and KV dtype: float32, float16 or bfloat16",
     "seed": "seed of the random weights and of sampling",
-    "weights": "safetensors file with the weights (default: random weights from --seed)",
-    "tokenizer": "Hugging Face tokenizer.json (default: byte-level, as the router's)",
+    "weights": "safetensors file with the weights",
+    "tokenizer": "Hugging Face tokenizer.json",
     "max_num_seqs": "requests running at once",
     "max_num_batched_tokens": "tokens one engine step computes",
     "chunked_prefill": "split prompts longer than --max-num-batched-tokens across steps, "
-    "decodes keep running meanwhile (vLLM V1's default); --no-chunked-prefill runs them alone",
+    "decodes keep running meanwhile (as vLLM V1 does); --no-chunked-prefill runs them alone",
     "model_name": "the 'model' field of completion responses",
     "torch_threads": "torch CPU threads; 0 keeps torch's default (use 1 on a shared box)",
     "curve_secret_key": "CURVE server secret key file (NAME.key_secret from `kvroute keys`): "
@@ -195,7 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         env = "KVROUTE_WORKER_" + name.upper()
         raw = os.environ.get(env)
-        help_text = f"{_HELP[f.name]} (default: {f.default}; env ${env})"
+        help_text = flag_help(
+            _HELP[f.name], f.default, default_text=_DEFAULT_TEXT.get(f.name), env=env
+        )
         if isinstance(f.default, bool):
             default = f.default if raw is None else raw.lower() in ("1", "true", "yes", "on")
             parser.add_argument(
@@ -220,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_key_arguments(parser, ADMIN_KEY)
     add_key_arguments(parser, API_KEY)
     parser.add_argument(
-        "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)"
+        "--log-level", default="INFO", help=flag_help("DEBUG, INFO, WARNING or ERROR", "INFO")
     )
     return parser
 

@@ -11,23 +11,30 @@ import argparse
 import json
 import logging
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
+from events.cli.flags import help_text
+from router.cli.progress import DEFAULT_INTERVAL_S, progress
+from router.cluster.processes import LogDirectory, log_directory
 from router.cluster.report import format_report, write_plot
 from router.cluster.runner import ClusterConfig, ClusterError, ProcessError, run_cluster
-from router.cluster.workload import (
+from router.cluster.trace_generator import GeneratorConfig
+from router.cluster.trace_source import (
     DEFAULT_TRACE_PATH,
+    TraceSource,
+    choose_trace,
+    trace_workload,
+)
+from router.cluster.workload import (
     WORKLOAD_NAMES,
     Workload,
     WorkloadError,
     chat_workload,
-    mooncake_workload,
 )
 from router.store.server import RedisServerError
 
-__all__ = ["build_parser", "build_workload", "main"]
+__all__ = ["build_parser", "build_workload", "main", "workload_source"]
 
 _LOG: Final = logging.getLogger("kvroute.cluster")
 
@@ -57,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a small run for CI (2 workers, 40 requests; about 20-30 s)",
     )
-    p.add_argument("--workers", type=int, help="worker processes (default 4; --quick: 2)")
+    p.add_argument("--workers", type=int, help="worker processes (default: 4; --quick: 2)")
     p.add_argument(
         "--policies",
         default="cache_aware,round_robin",
@@ -74,29 +81,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         choices=WORKLOAD_NAMES,
         default=WORKLOAD_NAMES[0],
-        help="mooncake: a slice of a Mooncake trace as token ids (default); chat: built-in "
-        "multi-turn conversations sharing system prompts",
+        help="mooncake: a slice of a Mooncake-format trace as token ids (--trace, else the "
+        "Mooncake trace beside the checkout, else the built-in generated trace); chat: short "
+        "built-in conversations sharing system prompts (default: mooncake)",
     )
     p.add_argument(
         "--trace",
         type=Path,
-        help=f"Mooncake-format JSONL trace (default: {DEFAULT_TRACE_PATH}; when that file "
-        "is absent, the chat workload is used instead, with a warning)",
+        help=help_text(
+            "Mooncake-format JSONL trace",
+            default_text=f"{DEFAULT_TRACE_PATH} when present, else the built-in generated "
+            f"trace: {GeneratorConfig().summary()}; docs/workload.md",
+        ),
     )
     p.add_argument(
-        "--requests", type=int, help="requests taken from the trace (default 300; --quick: 40)"
+        "--requests", type=int, help="requests taken from the trace (default: 300; --quick: 40)"
     )
     p.add_argument(
         "--families",
         type=int,
-        help="the trace slice draws from this many largest prefix families (default 64; "
+        help="the trace slice draws from this many largest prefix families (default: 64; "
         "--quick: 12)",
     )
     p.add_argument(
         "--block-scale",
         type=int,
         default=16,
-        help="tokens standing for one 512-token trace block (default 16)",
+        help="tokens standing for one 512-token trace block (default: 16)",
     )
     p.add_argument(
         "--max-tokens",
@@ -105,15 +116,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap on tokens generated per request (trace output lengths are scaled by "
         "--block-scale/512 first; default 16)",
     )
-    p.add_argument("--sessions", type=int, help="chat workload: conversations (default 24)")
-    p.add_argument("--turns", type=int, help="chat workload: turns per conversation (default 4)")
+    p.add_argument("--sessions", type=int, help="chat workload: conversations (default: 24)")
+    p.add_argument("--turns", type=int, help="chat workload: turns per conversation (default: 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's token ids")
     p.add_argument(
-        "--num-blocks", type=int, default=512, help="KV cache blocks per worker (default 512)"
+        "--num-blocks", type=int, default=512, help="KV cache blocks per worker (default: 512)"
     )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (default: 16)")
     p.add_argument(
-        "--concurrency", type=int, default=4, help="requests in flight at once (default 4)"
+        "--concurrency", type=int, default=4, help="requests in flight at once (default: 4)"
     )
     p.add_argument(
         "--worker-arg",
@@ -133,14 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot",
         type=Path,
         default=Path("kvroute-cluster.png"),
-        help="where to write the PNG plot (default kvroute-cluster.png; needs matplotlib)",
+        help="where to write the PNG plot (default: kvroute-cluster.png; needs matplotlib)",
     )
     p.add_argument("--no-plot", action="store_true", help="write no plot")
     p.add_argument("--json", type=Path, metavar="FILE", help="also write the report as JSON")
     p.add_argument(
         "--log-dir",
         type=Path,
-        help="directory for each process's log (default: a new temporary directory)",
+        help="directory for each process's log, kept (default: a temporary directory, "
+        "removed after the run unless it failed)",
     )
     p.add_argument(
         "--record",
@@ -149,7 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also record each run's KV events (DIR/POLICY.kvlog) and the router's decisions "
         "(DIR/POLICY.decisions.jsonl), for `kvroute replay` and `kvroute explain`",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    p.add_argument(
+        "--progress-interval-s",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between progress lines when stderr is not a terminal (default: "
+        f"{DEFAULT_INTERVAL_S:g}; on a terminal a progress bar)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -162,29 +181,28 @@ def _size(args: argparse.Namespace, name: str) -> int:
     return quick if args.quick else default
 
 
-def build_workload(args: argparse.Namespace, default_trace: Path = DEFAULT_TRACE_PATH) -> Workload:
-    """The workload the flags describe.
+def workload_source(
+    args: argparse.Namespace, default_trace: Path = DEFAULT_TRACE_PATH
+) -> TraceSource | None:
+    """The trace the flags choose (see :func:`choose_trace`); ``None`` for the chat workload."""
+    return None if args.workload == "chat" else choose_trace(args.trace, default_trace)
 
-    Without ``--trace``, the Mooncake workload reads ``default_trace``; if that file is
-    missing (a checkout without ``../shared/data``), the chat workload runs instead, so
-    ``kvroute cluster`` still needs no arguments.
+
+def build_workload(args: argparse.Namespace, source: TraceSource | None) -> Workload:
+    """The workload the flags describe, from ``source`` (``None``: the chat workload).
 
     Raises:
         WorkloadError: A given trace cannot be read, or a size is out of range.
     """
-    use_chat = args.workload == "chat"
-    if not use_chat and args.trace is None and not default_trace.exists():
-        _LOG.warning("no trace at %s: running the built-in chat workload instead", default_trace)
-        use_chat = True
-    if use_chat:
+    if source is None:
         return chat_workload(
             num_sessions=_size(args, "sessions"),
             num_turns=_size(args, "turns"),
             max_output_tokens=args.max_tokens,
             seed=args.seed,
         )
-    return mooncake_workload(
-        args.trace or default_trace,
+    return trace_workload(
+        source,
         num_requests=_size(args, "requests"),
         num_families=_size(args, "families"),
         block_scale=args.block_scale,
@@ -217,40 +235,49 @@ def main(argv: list[str]) -> int:
         format="kvroute cluster: %(message)s",
         stream=sys.stderr,
     )
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-cluster-"))
+    source = workload_source(args)
+    _LOG.info("%s", source.describe() if source else "workload: built-in chats (--workload chat)")
+    with log_directory(args.log_dir) as logs:
+        code = _run(args, source, logs)
+        if code not in (0, 130) and logs.is_temporary and any(logs.path.iterdir()):
+            logs.keep()
+            _LOG.error("process logs kept in %s", logs.path)
+        return code
+
+
+def _run(args: argparse.Namespace, source: TraceSource | None, logs: LogDirectory) -> int:
     try:
-        workload = build_workload(args)
-        config = _config(args, log_dir)
+        workload = build_workload(args, source)
+        config = _config(args, logs.path)
     except (WorkloadError, ClusterError) as exc:
         _LOG.error("%s", exc)
         return 2
+    where = "a temporary directory, kept if a run fails" if logs.is_temporary else logs.path
     _LOG.info(
         "%d workers x %d blocks of %d tokens, policies %s; %s (%d prompt tokens); logs in %s",
         config.num_workers, config.num_blocks, config.block_size, ", ".join(config.policies),
-        workload.description, workload.num_prompt_tokens, log_dir,
+        workload.description, workload.num_prompt_tokens, where,
     )  # fmt: skip
-    from tqdm import tqdm
-
-    bar: Any = tqdm(
-        total=len(workload.requests) * len(config.policies),
-        unit="req",
-        disable=True if args.no_progress else None,
-    )
-
-    def progress(policy: str, result: object) -> None:
-        bar.set_description(policy, refresh=False)
-        bar.update(1)
-
     try:
-        report = run_cluster(workload, config, progress)
+        with progress(
+            len(workload.requests) * len(config.policies),
+            unit="req",
+            logger=_LOG,
+            enabled=not args.no_progress,
+            interval_s=args.progress_interval_s,
+        ) as shown:
+
+            def on_result(policy: str, result: object) -> None:
+                shown.set_description(policy)
+                shown.update()
+
+            report = run_cluster(workload, config, on_result)
     except (ClusterError, ProcessError, RedisServerError) as exc:
-        _LOG.error("%s (process logs in %s)", exc, log_dir)
+        _LOG.error("%s", exc)
         return 1
     except KeyboardInterrupt:
         _LOG.error("interrupted; every process started was stopped")
         return 130
-    finally:
-        bar.close()
     print(format_report(report))
     if args.record is not None:
         first = config.policies[0]
@@ -269,7 +296,7 @@ def main(argv: list[str]) -> int:
             _LOG.warning("matplotlib is not installed (pip install 'kvroute[plot]'): no plot")
     failed = sum(run.num_failed for run in report.runs)
     if failed:
-        first = next(r.error for run in report.runs for r in run.results if r.error)
-        _LOG.error("%d requests failed; first error: %s (logs in %s)", failed, first, log_dir)
+        first_error = next(r.error for run in report.runs for r in run.results if r.error)
+        _LOG.error("%d requests failed; first error: %s", failed, first_error)
         return 1
     return 0

@@ -26,11 +26,12 @@ import msgspec
 from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
 from router.errors import RouterError
+from router.index.base import IndexStats
 from router.index.changes import Changes
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridge import WorkerBridge
-from router.store.connection import RedisOptions, connect, redact_url
-from router.store.layout import KeyLayout
+from router.store.connection import RedisClient, RedisOptions, connect, redact_url, reply_bytes
+from router.store.layout import NAMESPACE_MARKERS, KeyLayout, namespace_of
 from router.workers.registration import RegistrationConflict
 from router.workers.registry import WorkerRegistry, load_records, owner_of, parse_worker_spec
 from router.workers.snapshot import fetch_snapshot, snapshot_events
@@ -142,7 +143,9 @@ def _parser() -> argparse.ArgumentParser:
         "Cluster node is detected (default: %(default)s)",
     )
     common.add_argument(
-        "--namespace", default="default", help="key namespace kvroute:NS:... (default: default)"
+        "--namespace",
+        help="key namespace kvroute:NS:... (default: 'default'; `stats` without it lists "
+        "every namespace it finds)",
     )
     common.add_argument("--tls-ca", help="CA file that signed the server's TLS certificate")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -168,8 +171,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "stats",
         parents=[common],
-        help="print entries, keys, workers and Redis memory",
-        description="Print the index's entries, distinct keys, workers and Redis memory.",
+        help="print entries, keys, workers and Redis memory (per namespace)",
+        description="Print the index's entries, distinct keys, workers and Redis memory; "
+        "without --namespace, one line per namespace found on the server (it scans the "
+        "keyspace once for the namespaces' marker keys).",
     )
     register = sub.add_parser(
         "register",
@@ -227,24 +232,24 @@ def _targets(specs: Sequence[str]) -> list[tuple[str, str]]:
 
 async def _run(args: argparse.Namespace) -> int:
     client = await connect(args.redis, RedisOptions(tls_ca_file=args.tls_ca))
-    layout = KeyLayout(args.namespace)
+    if args.action == "stats" and args.namespace is None:
+        try:
+            return await _all_stats(client, args)
+        finally:
+            await client.aclose()
+    layout = KeyLayout(args.namespace or "default")
     try:
         if args.action == "stats":
             stats = await RedisPrefixIndex(client, layout).stats()
             if args.json:
                 print(json.dumps(asdict(stats)))
             else:
-                per_entry = (
-                    f"{stats.memory_bytes / stats.num_entries:.1f} bytes (upper bound)"
-                    if stats.memory_bytes and stats.num_entries
-                    else "-"
-                )
                 print(f"namespace      {args.namespace} on {redact_url(args.redis)}")
                 print(f"entries        {stats.num_entries}")
                 print(f"keys           {stats.num_keys}")
                 print(f"workers        {stats.num_workers}")
                 print(f"redis memory   {stats.memory_bytes} bytes (whole server)")
-                print(f"memory/entry   {per_entry}")
+                print(f"memory/entry   {_per_entry(stats)}")
             return 0
         if args.action in ("register", "unregister", "workers"):
             return await _registry_action(args, WorkerRegistry(client, layout))
@@ -281,6 +286,51 @@ async def _run(args: argparse.Namespace) -> int:
         return 1 if failed else 0
     finally:
         await client.aclose()
+
+
+def _per_entry(stats: IndexStats) -> str:
+    """Server memory over the namespace's entries: an upper bound (other namespaces and
+    Redis's own overhead count too), meaningless without entries."""
+    if not stats.num_entries:
+        return "n/a (no entries)"
+    if stats.memory_bytes is None:
+        return "n/a (memory unknown)"
+    return f"at most {stats.memory_bytes / stats.num_entries:.1f} bytes (whole server / entries)"
+
+
+async def _namespaces(client: RedisClient) -> list[str]:
+    """Every namespace with a marker key on the server (one keyspace scan per marker)."""
+    found: set[str] = set()
+    for marker in NAMESPACE_MARKERS:
+        async for key in client.scan_iter(match=f"kvroute:*:{marker}", count=1000):
+            namespace = namespace_of(reply_bytes(key).decode(errors="replace"))
+            if namespace is not None:
+                found.add(namespace)
+    return sorted(found)
+
+
+async def _all_stats(client: RedisClient, args: argparse.Namespace) -> int:
+    """``kvroute index stats`` without ``--namespace``: one line per namespace found."""
+    rows = []
+    for namespace in await _namespaces(client):
+        stats = await RedisPrefixIndex(client, KeyLayout(namespace)).stats()
+        rows.append((namespace, stats))
+    if args.json:
+        print(json.dumps({"namespaces": {ns: asdict(stats) for ns, stats in rows}}))
+        return 0
+    where = redact_url(args.redis)
+    if not rows:
+        print(f"no kvroute namespace on {where} (nothing registered or indexed yet)")
+        return 0
+    width = max(len("namespace"), *(len(ns) for ns, _ in rows))
+    print(f"{len(rows)} namespace(s) on {where}; --namespace NS for one namespace's details")
+    print(f"{'namespace':<{width}} {'entries':>10} {'keys':>10} {'workers':>8}")
+    for namespace, stats in rows:
+        print(
+            f"{namespace:<{width}} {stats.num_entries:>10} {stats.num_keys:>10} "
+            f"{stats.num_workers:>8}"
+        )
+    return 0
 
 
 async def _registry_action(args: argparse.Namespace, registry: WorkerRegistry) -> int:

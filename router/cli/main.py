@@ -2,12 +2,15 @@
 
 Subcommand modules are imported only when chosen, so ``kvroute router`` never imports
 torch and ``kvroute worker`` never imports the router. Each module exposes
-``main(argv: list[str]) -> int`` and builds its own argument parser.
+``main(argv: list[str]) -> int`` and builds its own argument parser. ``kvroute`` alone
+prints the usage and exits 2, like any command missing its argument; ``kvroute --help``
+prints it and exits 0; ``kvroute --version`` prints the installed version.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 from collections.abc import Sequence
 from typing import Final, NamedTuple
@@ -23,7 +26,7 @@ class Command(NamedTuple):
 
 
 COMMANDS: Final[dict[str, Command]] = {
-    "bench": Command("benchmarks.__main__", "run every benchmark (--quick: CI smoke run)"),
+    "bench": Command("router.cli.bench", "run a checkout's benchmarks (--quick: CI smoke run)"),
     "cluster": Command("router.cli.cluster", "run a local cluster on a workload and report"),
     "router": Command("router.cli.router", "run a cache-aware router (HTTP front, proxy, index)"),
     "replay": Command("router.cli.replay", "rebuild the index at a moment of an event log"),
@@ -43,7 +46,7 @@ kvroute: a distributed prefix cache with event streaming for LLM serving cluster
 commands:
 {commands}
 
-Run `kvroute COMMAND --help` for a command's flags.
+Run `kvroute COMMAND --help` for a command's flags; `kvroute --version` for the version.
 """
 
 
@@ -53,11 +56,25 @@ def _usage() -> str:
     return _USAGE.format(commands="\n".join(lines))
 
 
+def version() -> str:
+    """The installed kvroute's version, or a note that it runs from a bare source tree."""
+    try:
+        return importlib.metadata.version("kvroute")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: running from a source tree)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvroute``; returns the process exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
+    if not args:
+        print(f"kvroute: a command is required\n\n{_usage()}", file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help", "help"):
         print(_usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"kvroute {version()}")
         return 0
     name, rest = args[0], args[1:]
     command = COMMANDS.get(name)

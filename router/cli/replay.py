@@ -59,7 +59,7 @@ def add_replay_arguments(p: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=0,
-        help="router key seed of the cluster (default 0, the router's default)",
+        help="router key seed of the cluster (default: 0, as the router)",
     )
 
 
@@ -72,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_replay_arguments(p)
     target = p.add_mutually_exclusive_group()
-    target.add_argument("--memory", action="store_true", help="rebuild in memory (the default)")
+    target.add_argument(
+        "--memory", action="store_true", help="rebuild in memory (default: yes, unless --redis)"
+    )
     target.add_argument(
         "--redis",
         metavar="URL",

@@ -21,7 +21,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -31,6 +31,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 import msgspec
 
 from events.auth import ADMIN_KEY, API_KEY, AuthKeyError, add_key_arguments, load_key
+from events.cli.flags import add_flag, renamed_dests
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
 from events.hashing import NATIVE_KEYS
@@ -154,7 +155,7 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
         ("--port", int, "port to listen on; 0 picks a free one (default: 8000)"),
         ("--config", str, "TOML or JSON file with any of these settings (keys with underscores; "
          "'workers' a list of --worker specs or POST /v1/workers tables); flags override it"),
-        ("--predicted-ttl", float, "seconds a routed prefix is credited to its worker before "
+        ("--predicted-ttl-s", float, "seconds a routed prefix is credited to its worker before "
          f"its events confirm it (default: {PolicyConfig().predicted_ttl_s})"),
         ("--predicted-max-entries", int, "most (prefix block, worker) credits the predicted "
          "entries keep, up to ~350 bytes each; past it the oldest are forgotten early "
@@ -168,14 +169,14 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          "requests (default: a built-in <|role|> template)"),
         ("--max-body-bytes", int, "largest request body accepted (default: 4194304)"),
         ("--max-prompt-tokens", int, "longest prompt accepted, in tokens (default: 131072)"),
-        ("--lease-ttl", float, "seconds of a worker's index lease; a dead worker or router is "
+        ("--lease-ttl-s", float, "seconds of a worker's index lease; a dead worker or router is "
          "dropped after it (default: 10)"),
-        ("--replay-timeout", float, "seconds of silence accepted from a worker's replay "
+        ("--replay-timeout-s", float, "seconds of silence accepted from a worker's replay "
          f"endpoint (default: {RouterConfig.replay_timeout_s:g})"),
-        ("--replay-deadline", float, "seconds a whole replay may take, however steadily its "
+        ("--replay-deadline-s", float, "seconds a whole replay may take, however steadily its "
          "replies come; past it or the timeout the worker is resynced (default: "
          f"{RouterConfig.replay_deadline_s:g})"),
-        ("--route-hold", float, "seconds a POST /v1/route decision counts as load on its worker "
+        ("--route-hold-s", float, "seconds a POST /v1/route decision counts as load on its worker "
          "(the gateway sends the request itself; default: 2)"),
         ("--max-attempts", int, "workers a request is tried on at most, the chosen one "
          f"included (default: {_PROXY.max_attempts}); only a worker that sent no answer "
@@ -216,6 +217,17 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
     ]  # fmt: skip
 
 
+_ALIASES: Final[dict[str, tuple[str, ...]]] = {
+    "--predicted-ttl-s": ("--predicted-ttl",),
+    "--lease-ttl-s": ("--lease-ttl",),
+    "--route-hold-s": ("--route-hold",),
+}
+"""Flags renamed to carry their unit -> their old spellings (hidden, still accepted)."""
+
+_RENAMED: Final = renamed_dests(_ALIASES)
+"""Config-file keys of the old spellings -> the new keys."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``kvroute router``."""
     p = argparse.ArgumentParser(
@@ -228,8 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
         "works there too). Without a key its endpoints are open: keep the router on loopback "
         "or set both. /health and /metrics are always open.",
     )
-    for flag, kind, help_text in _flags():
-        p.add_argument(flag, type=kind, help=help_text)
+    for flag, kind, meaning in _flags():
+        add_flag(p, flag, aliases=_ALIASES.get(flag, ()), type=kind, meaning=meaning)
     add_cost_arguments(p)
     add_key_arguments(p, ADMIN_KEY)
     add_key_arguments(p, API_KEY)
@@ -275,6 +287,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         RouterCliError: A setting is invalid.
     """
     file = load_config_file(args.config) if args.config else {}
+    file = {_RENAMED.get(key, key): value for key, value in file.items()}
     known = {a.dest for a in build_parser()._actions} | {"workers"}
     unknown = sorted(set(file) - known)
     if unknown:
@@ -293,7 +306,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         policy_config = PolicyConfig(
             weights=weights,
             seed=pick("seed", 0),
-            predicted_ttl_s=pick("predicted_ttl", PolicyConfig().predicted_ttl_s),
+            predicted_ttl_s=pick("predicted_ttl_s", PolicyConfig().predicted_ttl_s),
         )
         limits = RequestLimits(
             max_body_bytes=pick("max_body_bytes", _LIMITS.max_body_bytes),
@@ -349,13 +362,13 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         limits=limits,
         proxy=proxy,
         breaker=breaker,
-        lease_ttl_s=float(pick("lease_ttl", 10.0)),
+        lease_ttl_s=float(pick("lease_ttl_s", 10.0)),
         predicted_max_entries=int(
             pick("predicted_max_entries", RouterConfig.predicted_max_entries)
         ),
-        route_hold_s=float(pick("route_hold", 2.0)),
-        replay_timeout_s=float(pick("replay_timeout", RouterConfig.replay_timeout_s)),
-        replay_deadline_s=float(pick("replay_deadline", RouterConfig.replay_deadline_s)),
+        route_hold_s=float(pick("route_hold_s", 2.0)),
+        replay_timeout_s=float(pick("replay_timeout_s", RouterConfig.replay_timeout_s)),
+        replay_deadline_s=float(pick("replay_deadline_s", RouterConfig.replay_deadline_s)),
         client_keys=_client_keys(client_key),
         replica_id=_replica_id(pick("replica_id", None, "KVROUTE_REPLICA_ID")),
         admin_key=admin_key,

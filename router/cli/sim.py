@@ -1,7 +1,9 @@
 """``kvroute sim``: replay a Mooncake-format trace over simulated workers, per routing policy.
 
 This module is the simulator's composition root: it is the one place that joins the
-router's simulator engine to the worker side's real ``pool.KVCacheManager``.
+router's simulator engine to the worker side's real ``pool.KVCacheManager``. The trace is
+``--trace``, else the Mooncake trace beside the checkout, else the built-in generated
+trace (:mod:`router.cluster.trace_source`); the first line logged says which.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import argparse
 import asyncio
 import json
 import logging
-import sys
 import time
 from array import array
 from collections.abc import Sequence
@@ -18,15 +19,16 @@ from typing import Any
 
 import cbor2
 import xxhash
-from tqdm import tqdm
 
 from router.cli.cost_flags import add_cost_arguments, cost_weights_from
-from router.cluster.workload import DEFAULT_TRACE_PATH
+from router.cli.progress import DEFAULT_INTERVAL_S, Progress, progress
+from router.cluster.trace_generator import GeneratorConfig
+from router.cluster.trace_source import DEFAULT_TRACE_PATH, choose_trace
 from router.errors import RouterError
 from router.routing.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig, make_policy
 from router.sim.engine import SimConfig, WorkerCacheFactory, simulate
 from router.sim.report import PolicyResult, format_table, plot_results, summarize
-from router.sim.trace import SimRequest, ideal_hits, load_trace
+from router.sim.trace import SimRequest, ideal_hits, to_requests
 
 __all__ = ["fast_block_hash", "main", "pool_cache_factory", "run_policies"]
 
@@ -91,18 +93,32 @@ def run_policies(
     policies: Sequence[str],
     config: SimConfig,
     factory: WorkerCacheFactory,
-    progress: bool = False,
+    shown: Progress | None = None,
 ) -> list[PolicyResult]:
-    """Simulate each policy on the same requests, each over fresh workers."""
+    """Simulate each policy on the same requests, each over fresh workers.
+
+    Args:
+        requests: The trace.
+        policies: Policy names, simulated in this order.
+        config: Workers, capacity and latency model.
+        factory: Makes each simulated worker's cache.
+        shown: Advanced once per request routed, named after the running policy.
+    """
     ideal = ideal_hits(requests)
     results = []
     for name in policies:
-        bar = tqdm(total=len(requests), desc=name, unit="req", disable=not progress, leave=False)
+        if shown is not None:
+            shown.set_description(name)
         started_s, started_cpu_s = time.perf_counter(), time.process_time()
-        with bar:
-            outcomes = asyncio.run(
-                simulate(requests, make_policy(name, config.policy), config, factory, bar.update)
+        outcomes = asyncio.run(
+            simulate(
+                requests,
+                make_policy(name, config.policy),
+                config,
+                factory,
+                None if shown is None else shown.update,
             )
+        )
         wall_s = time.perf_counter() - started_s
         cpu_s = time.process_time() - started_cpu_s
         results.append(
@@ -121,67 +137,78 @@ def _parser() -> argparse.ArgumentParser:
         "output_length, hash_ids of 512-token blocks) over simulated workers, each a real "
         "vLLM-V1-style BlockPool, routed by the router's own policy code; report hit rate "
         "against the infinite-cache ideal, load balance and simulated TTFT per policy.",
+        epilog="Without --trace: the Mooncake trace at "
+        f"{DEFAULT_TRACE_PATH} when present, else the built-in generated trace: "
+        f"{GeneratorConfig().summary()} (docs/workload.md).",
     )
     parser.add_argument(
         "--trace",
-        default=str(DEFAULT_TRACE_PATH),
-        help="trace file, JSON lines (default: the Mooncake synthetic trace in "
-        "../shared/data/mooncake/)",
+        help="trace file, JSON lines (default: the Mooncake trace beside the checkout when "
+        "present, else the built-in generated trace; see below)",
     )
     parser.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     parser.add_argument(
-        "--workers", type=int, default=d.num_workers, help="simulated workers (default %(default)s)"
+        "--workers",
+        type=int,
+        default=d.num_workers,
+        help="simulated workers (default: %(default)s)",
     )
     parser.add_argument(
         "--capacity-blocks",
         type=int,
         default=d.capacity_blocks,
-        help="KV cache blocks per worker (default %(default)s)",
+        help="KV cache blocks per worker (default: %(default)s)",
     )
     parser.add_argument(
         "--block-size",
         type=int,
         default=d.block_size,
-        help="tokens per KV cache block (default %(default)s; trace blocks stay 512 tokens)",
+        help="tokens per KV cache block (default: %(default)s; trace blocks stay 512 tokens)",
     )
     parser.add_argument(
         "--policy",
         default="all",
         help=f"one of {', '.join(POLICY_NAMES)}, a comma-separated list, or 'all' "
-        "(default %(default)s)",
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--speed",
         type=float,
         default=d.speed,
         help="divide trace time by X: 2 replays twice as fast, doubling the load "
-        "(default %(default)s)",
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--prefill-tokens-per-s",
         type=float,
         default=d.prefill_tokens_per_s,
-        help="prefill speed of one worker in uncached tokens/s (default %(default)s)",
+        help="prefill speed of one worker in uncached tokens/s (default: %(default)s)",
     )
     parser.add_argument(
         "--decode-s-per-token",
         type=float,
         default=d.decode_s_per_token,
-        help="seconds per output token of one request; decoding is batched (default %(default)s)",
+        help="seconds per output token of one request; decoding is batched (default: %(default)s)",
     )
     add_cost_arguments(parser)
     parser.add_argument(
         "--predicted-ttl-s",
         type=float,
         default=p.predicted_ttl_s,
-        help="lifetime of predicted entries after a decision (default %(default)s)",
+        help="lifetime of predicted entries after a decision (default: %(default)s)",
     )
     parser.add_argument(
-        "--seed", type=int, default=p.seed, help="seed of random choices (default %(default)s)"
+        "--seed", type=int, default=p.seed, help="seed of random choices (default: %(default)s)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--plot", metavar="FILE.png", help="write a PNG chart of the results")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    parser.add_argument(
+        "--progress-interval-s",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between progress lines off a terminal (default: %(default)s)",
+    )
     return parser
 
 
@@ -201,7 +228,9 @@ def _policies(spec: str) -> list[str]:
 def main(argv: list[str]) -> int:
     """Run ``kvroute sim``; returns the exit code."""
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="kvroute sim: %(message)s")
+    source = choose_trace(args.trace)
+    logger.info("%s", source.describe())
     try:
         policies = _policies(args.policy)
         weights = cost_weights_from(
@@ -218,19 +247,28 @@ def main(argv: list[str]) -> int:
                 weights=weights, seed=args.seed, predicted_ttl_s=args.predicted_ttl_s
             ),
         )
-        requests = load_trace(args.trace, args.limit)
+        requests = to_requests(source.records(args.limit))
         if not requests:
-            raise RouterError(f"trace {args.trace!r} holds no requests")
-        show = not args.no_progress and sys.stderr.isatty()
-        results = run_policies(requests, policies, config, pool_cache_factory(), show)
+            raise RouterError(f"trace {source.name!r} holds no requests")
+        with progress(
+            len(requests) * len(policies),
+            unit="req",
+            logger=logger,
+            enabled=not args.no_progress,
+            interval_s=args.progress_interval_s,
+        ) as shown:
+            results = run_policies(requests, policies, config, pool_cache_factory(), shown)
         if args.plot:
             plot_results(results, args.plot)
     except (RouterError, ImportError, OSError) as exc:
         logger.error("%s", exc)
         return 1
+    except KeyboardInterrupt:
+        logger.error("interrupted")
+        return 130
     if args.json:
         payload = {
-            "trace": args.trace,
+            "trace": source.name if source.path is None else str(source.path),
             "num_requests": len(requests),
             "workers": config.num_workers,
             "capacity_blocks": config.capacity_blocks,
@@ -241,7 +279,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps(payload, indent=2))
     else:
         print(
-            f"{len(requests)} requests from {args.trace}; {config.num_workers} workers x "
+            f"{len(requests)} requests from {source.name}; {config.num_workers} workers x "
             f"{config.capacity_blocks} blocks of {config.block_size} tokens; speed {config.speed}"
         )
         print(format_table(results, baseline="round_robin"))

@@ -4,7 +4,8 @@
 the parent, which then stops them in order) with its output in ``NAME.log``, and stops
 them all on exit; on Linux each child is also asked to die with its parent, so even a
 SIGKILL of the parent leaves no orphans. :func:`wait_healthy` polls a started HTTP
-server's ``/health``; :func:`terminate_as_interrupt` makes SIGTERM clean up like Ctrl-C.
+server's ``/health``; :func:`terminate_as_interrupt` makes SIGTERM clean up like Ctrl-C;
+:func:`log_directory` gives the logs a home that outlives the run only when it failed.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -26,7 +29,14 @@ import aiohttp
 
 from router.errors import RouterError
 
-__all__ = ["ProcessError", "ProcessGroup", "terminate_as_interrupt", "wait_healthy"]
+__all__ = [
+    "LogDirectory",
+    "ProcessError",
+    "ProcessGroup",
+    "log_directory",
+    "terminate_as_interrupt",
+    "wait_healthy",
+]
 
 _LOG: Final = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG: Final = 1
@@ -140,6 +150,54 @@ class ProcessGroup:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+class LogDirectory:
+    """Where a run's processes log, and whether the directory outlives the run.
+
+    Attributes:
+        path: The directory.
+        is_temporary: Created for this run (not given by the user).
+        is_kept: A temporary directory stays after the run (set by :meth:`keep`).
+    """
+
+    def __init__(self, path: Path, is_temporary: bool) -> None:
+        self.path = path
+        self.is_temporary = is_temporary
+        self.is_kept = False
+
+    def keep(self) -> None:
+        """Leave the directory in place after the run (it holds the logs of a failure)."""
+        self.is_kept = True
+
+
+@contextlib.contextmanager
+def log_directory(given: Path | None, prefix: str = "kvroute-cluster-") -> Iterator[LogDirectory]:
+    """The directory for a run's process logs.
+
+    Args:
+        given: The user's directory, always kept; ``None`` creates a temporary one.
+        prefix: Name prefix of a temporary directory.
+
+    Yields:
+        The directory. A temporary one is removed at the end of the block unless the block
+        raised an error other than ``KeyboardInterrupt`` (the logs explain it) or called
+        :meth:`LogDirectory.keep`.
+    """
+    if given is not None:
+        yield LogDirectory(given, is_temporary=False)
+        return
+    directory = LogDirectory(Path(tempfile.mkdtemp(prefix=prefix)), is_temporary=True)
+    try:
+        yield directory
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        directory.keep()
+        raise
+    finally:
+        if not directory.is_kept:
+            shutil.rmtree(directory.path, ignore_errors=True)
 
 
 @contextlib.contextmanager

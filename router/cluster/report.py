@@ -14,11 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from router.cluster.plot_layout import add_legend, new_figure, save_figure
+
 __all__ = [
     "ClusterReport",
     "PolicyRun",
     "RequestResult",
     "WorkerStats",
+    "build_figure",
     "format_report",
     "percentile",
     "write_plot",
@@ -257,46 +260,56 @@ def format_report(report: ClusterReport) -> str:
     return "\n".join(lines)
 
 
-def write_plot(report: ClusterReport, path: Path) -> None:
-    """Hit rate per policy, TTFT distribution per policy, and requests per worker as a PNG.
+def build_figure(report: ClusterReport) -> Any:
+    """The report's figure: hit rate per policy against the infinite cache, the TTFT
+    distribution per policy (log time axis: a few slow requests span decades), and the
+    requests each worker served against an even share.
 
     Raises:
         ImportError: matplotlib is not installed.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     runs = report.runs
-    fig, (ax_hit, ax_ttft, ax_load) = plt.subplots(1, 3, figsize=(15, 4.5))
-    names = [r.policy for r in runs]
-    ax_hit.bar(names, [100 * r.hit_rate for r in runs], color="tab:blue")
+    fig, (ax_hit, ax_ttft, ax_load) = new_figure(3, f"kvroute cluster: {report.workload}")
+    colours = {run.policy: f"C{i}" for i, run in enumerate(runs)}
+    for run in runs:  # one series per policy: its label and colour match the other panels
+        bars = ax_hit.bar(
+            run.policy, 100 * run.hit_rate, color=colours[run.policy], label=run.policy
+        )
+        ax_hit.bar_label(bars, fmt="%.1f %%", label_type="center", color="white")
     ax_hit.axhline(
-        100 * report.ideal_hit_rate, color="gray", linestyle="--", label="infinite cache"
+        100 * report.ideal_hit_rate, color="gray", linestyle="--", label="infinite cache (bound)"
     )
+    ax_hit.set_ylim(0, 105)
     ax_hit.set_ylabel("prefix hit rate (% of prompt tokens)")
     ax_hit.set_title("prefix cache hits")
-    ax_hit.legend(loc="lower center")
     for run in runs:
         ttfts = sorted(1000 * r.ttft_s for r in run.results if r.ok)
-        ax_ttft.plot(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], label=run.policy)
-    ax_ttft.set_xlabel("TTFT (ms)")
+        shares = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+        ax_ttft.step(ttfts, shares, where="post", color=colours[run.policy], label=run.policy)
+    ax_ttft.set_xscale("log")
+    ax_ttft.set_xlabel("TTFT (ms, log scale)")
     ax_ttft.set_ylabel("fraction of requests")
     ax_ttft.set_title("time to first token (CDF)")
-    ax_ttft.legend()
     workers = sorted({w for r in runs for w in r.requests_per_worker})
     width = 0.8 / len(runs)
     for k, run in enumerate(runs):
         xs = [i + k * width for i in range(len(workers))]
-        ax_load.bar(
-            xs, [run.requests_per_worker.get(w, 0) for w in workers], width, label=run.policy
-        )
+        counts = [run.requests_per_worker.get(w, 0) for w in workers]
+        ax_load.bar(xs, counts, width, color=colours[run.policy], label=run.policy)
+    if workers:
+        even = report.num_requests / len(workers)
+        ax_load.axhline(even, color="gray", linestyle=":", label="even share")
     ax_load.set_xticks([i + 0.4 - width / 2 for i in range(len(workers))], workers)
     ax_load.set_ylabel("requests served")
     ax_load.set_title("per-worker load")
-    ax_load.legend()
-    fig.suptitle(f"kvroute cluster: {report.workload}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    add_legend(fig)
+    return fig
+
+
+def write_plot(report: ClusterReport, path: Path) -> None:
+    """Write :func:`build_figure` as a PNG.
+
+    Raises:
+        ImportError: matplotlib is not installed.
+    """
+    save_figure(build_figure(report), path)

@@ -402,6 +402,19 @@ async def _run_policy(
     return PolicyRun(policy, tuple(stats), tuple(results), wall_s)
 
 
+async def _check_redis(redis_url: str) -> None:
+    """Fail before any process starts when the given Redis does not answer.
+
+    Raises:
+        ClusterError: Says which URL and why, and how to do without it.
+    """
+    try:
+        client = await connect(redis_url)
+    except RouterError as exc:
+        raise ClusterError(f"{exc}; or leave out --redis to start a private one") from exc
+    await client.aclose()
+
+
 async def _drop_namespace(redis_url: str, namespace: str) -> None:
     """Delete a finished run's keys from a Redis the user gave (ours is simply killed).
 
@@ -439,10 +452,13 @@ def run_cluster(
 
     Raises:
         ProcessError: A process failed to start, never became healthy, or died.
-        ClusterError: A worker's metrics or events could not be read.
+        ClusterError: The given Redis does not answer (checked before anything starts),
+            or a worker's metrics or events could not be read.
         RedisServerError: No Redis was given and none could be started.
     """
     config = config or ClusterConfig()
+    if config.redis_url is not None:
+        asyncio.run(_check_redis(config.redis_url))
     runs: list[PolicyRun] = []
     with terminate_as_interrupt(), contextlib.ExitStack() as stack:
         redis_url = config.redis_url or stack.enter_context(RedisServer()).url

@@ -1,14 +1,15 @@
-"""Workloads that drive a cluster: a Mooncake trace slice as token ids, or multi-turn chats.
+"""Workloads that drive a cluster: Mooncake-format trace records as token ids, or chats.
 
-The Mooncake trace (``timestamp`` in ms, ``input_length``, ``output_length``, ``hash_ids``,
-one id per 512-token block, chained: equal ids mean a reusable prefix) has no token ids.
-:func:`block_tokens` derives each trace block's tokens deterministically from its id, so
-equal ids give equal tokens and prefixes stay consistent; ``block_scale`` tokens stand for
-each 512-token trace block, which shrinks the work enough for small CPU workers while
-keeping the trace's prefix structure.
+The Mooncake trace format (``timestamp`` in ms, ``input_length``, ``output_length``,
+``hash_ids``, one id per 512-token block, chained: equal ids mean a reusable prefix) has no
+token ids. :func:`block_tokens` derives each trace block's tokens deterministically from its
+id, so equal ids give equal tokens and prefixes stay consistent; ``block_scale`` tokens
+stand for each 512-token trace block, which shrinks the work enough for small CPU workers
+while keeping the trace's prefix structure. Which trace (a file or the built-in generator)
+is :mod:`router.cluster.trace_source`'s decision.
 
-The built-in chat workload is the second choice: sessions that share a few system
-prompts, each turn's prompt being the whole conversation so far.
+The chat workload is the other choice: sessions that share a few system prompts, each
+turn's prompt being the whole conversation so far.
 
 Token ids stay below 256, so every workload runs on the byte-level vocabulary that kvroute
 workers use by default.
@@ -30,7 +31,6 @@ from events.hashing import root_key, router_block_keys
 from router.errors import RouterError
 
 __all__ = [
-    "DEFAULT_TRACE_PATH",
     "TRACE_BLOCK_TOKENS",
     "WORKLOAD_NAMES",
     "TraceRecord",
@@ -40,7 +40,6 @@ __all__ = [
     "block_tokens",
     "chat_workload",
     "ideal_hit_tokens",
-    "mooncake_workload",
     "read_trace",
     "select_families",
     "trace_requests",
@@ -48,11 +47,6 @@ __all__ = [
 
 TRACE_BLOCK_TOKENS: Final = 512
 """Tokens per block in Mooncake traces."""
-
-DEFAULT_TRACE_PATH: Final = (
-    Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake" / "synthetic_trace.jsonl"
-)
-"""The Mooncake synthetic trace, in ``../shared/data/mooncake/`` beside the repository."""
 
 WORKLOAD_NAMES: Final = ("mooncake", "chat")
 """Names of the built-in workloads, the first being the default."""
@@ -136,10 +130,7 @@ def read_trace(path: str | Path) -> list[TraceRecord]:
                 except msgspec.DecodeError as exc:
                     raise WorkloadError(f"{path}:{lineno}: not a trace record ({exc})") from exc
     except OSError as exc:
-        raise WorkloadError(
-            f"cannot read trace {str(path)!r} ({exc.strerror}); pass --trace FILE or use "
-            "--workload chat"
-        ) from exc
+        raise WorkloadError(f"cannot read trace {str(path)!r} ({exc.strerror})") from exc
     return records
 
 
@@ -233,43 +224,6 @@ def trace_requests(
             )
         )
     return out
-
-
-def mooncake_workload(
-    path: str | Path | None = None,
-    *,
-    num_requests: int = 200,
-    num_families: int = 64,
-    block_scale: int = 16,
-    max_output_tokens: int = 16,
-    seed: int = 0,
-) -> Workload:
-    """A slice of a Mooncake-format trace as token-id requests.
-
-    Args:
-        path: The trace; ``None`` means :data:`DEFAULT_TRACE_PATH`.
-        num_requests: Requests in the slice.
-        num_families: Prefix families the slice draws from (see :func:`select_families`).
-        block_scale: Tokens per 512-token trace block.
-        max_output_tokens: Upper bound on any request's ``max_tokens``.
-        seed: Seed of the token ids.
-
-    Raises:
-        WorkloadError: The trace cannot be read or a parameter is out of range.
-    """
-    trace = DEFAULT_TRACE_PATH if path is None else Path(path)
-    records = select_families(read_trace(trace), num_families, num_requests)
-    requests = trace_requests(
-        records, block_scale=block_scale, max_output_tokens=max_output_tokens, seed=seed
-    )
-    return Workload(
-        name="mooncake",
-        description=(
-            f"{len(requests)} requests of the {num_families} largest prefix families of "
-            f"{trace.name}, {block_scale} tokens per 512-token trace block"
-        ),
-        requests=tuple(requests),
-    )
 
 
 def chat_workload(

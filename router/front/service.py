@@ -55,7 +55,7 @@ from router.routing.policies import (
 )
 from router.routing.predicted import PredictedEntries
 from router.routing.request_keys import RequestKeys, key_request
-from router.store.connection import RedisClient, RedisOptions, connect
+from router.store.connection import RedisClient, RedisOptions, connect, redact_url
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
 from router.workers.registration import RegistrationError, RegistrationPolicy
@@ -189,6 +189,7 @@ class RouterService:
             cfg.redis_url, RedisOptions(socket_timeout_s=cfg.lookup_timeout_s, retries=0)
         )
         stack.push_async_callback(self._fast_client.aclose)
+        logger.info("connected to Redis %s", redact_url(cfg.redis_url))
         self._lookup = IndexLookup(
             RedisPrefixIndex(self._fast_client, layout, self.keyer),
             self.metrics,

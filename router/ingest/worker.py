@@ -376,10 +376,17 @@ class WorkerIngest:
         """Batches were lost for good: clear the worker and rebuild what can be."""
         await self._rebuild_as(self.rules.after_loss(), reason)
 
-    async def rebuild(self) -> None:
-        """After a lease (re)acquisition or a failure: rebuild the worker from scratch."""
+    async def rebuild(self, *, is_first_lease: bool = False) -> None:
+        """After a lease (re)acquisition or a failure: rebuild the worker from scratch.
+
+        Args:
+            is_first_lease: The worker's first lease ever (epoch 1): nothing was indexed
+                before, so nothing was lost and the rebuild is an ordinary start (logged
+                at INFO; a rebuild after a loss is a WARNING).
+        """
         self.needs_rebuild = False
-        await self._rebuild_as(self.rules.after_takeover(in_batch=self.in_batch), "rebuild")
+        how = self.rules.after_takeover(in_batch=self.in_batch)
+        await self._rebuild_as(how, "rebuild", is_loss=not is_first_lease)
 
     async def clear(self, applied_through: int | None) -> None:
         """Drop the worker's entries; the stream continues after ``applied_through``."""
@@ -407,13 +414,17 @@ class WorkerIngest:
                 log.warning("worker %s: index write failed (%s); it will be rebuilt", wid, exc)
         self.needs_rebuild = True
 
-    async def _rebuild_as(self, how: Rebuild, reason: str) -> None:
-        """Clear the worker and rebuild it ``how``; a resync is counted under ``reason``."""
+    async def _rebuild_as(self, how: Rebuild, reason: str, *, is_loss: bool = True) -> None:
+        """Clear the worker and rebuild it ``how``; a resync is counted under ``reason``
+        and logged as a warning when it follows a loss (``is_loss``)."""
         if how is Rebuild.REPLAY_FROM_START:
             await self._replay(0, clear=True)
             return
         self._services.metrics.resyncs.labels(self.worker_id, reason).inc()
-        log.warning("worker %s: resync (%s)", self.worker_id, reason)
+        if is_loss:
+            log.warning("worker %s: resync (%s)", self.worker_id, reason)
+        else:
+            log.info("worker %s: first lease, loading its entries (%s)", self.worker_id, reason)
         await self._reload(how)
 
     async def _replay(self, from_seq: int, *, clear: bool) -> None:

@@ -53,12 +53,9 @@ class CostWeights:
         prefill: Per prompt token the candidate would compute for this request. Well
             above ``queued_prefill``: a queued token only delays this request, while a
             computed token also delays every request queued behind it later, and a prefix
-            computed twice takes cache room from other prefixes. Measured in the simulator
-            (8 workers x 5,859 blocks, other weights at their defaults): prefill weights
-            1, 2, 4, 8 reach 94.5, 98.4, 99.3, 99.5 % of the infinite-cache hit rate on
-            the Mooncake synthetic trace and 83.9, 88.2, 92.0, 94.4 % on its conversation
-            trace, with max/mean load <= 1.16 and TTFT within 3 %; at 3x speed
-            (overload) 8 also cuts TTFT p50 from 39.5 s (weight 1) to 24.1 s.
+            computed twice takes cache room from other prefixes. The default is the best
+            of the weights measured in the simulator (``docs/simulator.md``, "The prefill
+            weight").
         queued_prefill: Per prompt token already queued on the candidate.
         replicated_prefill: Per prompt token the candidate would compute that at least
             ``replicated_holders`` other candidates already cache (instead of ``prefill``).

@@ -160,9 +160,8 @@ class PolicyConfig:
         history_ttl_s: Lifetime of the route history of ``approximate``.
         hash_prefix_blocks: ``consistent_hash`` hashes the key of this many leading
             blocks (fewer when the prompt is shorter). 2 rather than 1 so a system prompt
-            of one block that every request shares does not map them all to one worker:
-            78.5 -> 79.2 % of the ideal on the Mooncake synthetic trace, 31.4 -> 74.9 % on
-            its conversation trace (``kvroute sim``).
+            of one block that every request shares does not map them all to one worker
+            (measured in the simulator: ``docs/simulator.md``, "Consistent hashing").
         hash_load_factor: ``consistent_hash`` skips workers whose in-flight requests
             exceed this factor times the mean (bounded-load consistent hashing).
         hash_vnodes: Points per worker on the ``consistent_hash`` ring.

@@ -6,13 +6,24 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
+from router.cluster.plot_layout import add_legend, new_figure, save_figure
 from router.cluster.workload import TRACE_BLOCK_TOKENS
 from router.sim.engine import RequestOutcome
 from router.sim.trace import IdealHits, SimRequest
 
-__all__ = ["PolicyResult", "format_table", "percentile", "plot_results", "summarize"]
+__all__ = [
+    "PolicyResult",
+    "build_figure",
+    "format_table",
+    "percentile",
+    "plot_results",
+    "summarize",
+]
+
+_TARGET_IMBALANCE: Final = 1.25
+"""The max/mean load the cache-aware policy is held to (drawn on the load panel)."""
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -191,37 +202,44 @@ def format_table(results: Sequence[PolicyResult], baseline: str | None = None) -
     return "\n".join(lines)
 
 
-def plot_results(results: Sequence[PolicyResult], path: str | Path) -> None:
-    """Bar charts of hit rate (with the ideal), load imbalance and TTFT per policy.
+def build_figure(results: Sequence[PolicyResult]) -> Any:
+    """Bar charts per policy: block hit rate against the infinite-cache ideal, load
+    imbalance against the 1.25 target, and simulated TTFT p50 and p99.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install 'kvroute[plot]'``).
     """
-    import matplotlib  # optional dependency (extra "plot"): only needed for --plot
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+    fig, (ax_hit, ax_load, ax_ttft) = new_figure(3, "kvroute sim: one bar per routing policy")
     names = [r.policy for r in results]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    axes[0].bar(names, [r.hit_rate_blocks for r in results])
+    xs = list(range(len(names)))
+    bars = ax_hit.bar(xs, [100 * r.hit_rate_blocks for r in results], color="C0", label="hit rate")
+    ax_hit.bar_label(bars, fmt="%.1f", label_type="center", color="white", fontsize="small")
     if results:
-        axes[0].axhline(results[0].ideal.hit_rate_blocks, color="k", ls="--", label="ideal")
-        axes[0].legend()
-    axes[0].set_title("prefix hit rate (blocks)")
-    axes[1].bar(names, [r.load_imbalance for r in results])
-    axes[1].axhline(1.25, color="r", ls=":", label="1.25")
-    axes[1].legend()
-    axes[1].set_title("load imbalance (max/mean)")
+        ideal = 100 * results[0].ideal.hit_rate_blocks
+        ax_hit.axhline(ideal, color="k", ls="--", label="infinite-cache ideal")
+    ax_hit.set_ylim(0, 105)
+    ax_hit.set_ylabel("% of trace blocks")
+    ax_hit.set_title("prefix hit rate (blocks)")
+    ax_load.bar(xs, [r.load_imbalance for r in results], color="C1", label="load max/mean")
+    ax_load.axhline(_TARGET_IMBALANCE, color="r", ls=":", label=f"target {_TARGET_IMBALANCE}")
+    ax_load.set_title("load imbalance (max/mean, worse of requests and prefill)")
     width = 0.4
-    xs = range(len(names))
-    axes[2].bar([x - width / 2 for x in xs], [r.ttft_p50_s for r in results], width, label="p50")
-    axes[2].bar([x + width / 2 for x in xs], [r.ttft_p99_s for r in results], width, label="p99")
-    axes[2].set_xticks(list(xs), names)
-    axes[2].legend()
-    axes[2].set_title("TTFT (simulated s)")
-    for ax in axes:
-        ax.tick_params(axis="x", labelrotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax_ttft.bar([x - width / 2 for x in xs], [r.ttft_p50_s for r in results], width,
+                color="C2", label="TTFT p50")  # fmt: skip
+    ax_ttft.bar([x + width / 2 for x in xs], [r.ttft_p99_s for r in results], width,
+                color="C3", label="TTFT p99")  # fmt: skip
+    ax_ttft.set_ylabel("simulated seconds")
+    ax_ttft.set_title("time to first token")
+    for ax in (ax_hit, ax_load, ax_ttft):
+        ax.set_xticks(xs, names, rotation=30, ha="right")
+    add_legend(fig)
+    return fig
+
+
+def plot_results(results: Sequence[PolicyResult], path: str | Path) -> None:
+    """Write :func:`build_figure` as a PNG.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'kvroute[plot]'``).
+    """
+    save_figure(build_figure(results), path, dpi=110)

@@ -246,5 +246,6 @@ async def connect(url: str, options: RedisOptions | None = None) -> RedisClient:
             f"cannot reach Redis at {redact_url(url)}: {exc}; check the URL, password "
             "and TLS settings and that the server is running"
         ) from exc
-    log.info("connected to Redis %s (%s)", redact_url(url), "cluster" if cluster else "single")
+    # DEBUG: a process opens several clients; its owner logs the connection once.
+    log.debug("connected to Redis %s (%s)", redact_url(url), "cluster" if cluster else "single")
     return client

@@ -28,10 +28,12 @@ from events.identity import WorkerId
 from router.errors import PrefixIndexError
 
 __all__ = [
+    "NAMESPACE_MARKERS",
     "KeyLayout",
     "check_name",
     "decode_key",
     "encode_keys_fixed",
+    "namespace_of",
     "tag_text",
 ]
 
@@ -52,6 +54,22 @@ def check_name(kind: str, value: str) -> str:
             f"{kind} {value!r} is not valid: use 1-128 characters from [A-Za-z0-9_.:@-]"
         )
     return value
+
+
+NAMESPACE_MARKERS: Final = ("indexed", "registry", "routers")
+"""Key suffixes of which every namespace in use has at least one: a scan for
+``kvroute:*:<marker>`` finds the namespaces of a server (see :func:`namespace_of`)."""
+
+
+def namespace_of(key: str) -> str | None:
+    """The namespace of a marker key ``kvroute:<ns>:<marker>``, else ``None``."""
+    for marker in NAMESPACE_MARKERS:
+        suffix = f":{marker}"
+        if key.startswith("kvroute:") and key.endswith(suffix):
+            namespace = key[len("kvroute:") : -len(suffix)]
+            if _NAME.fullmatch(namespace):
+                return namespace
+    return None
 
 
 def encode_keys_fixed(keys: Sequence[int]) -> bytes:

@@ -162,7 +162,8 @@ class LeaseKeeper:
             if not self.gate.is_open:
                 return
             if worker.record.has_snapshot:
-                await _guarded(worker, worker.rebuild)
+                first = functools.partial(worker.rebuild, is_first_lease=lease.epoch == 1)
+                await _guarded(worker, first)
             else:
                 await _guarded(worker, functools.partial(worker.clear, applied_through=-1))
 

@@ -1,6 +1,6 @@
 """Block hashing: vLLM sha256_cbor test vectors, extra keys, and router key chaining.
 
-The vectors with extra keys follow VLLM_WIRE.md's "Block hashing" (vLLM 0.33): tagged
+The vectors with extra keys follow docs/vllm-compat.md's "Block hashing" (vLLM 0.33): tagged
 entries ``("lora", name, path)`` on every block, then ``("cache_salt", salt)`` on block 0.
 Each is computed here by an independent route (the CBOR written out, by hand or with
 cbor2 over lists) and pinned as a literal, so a drift in either fails.

@@ -58,7 +58,7 @@ def test_redis_stopped_and_restarted_empty(tmp_path: Path) -> None:
     with Cluster(tmp_path) as cluster:
         cluster.start_workers()
         router = cluster.start_router(
-            "router", [w.spec() for w in cluster.workers], "--lease-ttl", str(LEASE_TTL_S)
+            "router", [w.spec() for w in cluster.workers], "--lease-ttl-s", str(LEASE_TTL_S)
         )
         cluster.wait_healthy([*(w.url for w in cluster.workers), router])
         targets = [(w.worker_id, w.url) for w in cluster.workers]
@@ -95,7 +95,7 @@ def start_replica(cluster: Cluster, name: str, *also_healthy: str) -> str:
     url = cluster.start_router(
         name,
         [w.spec() for w in cluster.workers],
-        "--lease-ttl", str(LEASE_TTL_S),
+        "--lease-ttl-s", str(LEASE_TTL_S),
         "--replica-id", REPLICA_IDS[name],
     )  # fmt: skip
     cluster.wait_healthy([*also_healthy, url])

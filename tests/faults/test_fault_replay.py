@@ -89,9 +89,9 @@ def test_a_trickling_replay_endpoint_starves_no_lease_and_ends_at_its_deadline(
             router = cluster.start_router(
                 "router",
                 [bad.ports.spec(replay=f"tcp://{HOST}:{port}"), ok.ports.spec()],
-                "--lease-ttl", str(LEASE_TTL_S),
-                "--replay-timeout", str(REPLAY_TIMEOUT_S),
-                "--replay-deadline", str(REPLAY_DEADLINE_S),
+                "--lease-ttl-s", str(LEASE_TTL_S),
+                "--replay-timeout-s", str(REPLAY_TIMEOUT_S),
+                "--replay-deadline-s", str(REPLAY_DEADLINE_S),
             )  # fmt: skip
             cluster.wait_healthy([router])
             handshake(cluster, router, bad, prompts)

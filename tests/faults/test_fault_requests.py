@@ -63,7 +63,7 @@ def test_a_frozen_worker_is_failed_over_in_seconds_and_then_avoided(tmp_path: Pa
         router = cluster.start_router(
             "router",
             [w.spec() for w in cluster.workers],
-            "--policy", "round_robin", "--lease-ttl", "120",
+            "--policy", "round_robin", "--lease-ttl-s", "120",
             "--proxy-first-byte-timeout-s", str(FIRST_BYTE_TIMEOUT_S),
             "--proxy-connect-timeout-s", str(CONNECT_TIMEOUT_S),
             "--circuit-cooldown-s", "600",

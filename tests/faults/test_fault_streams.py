@@ -41,7 +41,7 @@ REPLAY_TIMEOUT_S = 5.0
 SILENT_BOUND_S = REPLAY_TIMEOUT_S + 40.0
 RESTART_BOUND_S = 10.0
 """A lifetime check, a reset, a replay from seq 0 and ``index check`` runs."""
-BY_PROBE_ONLY = ("--lease-ttl", "600")
+BY_PROBE_ONLY = ("--lease-ttl-s", "600")
 """A maintenance pass every 200 s: only the subscriber's restart probe can see a restart."""
 
 

@@ -54,7 +54,7 @@ def test_worker_sigkilled_mid_stream(tmp_path: Path) -> None:
     with Cluster(tmp_path) as cluster:
         cluster.start_workers()
         router = cluster.start_router(
-            "router", [w.spec() for w in cluster.workers], "--lease-ttl", str(LEASE_TTL_S)
+            "router", [w.spec() for w in cluster.workers], "--lease-ttl-s", str(LEASE_TTL_S)
         )
         cluster.wait_healthy([*(w.url for w in cluster.workers), router])
         w1 = cluster.workers[1]
@@ -93,7 +93,7 @@ def test_worker_restarted_in_place_resets_its_entries(tmp_path: Path) -> None:
     with Cluster(tmp_path) as cluster:
         cluster.start_workers()
         specs = [w.spec() for w in cluster.workers]
-        router = cluster.start_router("router", specs, "--lease-ttl", "30")
+        router = cluster.start_router("router", specs, "--lease-ttl-s", "30")
         cluster.wait_healthy([*(w.url for w in cluster.workers), router])
         w0, w1 = cluster.workers
         targets = [("w0", w0.url), ("w1", w1.url)]
@@ -123,7 +123,7 @@ def test_worker_restarted_in_place_resets_its_entries(tmp_path: Path) -> None:
 def test_a_worker_that_comes_up_after_being_dropped_is_served(tmp_path: Path) -> None:
     with Cluster(tmp_path, num_workers=1) as cluster:
         specs = [w.spec() for w in cluster.workers]
-        router = cluster.start_router("router", specs, "--lease-ttl", str(LEASE_TTL_S))
+        router = cluster.start_router("router", specs, "--lease-ttl-s", str(LEASE_TTL_S))
         cluster.wait_healthy([router])
         _wait_workers(cluster, router, [])  # the absent worker is dropped, fully
         assert "w0 unreachable" in cluster.group.log_tail("router", 100_000)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cli.cluster import build_parser, build_workload
+from router.cli.cluster import build_parser, build_workload, workload_source
 from router.cli.main import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +102,8 @@ def _check_recording(record: Path, tmp_path: Path) -> None:
         assert len(lines) == 40
         last = json.loads(lines[-1])
         assert last["policy"] == policy
-        workload = build_workload(build_parser().parse_args(["--quick"]))
+        args = build_parser().parse_args(["--quick"])
+        workload = build_workload(args, workload_source(args))
         # The last decision's request: the prompt of its length (the log holds no prompts).
         prompt = next(
             r.token_ids for r in workload.requests if len(r.token_ids) == last["num_prompt_tokens"]

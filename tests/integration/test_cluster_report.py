@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from router.cli.cluster import build_parser, build_workload
+from router.cli.cluster import build_parser, build_workload, workload_source
 from router.cluster.processes import ProcessError, ProcessGroup
 from router.cluster.report import (
     ClusterReport,
@@ -22,7 +22,8 @@ from router.cluster.report import (
     write_plot,
 )
 from router.cluster.runner import ClusterConfig, ClusterError
-from router.cluster.workload import WorkloadError
+from router.cluster.trace_generator import BUILTIN_TRACE_NAME
+from router.cluster.workload import Workload, WorkloadError
 
 
 def _run(policy: str, cached: list[int], served: list[tuple[int, int, int]]) -> PolicyRun:
@@ -151,15 +152,22 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _workload(argv: list[str], default_trace: Path | None = None) -> Workload:
+    args = build_parser().parse_args(argv)
+    if default_trace is None:
+        return build_workload(args, workload_source(args))
+    return build_workload(args, workload_source(args, default_trace))
+
+
 def test_workload_flags_and_the_missing_trace_fallback(tmp_path: Path) -> None:
-    parser = build_parser()
-    quick = build_workload(parser.parse_args(["--quick"]))
+    quick = _workload(["--quick"])
     assert quick.name == "mooncake"
     assert len(quick.requests) == 40
-    chat = build_workload(parser.parse_args(["--workload", "chat", "--sessions", "5"]))
+    chat = _workload(["--workload", "chat", "--sessions", "5"])
     assert (chat.name, len(chat.requests)) == ("chat", 5 * 4)
     missing = tmp_path / "absent.jsonl"
-    fallback = build_workload(parser.parse_args(["--quick"]), default_trace=missing)
-    assert (fallback.name, len(fallback.requests)) == ("chat", 6 * 3)
+    fallback = _workload(["--quick"], default_trace=missing)
+    assert (fallback.name, len(fallback.requests)) == ("mooncake", 40)
+    assert BUILTIN_TRACE_NAME in fallback.description
     with pytest.raises(WorkloadError, match=r"absent\.jsonl"):
-        build_workload(parser.parse_args(["--trace", str(missing)]), default_trace=missing)
+        _workload(["--trace", str(missing)], default_trace=missing)

@@ -244,7 +244,7 @@ def test_block_stored_has_vllm_033_shape_and_the_test_vector_hashes() -> None:
         ],
         None,
     ]
-    # Key order: VLLM_WIRE.md's map-encoded example, then the spec kind that vLLM 0.33's
+    # Key order: docs/vllm-compat.md's map-encoded example, then the spec kind that vLLM 0.33's
     # KV cache manager adds (its sliding window, None, is omitted).
     assert list(raw[1][0]) == [
         "type",

@@ -41,7 +41,7 @@ def test_partial_block_is_hashed_once_it_fills() -> None:
 
 
 def test_vllm_test_vectors_with_lora_and_salt() -> None:
-    """VLLM_WIRE.md's tagged extra keys: ("lora", name, path) on every block, then
+    """docs/vllm-compat.md's tagged extra keys: ("lora", name, path) on every block, then
     ("cache_salt", salt) on block 0 (the digests pinned in tests/events/test_hashing.py)."""
     lora = LoraAdapter(name="sql-adapter", int_id=7, path="/adapters/sql")
     both = Request("r", range(1, 33), BlockHasher(16), lora=lora, cache_salt="tenant-a")

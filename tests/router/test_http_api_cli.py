@@ -105,7 +105,7 @@ def test_config_file_toml_and_json_with_flags_winning(tmp_path: Path) -> None:
     settings = {
         "temperature": 0.5,
         "max_prompt_tokens": 100,
-        "route_hold": 0.5,
+        "route_hold_s": 0.5,
         "workers": ["d=http://h:7,events=tcp://h:8"],
     }
     as_json.write_text(json.dumps(settings))

@@ -1,0 +1,52 @@
+"""The repository stands on its own: nothing it ships depends on a file beside it.
+
+Code, comments, tests, benchmarks and docs cite only files inside the repository, and no
+tracker numbers; the one thing that may sit beside a checkout is the optional Mooncake
+trace under ``../shared/data/``. Every ``docs/`` page the README names exists.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_SOURCES = ("events", "pool", "router", "benchmarks", "tests", "examples", "docs")
+_OUTSIDE_NOTES = re.compile(r"VLLM_WIRE\.md|DESIGN\.md|STYLE\.md")
+_SHARED_NOT_DATA = re.compile(r"\.\./shared/(?!data/)")
+_TRACKER = re.compile(r"\b(?:issue|pull request|PR)\s*#?\d+|(?<![\w&])#\d{2,}\b", re.IGNORECASE)
+
+
+def _texts() -> list[Path]:
+    files = [ROOT / "README.md", ROOT / "pyproject.toml"]
+    for top in _SOURCES:
+        files += [
+            p
+            for p in (ROOT / top).rglob("*")
+            if p.suffix in (".py", ".md", ".toml", ".c", ".h") and "__pycache__" not in p.parts
+        ]
+    return files
+
+
+def test_nothing_cites_a_file_outside_the_repository_or_a_tracker_number() -> None:
+    me = Path(__file__).resolve()
+    found = []
+    for path in _texts():
+        if path.resolve() == me:
+            continue
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for pattern in (_OUTSIDE_NOTES, _SHARED_NOT_DATA, _TRACKER):
+                if pattern.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
+    assert found == []
+
+
+def test_the_docs_the_readme_names_exist() -> None:
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"`(docs/[\w.-]+\.md)`", readme))
+    assert {"docs/architecture.md", "docs/workload.md", "docs/simulator.md"} <= named
+    for page in named:
+        assert (ROOT / page).is_file(), page
+    for page in (ROOT / "docs").glob("*.md"):
+        for other in re.findall(r"`(docs/[\w.-]+\.md)`", page.read_text()):
+            assert (ROOT / other).is_file(), f"{page.name} names {other}"
