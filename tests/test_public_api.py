@@ -6,6 +6,7 @@ import importlib
 import re
 import subprocess
 import sys
+import typing
 
 import pytest
 
@@ -47,5 +48,29 @@ def test_all_is_sorted_unique_and_importable(package: str) -> None:
 
 def test_events_and_router_import_without_torch() -> None:
     code = "import sys, events, router; sys.exit(int('torch' in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_public_name_is_documented(package: str) -> None:
+    module = importlib.import_module(package)
+    # Constants and type aliases carry no docstring of their own: they are documented by
+    # the string literal that follows them where they are defined.
+    undocumented = [
+        name
+        for name in module.__all__
+        if not name.isupper()
+        and typing.get_origin(getattr(module, name)) is None
+        and not (getattr(module, name).__doc__ or "").strip()
+    ]
+    assert undocumented == [], f"{package}: public names without a docstring: {undocumented}"
+
+
+def test_importing_router_loads_its_public_names_lazily() -> None:
+    code = (
+        "import sys, router; assert 'aiohttp' not in sys.modules, 'aiohttp'; "
+        "router.RouterService; assert 'aiohttp' in sys.modules"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert result.returncode == 0, result.stderr.decode()
