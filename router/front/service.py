@@ -7,8 +7,8 @@ policy (:mod:`router.routing.policies`) and forwards requests (:mod:`router.fron
 HTTP API of :mod:`router.front.app`.
 
 When the index lookup fails, or Redis refuses the ingest's writes (the index would go
-stale), routing degrades to load alone (:mod:`router.index.lookup`): the index never
-causes a 5xx. Each forwarded request's load is accounted by :mod:`router.load.accounting`;
+stale), routing degrades to load alone (:mod:`router.front.lookup`): the index never
+causes a 5xx. Each forwarded request's load is accounted by :mod:`router.front.load_accounting`;
 each worker's failures by its circuit (:mod:`router.front.breaker`), which keeps a failing
 worker out of routing decisions for a while.
 """
@@ -37,15 +37,16 @@ from router.errors import RouterError
 from router.front.breaker import CircuitBreakers, CircuitState
 from router.front.chat import ChatTemplate, load_chat_template
 from router.front.config import RouterConfig
+from router.front.load_accounting import LoadAccounting
+from router.front.lookup import INDEX_ERRORS, IndexLookup
 from router.front.metrics import RouterMetrics
 from router.front.proxy import ProxyTarget, WorkerProxy
 from router.index.base import PrefixMatch
-from router.index.lookup import INDEX_ERRORS, IndexLookup
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.metrics import IngestMetrics
 from router.ingest.service import IndexIngest, IngestConfig
-from router.load.accounting import LoadAccounting
 from router.load.model import finished, prefilled, routed
+from router.load.reports import WorkerReportPoller
 from router.load.shared import RedisLoadTracker, SharedLoadConfig
 from router.routing.policies import (
     Decision,
@@ -60,7 +61,6 @@ from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
 from router.workers.registration import RegistrationError, RegistrationPolicy
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
-from router.workers.reports import WorkerReportPoller
 
 __all__ = ["NoWorkersError", "Readiness", "Routed", "RouterService"]
 

@@ -30,7 +30,7 @@
 * a lost lease or a Redis failure (e.g. Redis restarted empty) marks the worker for a
   rebuild, which the maintenance pass or the next batch performs.
 
-Router replicas share the ingest (:mod:`router.workers.ownership`: which replica holds which
+Router replicas share the ingest (:mod:`router.ingest.ownership`: which replica holds which
 worker's lease, and how leases move with the previous holder's state of the worker). A
 router keeps the batches (and publisher restarts) it receives for a worker it owns but
 does not hold yet, so the ones published while the lease moves are applied too, even from
@@ -42,7 +42,7 @@ restarted router resumes the same workers; a maintenance pass also reaps workers
 lease lapsed (their router died).
 
 This module holds the membership, the event sink and the maintenance pass; the leases are
-a :class:`router.workers.ownership.LeaseKeeper`, each worker's batch and recovery paths a
+a :class:`router.ingest.ownership.LeaseKeeper`, each worker's batch and recovery paths a
 :class:`router.ingest.worker.WorkerIngest`, and which rebuild follows which loss is
 decided by :mod:`router.ingest.recovery` (shared with the offline replay).
 """
@@ -74,11 +74,11 @@ from events.subscriber import (
 )
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.metrics import IngestMetrics, StreamCollector
+from router.ingest.ownership import RECOVERY_ERRORS, LeaseKeeper
 from router.ingest.worker import IngestServices, WorkerIngest
 from router.ingest.write_gate import WriteGate, is_out_of_memory
 from router.tasks.periodic import Periodic
 from router.workers.lifetime import LifetimeTracker
-from router.workers.ownership import RECOVERY_ERRORS, LeaseKeeper
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
 
 __all__ = ["IndexIngest", "IngestConfig"]

@@ -10,7 +10,7 @@ with its own exact in-process figures, so two replicas see each other's traffic 
 not herd onto one worker.
 
 Workers' own figures (``/health`` of kvroute workers, ``/metrics`` of vLLM engines, polled
-by :class:`router.workers.reports.WorkerReportPoller`) are merged field by field with
+by :class:`router.load.reports.WorkerReportPoller`) are merged field by field with
 ``max``: both the router's count and the worker's report are lower bounds of the truth
 (the router misses direct clients, the report is stale).
 

@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 
 from events.identity import WorkerId
 from router.load.model import WorkerLoad, finished, routed
-from router.load.shared import RedisLoadTracker, SharedLoadConfig
-from router.store.connection import connect
-from router.store.server import RedisServer
-from router.workers.reports import (
+from router.load.reports import (
     WorkerReportPoller,
     parse_health_load,
     parse_vllm_metrics_load,
 )
+from router.load.shared import RedisLoadTracker, SharedLoadConfig
+from router.store.connection import connect
+from router.store.server import RedisServer
 
 W1, W2 = WorkerId("w1"), WorkerId("w2")
 
