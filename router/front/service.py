@@ -23,10 +23,8 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
 
 import aiohttp
-import msgspec
 from aiohttp import web
 
 from events.hashing import BlockKey, RouterKeyer
@@ -37,6 +35,7 @@ from router.errors import RouterError
 from router.front.breaker import CircuitBreakers, CircuitState
 from router.front.chat import ChatTemplate, load_chat_template
 from router.front.config import RouterConfig
+from router.front.decision_log import DecisionLog
 from router.front.load_accounting import LoadAccounting
 from router.front.lookup import INDEX_ERRORS, IndexLookup
 from router.front.metrics import RouterMetrics
@@ -59,6 +58,7 @@ from router.routing.request_keys import RequestKeys, key_request
 from router.store.connection import RedisClient, RedisOptions, connect, redact_url
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
+from router.workers.liveness import Liveness
 from router.workers.registration import RegistrationError, RegistrationPolicy
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
 
@@ -140,9 +140,8 @@ class RouterService:
             else None
         )
         self._records: dict[WorkerId, WorkerRecord] = {}
-        self._dead: dict[WorkerId, WorkerRecord] = {}
-        self._unreachable_since: dict[WorkerId, float] = {}
-        self._decision_log: IO[bytes] | None = None
+        self._liveness = Liveness(config.dead_after_s or config.lease_ttl_s)
+        self._decision_log: DecisionLog | None = None
         self._holds: set[asyncio.TimerHandle] = set()
         self._maintainer = Periodic(self.maintain_once, min(1.0, config.lease_ttl_s / 3))
         self.port = config.port
@@ -229,7 +228,8 @@ class RouterService:
         self.proxy = WorkerProxy(self._session, cfg.proxy, self.breakers)
         self.poller = WorkerReportPoller(self.load, self._session, cfg.health_poll_s)
         if cfg.decision_log is not None:
-            self._decision_log = stack.enter_context(open(cfg.decision_log, "ab"))  # noqa: SIM115
+            self._decision_log = DecisionLog(cfg.decision_log)
+            stack.callback(self._decision_log.close)
         stack.push_async_callback(self.load.close)
         await self.load.start()
         stack.callback(self._cancel_holds)  # the tracker's close withdraws their load anyway
@@ -344,15 +344,15 @@ class RouterService:
         current = self._records.get(wid)
         if current is not None and current != record:
             self._drop_worker(wid)
-        self._dead.pop(wid, None)
+        self._liveness.forget(wid)
         self._set_worker(record)
         return outcome
 
     async def remove_worker(self, worker_id: WorkerId) -> bool:
         """Unregister a worker and drop its entries; False when it was not registered."""
-        known = worker_id in self._records or worker_id in self._dead
+        known = worker_id in self._records or self._liveness.is_retired(worker_id)
         saved = await self.ingest.remove_worker(worker_id)
-        self._dead.pop(worker_id, None)
+        self._liveness.forget(worker_id)
         self._drop_worker(worker_id)
         return known or saved
 
@@ -376,7 +376,7 @@ class RouterService:
         """
         for record in await self.registry.records():
             wid = WorkerId(record.worker_id)
-            if self._records.get(wid) != record and wid not in self._dead:
+            if self._records.get(wid) != record and not self._liveness.is_retired(wid):
                 self._set_worker(record)
 
     # -- routing -------------------------------------------------------------------------
@@ -479,18 +479,7 @@ class RouterService:
         self.metrics.matched_tokens.labels(decision.worker_id).inc(chosen.matched_tokens)
         self.metrics.predicted_tokens.labels(decision.worker_id).inc(chosen.predicted_tokens)
         if self._decision_log is not None:
-            line = msgspec.json.encode(
-                {
-                    "ts": time.time(),
-                    "worker_id": decision.worker_id,
-                    "policy": decision.policy,
-                    "num_prompt_tokens": num_prompt_tokens,
-                    "index_live": self.index_live,
-                    "candidates": decision.candidates,
-                }
-            )
-            self._decision_log.write(line + b"\n")
-            self._decision_log.flush()
+            self._decision_log.write(decision, num_prompt_tokens, index_live=self.index_live)
 
     async def hold(self, routed_: Routed) -> None:
         """Count a ``/v1/route`` decision as load on its worker for ``route_hold_s``."""
@@ -548,26 +537,24 @@ class RouterService:
         self.metrics.shared_load_live.set(1 if self.load.is_shared else 0)
         with contextlib.suppress(*INDEX_ERRORS):
             await self._sync_workers()
-        dead_after = self.config.dead_after_s or self.config.lease_ttl_s
-        now = time.monotonic()
-        for wid in list(self._records):
-            if self.poller.is_reachable(wid):
-                self._unreachable_since.pop(wid, None)
-            elif now - self._unreachable_since.setdefault(wid, now) >= dead_after:
-                record = self._records[wid]
-                logger.warning("worker %s unreachable for %.0fs: dropping it", wid, dead_after)
-                with contextlib.suppress(*INDEX_ERRORS):
-                    await self.remove_worker(wid)
-                    self._dead[wid] = record
-                    self._unreachable_since.pop(wid, None)
-        for wid, record in list(self._dead.items()):
+        live = self._liveness
+        for wid in live.overdue(list(self._records), self.poller.is_reachable, time.monotonic()):
+            record = self._records[wid]
+            logger.warning(
+                "worker %s unreachable for %.0fs: dropping it", wid, live.dead_after_s
+            )
+            with contextlib.suppress(*INDEX_ERRORS):
+                await self.remove_worker(wid)
+                live.retire(record)
+        for record in live.retired:
+            wid = WorkerId(record.worker_id)
             if record.http_url and await self.poller.probe(record.http_url):
                 logger.info("worker %s answers again: registering it", wid)
                 try:
-                    await self.add_worker(record)  # takes it out of _dead
+                    await self.add_worker(record)  # no longer retired
                 except RegistrationError as exc:  # registered anew meanwhile, or refused
                     logger.info("worker %s stays unregistered: %s", wid, exc)
-                    self._dead.pop(wid, None)
+                    live.forget(wid)
                 except INDEX_ERRORS:
                     pass  # retried next pass
 
