@@ -171,8 +171,9 @@ async def measure(redis_url: str, num_workers: int, requests: int) -> dict[str, 
         for i, url in enumerate(urls)
     ]
     await index_prompt(redis_url, namespace, records)
-    service = RouterService(RouterConfig(redis_url=redis_url, namespace=namespace, port=0))
-    await service.start()
+    service = await RouterService.open(
+        RouterConfig(redis_url=redis_url, namespace=namespace, port=0)
+    )
     gc.freeze()  # as `kvroute router` does once started
     body = ('{"prompt": "' + prompt_text() + '", "max_tokens": 1}').encode()
     headers = {"Content-Type": "application/json"}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import json
 import logging
@@ -420,13 +419,11 @@ async def _serve(args: argparse.Namespace) -> int:
                 "--forward-authorization with --api-key: every worker receives the "
                 "router's API key in the clients' Authorization headers"
             )
-        service = RouterService(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        try:
-            await service.start()
+        async with await RouterService.open(config) as service:
             if not (NATIVE_KEYS and NATIVE_RUNS):
                 logger.warning(
                     "kvroute's C modules were not built (no C compiler at install time): "
@@ -441,9 +438,6 @@ async def _serve(args: argparse.Namespace) -> int:
             print(json.dumps(ready), flush=True)
             await stop.wait()
             logger.info("stopping the router")
-        finally:
-            with contextlib.suppress(AttributeError):  # start() failed before building it all
-                await service.close()
     finally:
         if embedded is not None:
             embedded.stop()

@@ -116,10 +116,11 @@ class Routed:
 
 
 class RouterService:
-    """One router replica.
+    """One router replica; :meth:`open` returns a running one.
 
     Args:
-        config: The replica's configuration.
+        config: The replica's configuration (the constructor does no I/O and serves
+            nothing: use :meth:`open`).
     """
 
     def __init__(self, config: RouterConfig) -> None:
@@ -155,24 +156,35 @@ class RouterService:
 
     # -- lifecycle -----------------------------------------------------------------------
 
-    async def start(self) -> int:
-        """Connect to Redis, start ingest, load sharing and the HTTP API; returns the port.
+    @classmethod
+    async def open(cls, config: RouterConfig) -> RouterService:
+        """A running replica: connected to Redis, ingesting, serving HTTP on its port.
 
-        On any failure everything opened so far is closed before the error propagates,
-        so a router that cannot start exits instead of hanging on what it left open.
+        The only way to get one: on any failure everything opened so far is closed
+        before the error propagates, so a router that cannot start exits instead of
+        hanging on what it left open, and no half-built service is ever returned.
+        ``async with await RouterService.open(config) as service:`` closes it on exit.
 
         Raises:
             router.store.connection.RedisConnectError: Redis cannot be reached.
             router.workers.registration.RegistrationError: A configured worker is refused.
             RouterError: The HTTP port cannot be bound.
         """
+        service = cls(config)
         try:
-            return await self._start()
+            await service._start()
         except BaseException:
-            await self.close()
+            await service.close()
             raise
+        return service
 
-    async def _start(self) -> int:
+    async def __aenter__(self) -> RouterService:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _start(self) -> None:
         from router.front.app import make_app  # the HTTP layer imports this module
 
         cfg = self.config
@@ -262,7 +274,6 @@ class RouterService:
         self.metrics.index_live.set(1)
         self.metrics.index_writable.set_function(lambda: 1 if self.index_writable else 0)
         logger.info("router listening on http://%s:%d (policy %s)", cfg.host, self.port, cfg.policy)
-        return self.port
 
     async def close(self) -> None:
         """Stop serving and release everything opened (leases, load, connections).

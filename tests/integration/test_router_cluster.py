@@ -131,8 +131,7 @@ async def router(
     redis_url: str, namespace: str, records: list[WorkerRecord], **kw: Any
 ) -> AsyncIterator[RouterService]:
     config = RouterConfig(redis_url=redis_url, namespace=namespace, port=0, workers=tuple(records))
-    service = RouterService(replace(config, **kw))
-    await service.start()
+    service = await RouterService.open(replace(config, **kw))
     try:
         yield service
     finally:

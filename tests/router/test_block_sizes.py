@@ -74,8 +74,7 @@ def test_an_absurd_block_size_harms_no_one_and_mismatched_events_are_flagged(
             config = RouterConfig(
                 redis_url=redis_url, namespace=namespace, port=0, workers=records, lease_ttl_s=1.5
             )
-            svc = RouterService(config)
-            await svc.start()
+            svc = await RouterService.open(config)
             try:
                 async with aiohttp.ClientSession(base_url=svc.url) as client:
                     await streams_up(svc, huge, w1, w2)

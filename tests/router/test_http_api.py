@@ -100,8 +100,7 @@ async def running_router(
         port=0,
         workers=tuple(w.record() for w in workers),
     )
-    service = RouterService(replace(config, **overrides))
-    await service.start()
+    service = await RouterService.open(replace(config, **overrides))
     try:
         async with aiohttp.ClientSession(base_url=service.url) as client:
             yield service, client

@@ -70,8 +70,7 @@ def test_a_full_redis_is_backed_off_said_once_and_recovered_from(
                 workers=(k1.record(),),
                 lease_ttl_s=1.5,
             )
-            svc = RouterService(config)
-            await svc.start()
+            svc = await RouterService.open(config)
             try:
                 async with aiohttp.ClientSession(base_url=svc.url) as client:
                     await streams_up(svc, k1)
