@@ -42,7 +42,6 @@ import aiohttp
 from aiohttp import web
 
 from benchmarks.environment import describe
-from events.identity import WorkerId
 from events.schema import BlockStored, KVEventBatch
 from router.front.config import RouterConfig
 from router.front.service import RouterService
@@ -109,7 +108,7 @@ async def index_prompt(redis_url: str, namespace: str, records: Sequence[WorkerR
     tokens = list(prompt_text().encode())
     for i, record in enumerate(records):
         await registry.register(record)
-        wid = WorkerId(record.worker_id)
+        wid = record.worker_id
         lease = await registry.acquire(wid)
         assert lease is not None
         index.use_lease(wid, lease.token)

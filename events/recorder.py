@@ -22,6 +22,7 @@ from typing import BinaryIO, Final, Literal
 import msgspec
 
 from events.errors import EventsError
+from events.identity import WorkerId
 from events.schema import KVEventBatch, decode_batch
 from events.subscriber import ReceivedBatch
 
@@ -62,7 +63,7 @@ class LogRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """
 
     recv_ts: float
-    worker_id: str
+    worker_id: WorkerId
     kind: RecordKind
     seq: int | None
     payload: bytes = b""
@@ -213,8 +214,8 @@ class EventRecorder:
             )
         )
 
-    async def on_reset(self, worker_id: str, seq: int) -> None:
+    async def on_reset(self, worker_id: WorkerId, seq: int) -> None:
         self.writer.write(LogRecord(time.time(), worker_id, "reset", seq))
 
-    async def on_resync_needed(self, worker_id: str, reason: str) -> None:
+    async def on_resync_needed(self, worker_id: WorkerId, reason: str) -> None:
         self.writer.write(LogRecord(time.time(), worker_id, "resync", None, reason=reason))

@@ -43,6 +43,7 @@ from zmq.utils.monitor import parse_monitor_message
 from events.curve import configure_client
 from events.errors import EventDecodeError, FramingError
 from events.framing import parse_message, recv_frames
+from events.identity import WorkerId
 from events.rate_limited_log import RateLimitedLog
 from events.replay_client import ReplayClient
 from events.schema import decode_batch
@@ -115,7 +116,7 @@ class EventSubscriber:
         self._sink = sink
         self._config = config or SubscriberConfig()
         self._context = zmq.asyncio.Context()
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[WorkerId, _Worker] = {}
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None
         self._warn = RateLimitedLog(self._config.log_interval_s, _log)
@@ -124,15 +125,15 @@ class EventSubscriber:
         )
 
     @property
-    def worker_ids(self) -> list[str]:
+    def worker_ids(self) -> list[WorkerId]:
         """The subscribed workers, in subscription order."""
         return list(self._workers)
 
-    def last_seq(self, worker_id: str) -> int | None:
+    def last_seq(self, worker_id: WorkerId) -> int | None:
         """The highest seq delivered for ``worker_id`` (``None`` before the first)."""
         return self._worker(worker_id).last_seq
 
-    def counters(self, worker_id: str) -> WorkerCounters:
+    def counters(self, worker_id: WorkerId) -> WorkerCounters:
         """A snapshot of ``worker_id``'s counters."""
         return self._worker(worker_id).counters.snapshot()
 
@@ -179,7 +180,7 @@ class EventSubscriber:
             task.add_done_callback(self._on_task_done)
             worker.tasks.append(task)
 
-    async def remove_worker(self, worker_id: str) -> None:
+    async def remove_worker(self, worker_id: WorkerId) -> None:
         """Stop reading a worker's stream and forget its state and counters.
 
         Not from inside the sink's calls for that worker (its reader would cancel itself).
@@ -203,7 +204,7 @@ class EventSubscriber:
 
     async def request_replay(
         self,
-        worker_id: str,
+        worker_id: WorkerId,
         from_seq: int,
         *,
         release: AbstractAsyncContextManager[object] | None = None,
@@ -260,7 +261,7 @@ class EventSubscriber:
     ) -> None:
         await self.close()
 
-    def _worker(self, worker_id: str) -> _Worker:
+    def _worker(self, worker_id: WorkerId) -> _Worker:
         try:
             return self._workers[worker_id]
         except KeyError:

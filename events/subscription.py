@@ -18,6 +18,7 @@ import msgspec
 
 from events.curve import CurveClientConfig
 from events.errors import EventsError
+from events.identity import WorkerId
 from events.schema import KVEventBatch
 
 __all__ = [
@@ -46,7 +47,7 @@ class ReceivedBatch(msgspec.Struct, frozen=True, gc=False):
         replayed: ``True`` if it came through replay rather than the live stream.
     """
 
-    worker_id: str
+    worker_id: WorkerId
     seq: int
     batch: KVEventBatch
     payload: bytes
@@ -60,7 +61,7 @@ class EventSink(Protocol):
     async def on_batch(self, received: ReceivedBatch) -> None:
         """Apply one batch (per worker: in seq order, exactly once)."""
 
-    async def on_reset(self, worker_id: str, seq: int) -> None:
+    async def on_reset(self, worker_id: WorkerId, seq: int) -> None:
         """The worker's publisher restarted; ``seq`` is the first seen of its new lifetime.
 
         ``seq`` is at or below the last one seen, or above it and the stream's restart
@@ -68,7 +69,7 @@ class EventSink(Protocol):
         ``on_resync_needed`` if they cannot.
         """
 
-    async def on_resync_needed(self, worker_id: str, reason: str) -> None:
+    async def on_resync_needed(self, worker_id: WorkerId, reason: str) -> None:
         """Batches of the worker were lost for good; its state must be rebuilt.
 
         ``reason`` is one of ``"no_replay_endpoint"``, ``"replay_timeout"`` (the replay
@@ -103,7 +104,7 @@ class WorkerStream:
             when unsure. ``None``: only a seq drop is a restart.
     """
 
-    worker_id: str
+    worker_id: WorkerId
     endpoint: str
     replay_endpoint: str | None = None
     topic: bytes = b""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from events.identity import WorkerId
+
 __all__ = ["OrphanParentError", "PrefixIndexError", "RouterError"]
 
 
@@ -25,7 +27,7 @@ class OrphanParentError(PrefixIndexError):
         num_applied: How many events of the batch were applied before this one.
     """
 
-    def __init__(self, worker_id: str, parent_hash: int | bytes, num_applied: int) -> None:
+    def __init__(self, worker_id: WorkerId, parent_hash: int | bytes, num_applied: int) -> None:
         super().__init__(
             f"worker {worker_id!r}: BlockStored parent {parent_hash!r} is unknown to the "
             f"index ({num_applied} earlier events of the batch were applied); "

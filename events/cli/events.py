@@ -21,6 +21,7 @@ from events.cli.streams import (
 )
 from events.curve import CurveKeyError
 from events.errors import EventDecodeError
+from events.identity import WorkerId
 from events.recorder import EventLogError, LogRecord, read_log
 from events.schema import BlockRemoved, BlockStored, KVEventBatch, WireHash
 from events.subscriber import ReceivedBatch
@@ -151,10 +152,10 @@ class _TailSink:
         if self.max_batches is not None and self.num_batches >= self.max_batches:
             self.done.set()
 
-    async def on_reset(self, worker_id: str, seq: int) -> None:
+    async def on_reset(self, worker_id: WorkerId, seq: int) -> None:
         self._emit(LogRecord(time.time(), worker_id, "reset", seq))
 
-    async def on_resync_needed(self, worker_id: str, reason: str) -> None:
+    async def on_resync_needed(self, worker_id: WorkerId, reason: str) -> None:
         self._emit(LogRecord(time.time(), worker_id, "resync", None, reason=reason))
 
 

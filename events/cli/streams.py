@@ -15,6 +15,7 @@ import signal
 from typing import Final
 
 from events.curve import CurveClientConfig, CurveKeyError, CurveKeyPair, load_public_key
+from events.identity import WorkerId
 from events.subscriber import EventSink, EventSubscriber, SubscriberConfig, WorkerStream
 
 __all__ = [
@@ -64,7 +65,7 @@ def parse_worker_spec(text: str, client_keys: CurveKeyPair | None = None) -> Wor
             raise CurveKeyError(f"--worker {worker_id}: server_key= needs --client-key")
         curve = CurveClientConfig(load_public_key(options["server_key"]), client_keys)
     return WorkerStream(
-        worker_id,
+        WorkerId(worker_id),
         endpoint,
         replay_endpoint=options.get("replay"),
         topic=options.get("topic", "").encode(),

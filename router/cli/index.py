@@ -95,16 +95,16 @@ async def expected_entries(
 async def check_workers(
     index: RedisPrefixIndex,
     session: aiohttp.ClientSession,
-    targets: Sequence[tuple[str, str]],
+    targets: Sequence[tuple[WorkerId, str]],
     registry: WorkerRegistry | None = None,
 ) -> list[WorkerCheck]:
     """Compare each ``(worker id, http url)`` worker's snapshot with its index entries
     (and, given the ``registry``, its block size with its registration's)."""
-    registered: dict[str, int] = {}
-    flagged: dict[str, int] = {}
+    registered: dict[WorkerId, int] = {}
+    flagged: dict[WorkerId, int] = {}
     if registry is not None:
         registered = {r.worker_id: r.block_size for r in await registry.records()}
-        flagged = await registry.events_block_sizes([worker_id for worker_id, _ in targets])
+        flagged = await registry.events_block_sizes([w for w, _ in targets])
     out: list[WorkerCheck] = []
     for worker_id, http_url in targets:
         expected, snapshot_block_size = await expected_entries(index.keyer, session, http_url)
@@ -220,13 +220,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _targets(specs: Sequence[str]) -> list[tuple[str, str]]:
+def _targets(specs: Sequence[str]) -> list[tuple[WorkerId, str]]:
     out = []
     for spec in specs:
         worker_id, sep, url = spec.partition("=")
         if not sep or not worker_id or not url:
             raise RouterError(f"--worker {spec!r}: expected ID=HTTP_URL")
-        out.append((worker_id, url))
+        out.append((WorkerId(worker_id), url))
     return out
 
 

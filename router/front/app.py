@@ -109,7 +109,7 @@ class ChatBody(msgspec.Struct, kw_only=True):
 class WorkerBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A ``POST``/``PUT /v1/workers`` body (also the shape ``GET /v1/workers`` lists)."""
 
-    worker_id: str
+    worker_id: WorkerId
     url: str
     events: str
     replay: str | None = None
@@ -323,7 +323,7 @@ class _Handlers:
         workers = [
             {
                 **_worker_view(r),
-                "circuit": breakers.view(WorkerId(r.worker_id)),
+                "circuit": breakers.view(r.worker_id),
                 "block_size_mismatch": r.worker_id in flagged,
                 "events_block_size": flagged.get(r.worker_id),
             }

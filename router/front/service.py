@@ -131,7 +131,7 @@ class RouterService:
         self.metrics = RouterMetrics()
         self.breakers = CircuitBreakers(config.breaker, on_open=self._circuit_opened)
         self.metrics.watch_circuits(
-            lambda: {r.worker_id: self.breakers.state(WorkerId(r.worker_id)) for r in self.workers}
+            lambda: {r.worker_id: self.breakers.state(r.worker_id) for r in self.workers}
         )
         self.ingest_metrics = IngestMetrics(self.metrics.registry)
         self.keyer = RouterKeyer(config.key_seed)
@@ -316,11 +316,11 @@ class RouterService:
             return "full"
         return "live" if self.index_live else "degraded"
 
-    async def events_block_sizes(self) -> dict[str, int]:
+    async def events_block_sizes(self) -> dict[WorkerId, int]:
         """The workers whose events carry a block size other than their registration's:
         worker id -> that block size, as the replicas holding them recorded in Redis
         (this replica's own knowledge when Redis fails)."""
-        flagged: dict[str, int] = {str(w): n for w, n in self.ingest.events_block_sizes.items()}
+        flagged = dict(self.ingest.events_block_sizes)
         with contextlib.suppress(*INDEX_ERRORS):
             flagged.update(await self.registry.events_block_sizes(list(self._records)))
         return flagged
@@ -350,7 +350,7 @@ class RouterService:
             events.errors.EventsError: Its event stream cannot be subscribed to.
         """
         self.registration.check(record)
-        wid = WorkerId(record.worker_id)
+        wid = record.worker_id
         outcome = await self.ingest.add_worker(record, replace=replace)
         current = self._records.get(wid)
         if current is not None and current != record:
@@ -368,7 +368,7 @@ class RouterService:
         return known or saved
 
     def _set_worker(self, record: WorkerRecord) -> None:
-        wid = WorkerId(record.worker_id)
+        wid = record.worker_id
         self._records[wid] = record
         self.poller.set_worker(wid, record.http_url)
 
@@ -386,7 +386,7 @@ class RouterService:
         ingest registers its workers again on its next pass.
         """
         for record in await self.registry.records():
-            wid = WorkerId(record.worker_id)
+            wid = record.worker_id
             if self._records.get(wid) != record and not self._liveness.is_retired(wid):
                 self._set_worker(record)
 
@@ -407,11 +407,11 @@ class RouterService:
             raise NoWorkersError(
                 "no worker with an HTTP URL is registered: add one with POST /v1/workers"
             )
-        routable = [r for r in records if self.breakers.routable(WorkerId(r.worker_id))]
+        routable = [r for r in records if self.breakers.routable(r.worker_id)]
         if not routable:
             raise NoWorkersError(
                 "every worker is failing and skipped for now: "
-                + "; ".join(self._circuit_text(WorkerId(r.worker_id)) for r in records)
+                + "; ".join(self._circuit_text(r.worker_id) for r in records)
             )
         return routable
 
@@ -450,7 +450,7 @@ class RouterService:
         # the smallest (see router.routing.request_keys): a worker registered with another block
         # size never changes what the others match.
         keyed = key_request(self.keyer, token_ids, records, cache_salt)
-        workers = [WorkerId(r.worker_id) for r in records]
+        workers = [r.worker_id for r in records]
         matches: Mapping[WorkerId, PrefixMatch] = {}
         if self.policy.uses_index and self.index_writable:
             matches = await self._lookup.matches(keyed)
@@ -460,7 +460,7 @@ class RouterService:
         candidates = build_candidates(workers, loads, matches, predicted)
         request = RouteRequest(keyed.base_keys, len(token_ids), keyed.base, num_output_tokens)
         decision = self.policy.decide(request, candidates)
-        by_id = {WorkerId(r.worker_id): r for r in records}
+        by_id = {r.worker_id: r for r in records}
         order = sorted(
             decision.candidates, key=lambda c: (c.worker_id != decision.worker_id, c.score)
         )
@@ -515,7 +515,7 @@ class RouterService:
         routable: list[str] = []
         problems: list[str] = []
         for record in records:
-            wid = WorkerId(record.worker_id)
+            wid = record.worker_id
             if self.breakers.state(wid) is CircuitState.OPEN:
                 problems.append(self._circuit_text(wid))
             elif not self.poller.is_reachable(wid):
@@ -558,7 +558,7 @@ class RouterService:
                 await self.remove_worker(wid)
                 live.retire(record)
         for record in live.retired:
-            wid = WorkerId(record.worker_id)
+            wid = record.worker_id
             if record.http_url and await self.poller.probe(record.http_url):
                 logger.info("worker %s answers again: registering it", wid)
                 try:

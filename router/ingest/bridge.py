@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 
 from events.hashing import BlockKey, RouterKeyer, router_block_keys
+from events.identity import WorkerId
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, WireHash
 from router.errors import OrphanParentError
 from router.index.changes import CPU_MASK, GPU_MASK, Changes
@@ -384,7 +385,7 @@ def _is_well_formed(event: BlockStored) -> bool:
 
 
 async def fold_batch(
-    worker_id: str,
+    worker_id: WorkerId,
     bridge: WorkerBridge,
     batch: KVEventBatch,
     write: Callable[[Changes], Awaitable[None]],

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from events.identity import WorkerId
 from events.subscriber import WorkerCounters
 
 __all__ = ["IngestMetrics", "StreamCollector"]
@@ -25,7 +26,7 @@ class StreamCollector(Collector):
         read: Returns worker id -> counters snapshot at scrape time.
     """
 
-    def __init__(self, read: Callable[[], Mapping[str, WorkerCounters]]) -> None:
+    def __init__(self, read: Callable[[], Mapping[WorkerId, WorkerCounters]]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[CounterMetricFamily]:

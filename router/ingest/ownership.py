@@ -99,7 +99,7 @@ class LeaseKeeper:
                 self.index.forget_lease(worker.worker_id)
         self._routers = await self.registry.heartbeat()
 
-    def owns(self, worker_id: str) -> bool:
+    def owns(self, worker_id: WorkerId) -> bool:
         """Whether this router is the worker's owner among the live routers."""
         return owner_of(worker_id, self._routers) in (None, self.registry.owner)
 
@@ -196,7 +196,7 @@ class LeaseKeeper:
                 )
         await self.registry.release(lease)
 
-    def successor(self, worker_id: str) -> str:
+    def successor(self, worker_id: WorkerId) -> str:
         """Who a leaving router hands the worker to: its owner among the other live
         routers, or ``""`` (parked for any router) when none is left."""
         others = [router for router in self._routers if router != self.registry.owner]

@@ -141,7 +141,7 @@ class IndexIngest:
         index.group_commit = self.config.group_commit
         index.on_write_error(self._write_failed)
         self.metrics = metrics or IngestMetrics()
-        self._workers: dict[str, WorkerIngest] = {}
+        self._workers: dict[WorkerId, WorkerIngest] = {}
         # NOTE: held while the set of workers changes (add, remove, the maintenance's
         # registry sync), so a removal is never undone by a sync that read the registry
         # before the registration was deleted.
@@ -167,7 +167,7 @@ class IndexIngest:
         self._write_errors_seen = 0  # as of the end of the last maintenance pass
 
     @property
-    def ingested_workers(self) -> list[str]:
+    def ingested_workers(self) -> list[WorkerId]:
         """Workers whose event streams this router reads, sorted."""
         return sorted(self._workers)
 
@@ -354,7 +354,7 @@ class IndexIngest:
                 if outer:
                     worker.in_batch = False
 
-    async def on_reset(self, worker_id: str, seq: int) -> None:
+    async def on_reset(self, worker_id: WorkerId, seq: int) -> None:
         """The worker's publisher restarted: its cache is new, drop its entries."""
         worker = self._workers.get(worker_id)
         if worker is None:
@@ -369,7 +369,7 @@ class IndexIngest:
                 worker.failed(exc)
             await self._tracker.record(worker.record)
 
-    async def on_resync_needed(self, worker_id: str, reason: str) -> None:
+    async def on_resync_needed(self, worker_id: WorkerId, reason: str) -> None:
         """Batches were lost for good: clear the worker and rebuild what can be."""
         worker = self._workers.get(worker_id)
         if worker is None:
@@ -382,7 +382,7 @@ class IndexIngest:
             except RECOVERY_ERRORS as exc:
                 worker.failed(exc)
 
-    async def _restart_probe(self, worker_id: str) -> bool:
+    async def _restart_probe(self, worker_id: WorkerId) -> bool:
         """The subscriber's restart probe of a worker's stream (see ``WorkerStream``)."""
         worker = self._workers.get(worker_id)
         if worker is None or worker.lease is None:
@@ -531,7 +531,7 @@ class IndexIngest:
         """Whether ``worker`` is still the one ingested under its id."""
         return self._workers.get(worker.record.worker_id) is worker
 
-    def _stream_counters(self) -> dict[str, WorkerCounters]:
+    def _stream_counters(self) -> dict[WorkerId, WorkerCounters]:
         subscriber = self._subscriber
         if subscriber is None:
             return {}

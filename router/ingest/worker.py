@@ -113,7 +113,7 @@ class WorkerIngest:
     @property
     def worker_id(self) -> WorkerId:
         """The worker's id."""
-        return WorkerId(self.record.worker_id)
+        return self.record.worker_id
 
     # -- batch path ----------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ class RecordedCandidate:
         score: The score the policy gave it.
     """
 
-    worker_id: str
+    worker_id: WorkerId
     matched_tokens: int
     predicted_tokens: int
     load: WorkerLoad
@@ -74,7 +74,7 @@ class RecordedDecision:
     """
 
     ts: float
-    worker_id: str
+    worker_id: WorkerId
     policy: str
     num_prompt_tokens: int
     candidates: tuple[RecordedCandidate, ...] = ()

@@ -148,7 +148,7 @@ class WorkerReplay:
         last_ts: Receive time of the worker's last record.
     """
 
-    worker_id: str
+    worker_id: WorkerId
     num_batches: int = 0
     num_events: int = 0
     num_resets: int = 0
@@ -267,7 +267,7 @@ class ReplayIngest:
         self._before_first_write = before_first_write
         self._known: set[WorkerId] = set()
 
-    async def _writable(self, worker_id: str) -> WorkerId:
+    async def _writable(self, worker_id: WorkerId) -> WorkerId:
         wid = WorkerId(worker_id)
         if wid not in self._known:
             self._known.add(wid)
@@ -287,13 +287,13 @@ class ReplayIngest:
             await self._rebuild(wid, OFFLINE_RULES.after_orphan(replaying=False))
             await self.index.apply(wid, received.batch)
 
-    async def on_reset(self, worker_id: str, seq: int) -> None:
+    async def on_reset(self, worker_id: WorkerId, seq: int) -> None:
         """A publisher restart: the worker's cache is new, drop its entries."""
         wid = await self._writable(worker_id)
         await self.index.clear_worker(wid)
         self.index.bridge(wid).tolerate_orphans = False
 
-    async def on_resync_needed(self, worker_id: str, reason: str) -> None:
+    async def on_resync_needed(self, worker_id: WorkerId, reason: str) -> None:
         """Batches were lost for good: drop the worker's entries."""
         await self._rebuild(await self._writable(worker_id), OFFLINE_RULES.after_loss())
 

@@ -59,7 +59,7 @@ def key_request(
     groups: dict[int, list[WorkerId]] = {}
     sizes: dict[WorkerId, int] = {}
     for record in records:
-        wid = WorkerId(record.worker_id)
+        wid = record.worker_id
         groups.setdefault(record.block_size, []).append(wid)
         sizes[wid] = record.block_size
     keys = {size: keyer.keys(token_ids, size, cache_salt=cache_salt) for size in groups}

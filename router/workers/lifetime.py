@@ -20,6 +20,7 @@ from typing import Final
 import aiohttp
 import msgspec
 
+from events.identity import WorkerId
 from events.rate_limited_log import RateLimitedLog
 from router.workers.registry import WorkerRecord
 
@@ -82,7 +83,7 @@ class LifetimeTracker:
         """Whether the worker can be asked for its lifetime (it has an HTTP URL)."""
         return record.http_url is not None
 
-    def recorded(self, worker_id: str) -> str | None:
+    def recorded(self, worker_id: WorkerId) -> str | None:
         """The id recorded for ``worker_id`` (``None``: unknown)."""
         return self._recorded.get(worker_id)
 
@@ -102,14 +103,14 @@ class LifetimeTracker:
         recorded = self._recorded.setdefault(record.worker_id, current)
         return current != recorded
 
-    def adopt(self, worker_id: str, lifetime_id: str | None) -> None:
+    def adopt(self, worker_id: WorkerId, lifetime_id: str | None) -> None:
         """Record ``lifetime_id`` (read already, or handed over with the worker's lease)."""
         if lifetime_id is None:
             self._recorded.pop(worker_id, None)
         else:
             self._recorded[worker_id] = lifetime_id
 
-    def forget(self, worker_id: str) -> None:
+    def forget(self, worker_id: WorkerId) -> None:
         """Drop what was recorded for a worker no longer ingested."""
         self._recorded.pop(worker_id, None)
 

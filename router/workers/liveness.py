@@ -46,7 +46,7 @@ class Liveness:
 
     def retire(self, record: WorkerRecord) -> None:
         """Keep the record of a worker just unregistered for being unreachable."""
-        wid = WorkerId(record.worker_id)
+        wid = record.worker_id
         self._since.pop(wid, None)
         self._retired[wid] = record
 

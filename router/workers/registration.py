@@ -37,6 +37,7 @@ import zmq.utils.z85
 
 from events.auth import is_loopback
 from events.curve import Z85_KEY_LEN
+from events.identity import WorkerId
 from router.errors import RouterError
 
 if TYPE_CHECKING:
@@ -214,7 +215,7 @@ def url_host_port(url: str) -> tuple[str, int]:
 
 def check_fields(
     *,
-    worker_id: str,
+    worker_id: WorkerId,
     events_endpoint: str,
     replay_endpoint: str | None,
     http_url: str | None,

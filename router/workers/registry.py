@@ -67,7 +67,7 @@ _EVENTS_BLOCK_SIZE = "events_block_size"
 """Field of a worker's hash: the block size its events carry when it is not the registered one."""
 
 
-def owner_of(worker_id: str, routers: Sequence[str]) -> str | None:
+def owner_of(worker_id: WorkerId, routers: Sequence[str]) -> str | None:
     """The live router that should ingest a worker (rendezvous hashing), or None if none.
 
     Every replica computes the same answer from the same membership; when a router joins
@@ -101,7 +101,7 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             event and replay sockets are CURVE servers; ``None``: plain ZeroMQ.
     """
 
-    worker_id: str
+    worker_id: WorkerId
     events_endpoint: str
     replay_endpoint: str | None = None
     http_url: str | None = None
@@ -248,7 +248,7 @@ class WorkerRegistry:
         encoded = msgspec.json.encode(record)
         return bool(await self.client.hsetnx(self.layout.registry, record.worker_id, encoded))
 
-    async def saved(self, worker_id: str) -> tuple[WorkerRecord | None, str | None]:
+    async def saved(self, worker_id: WorkerId) -> tuple[WorkerRecord | None, str | None]:
         """The registration saved under ``worker_id`` (None: none) and, when what is
         saved there is not a usable record, why (then the record is None)."""
         raw = await self.client.hget(self.layout.registry, worker_id)
@@ -308,14 +308,14 @@ class WorkerRegistry:
         raw = await self.client.hgetall(self.layout.registry)
         out: list[WorkerRecord] = []
         for key, value in raw.items():
-            worker_id = reply_bytes(key).decode(errors="replace")
+            worker_id = WorkerId(reply_bytes(key).decode(errors="replace"))
             try:
                 out.append(self._decode(worker_id, reply_bytes(value)))
             except RegistrationError as exc:
                 self.skip_invalid(worker_id, reply_bytes(value), str(exc))
         return sorted(out, key=lambda r: r.worker_id)
 
-    def skip_invalid(self, worker_id: str, value: bytes, reason: str) -> None:
+    def skip_invalid(self, worker_id: WorkerId, value: bytes, reason: str) -> None:
         """Report a stored registration that cannot be used (once per stored value)."""
         if self._invalid.get(worker_id) == value:
             return
@@ -328,7 +328,7 @@ class WorkerRegistry:
         if self.on_invalid is not None:
             self.on_invalid()
 
-    def _decode(self, worker_id: str, value: bytes) -> WorkerRecord:
+    def _decode(self, worker_id: WorkerId, value: bytes) -> WorkerRecord:
         try:
             record = msgspec.json.decode(value, type=WorkerRecord)
         except msgspec.DecodeError as exc:  # ValidationError included
@@ -346,7 +346,7 @@ class WorkerRegistry:
         else:
             await self.client.hset(key, _EVENTS_BLOCK_SIZE, events_block_size)
 
-    async def events_block_sizes(self, worker_ids: Sequence[str]) -> dict[str, int]:
+    async def events_block_sizes(self, worker_ids: Sequence[WorkerId]) -> dict[WorkerId, int]:
         """The flagged workers among ``worker_ids``: id -> the block size their events carry
         (see :meth:`flag_block_size`)."""
         values = await gather_bounded(

@@ -13,6 +13,7 @@ from typing import Final
 import aiohttp
 import msgspec
 
+from events.identity import WorkerId
 from events.schema import BlockStored
 from router.errors import PrefixIndexError
 
@@ -39,7 +40,7 @@ class Snapshot(msgspec.Struct):
     runs: list[SnapshotRun]
     next_seq: int = 0
     medium: str | None = "GPU"
-    worker_id: str | None = None
+    worker_id: WorkerId | None = None
 
 
 def snapshot_events(snapshot: Snapshot, lora_name: str | None = None) -> list[BlockStored]:

@@ -65,6 +65,12 @@ def redis_cluster_url() -> Iterator[str]:
             server.stop()
 
 
+CONTRACT_LEASE_TTL_MS = 300_000
+"""The contract tests' leases are never renewed: long enough for a loaded machine (a 10 s
+lease lapsed while a test of thousands of families ran under load), while the lease tests
+(test_index_registry) use their own."""
+
+
 @dataclass
 class IndexEnv:
     """An index under test and how to make it writable for a worker."""
@@ -112,7 +118,7 @@ def _opener(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
         layout = KeyLayout(namespace)
         index = RedisPrefixIndex(client, layout, group_commit=kind == "redis-group-commit")
         try:
-            yield IndexEnv(index, WorkerRegistry(client, layout))
+            yield IndexEnv(index, WorkerRegistry(client, layout, lease_ttl_ms=CONTRACT_LEASE_TTL_MS))
         finally:
             await index.close()
             await drop_namespace(client, layout)
