@@ -118,7 +118,8 @@ def _opener(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
         layout = KeyLayout(namespace)
         index = RedisPrefixIndex(client, layout, group_commit=kind == "redis-group-commit")
         try:
-            yield IndexEnv(index, WorkerRegistry(client, layout, lease_ttl_ms=CONTRACT_LEASE_TTL_MS))
+            registry = WorkerRegistry(client, layout, lease_ttl_ms=CONTRACT_LEASE_TTL_MS)
+            yield IndexEnv(index, registry)
         finally:
             await index.close()
             await drop_namespace(client, layout)
