@@ -53,12 +53,15 @@ from redis.exceptions import RedisError
 
 from events.errors import EventsError
 from events.identity import WorkerId
+from events.request_ids import REQUEST_ID_HEADER
 from events.tokenizer import TokenizerError
 from router.front.access import AccessError, Guard
 from router.front.chat import ChatMessage, ChatRewriter, ChatTemplateError
 from router.front.config import RouterConfig
 from router.front.hops import hop_refusal, next_hops
 from router.front.proxy import ResponseRewriter, WorkersUnavailableError
+from router.front.request_context import RequestContext, session_key
+from router.front.served import RequestTiming, ServedRequest
 from router.front.service import NoWorkersError, Routed
 from router.workers.registration import RegistrationConflict, RegistrationError
 from router.workers.registry import WorkerRecord
@@ -74,6 +77,8 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 _SERVICE: Final = web.AppKey("service", object)
+_CONTEXT: Final = web.RequestKey("context", RequestContext)
+_TRACED: Final = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/route"})
 _CLIENT_CLOSED: Final = 499  # nginx's "client closed request": no answer was sent
 # Sampling fields of a chat request that carry over to the completion sent to the worker.
 _CHAT_PASSTHROUGH: Final = (
@@ -88,6 +93,9 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     max_tokens: NonNegative = 16
     stream: bool = False
     cache_salt: str | None = None
+    # Read for metrics and session affinity only; any JSON goes on to the worker unjudged.
+    model: object = None
+    user: object = None
 
 
 class RouteBody(CompletionBody, kw_only=True):
@@ -104,6 +112,9 @@ class ChatBody(msgspec.Struct, kw_only=True):
     max_completion_tokens: NonNegative | None = None
     stream: bool = False
     cache_salt: str | None = None
+    # Read for metrics and session affinity only; any JSON goes on to the worker unjudged.
+    model: object = None
+    user: object = None
 
 
 class WorkerBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -168,6 +179,23 @@ def _decode(raw: bytes, kind: type[Any]) -> Any:
         raise _ApiError(400, f"invalid request body: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise _ApiError(400, f"request body is not valid JSON: {exc}") from exc
+
+
+def _ask_usage(body: Any) -> Any:
+    """A streamed completion body that asks the worker for ``usage`` in its last chunk.
+
+    The router needs the worker's ``cached_tokens`` of every request (routing accuracy,
+    hit counters); vLLM streams ``usage`` only with ``stream_options.include_usage``.
+    kvroute workers always send it. A ``stream_options`` that is not an object is left for
+    the worker to judge.
+    """
+    if isinstance(body, dict):
+        options = body.get("stream_options")
+        if options is None:
+            body["stream_options"] = {"include_usage": True}
+        elif isinstance(options, dict):
+            options["include_usage"] = True
+    return body
 
 
 def _worker_view(record: WorkerRecord) -> dict[str, Any]:
@@ -241,6 +269,32 @@ class _Handlers:
                 400, f"max_tokens {max_tokens} exceeds the limit {self.limits.max_output_tokens}"
             )
 
+    async def _decide(
+        self,
+        request: web.Request,
+        tokens: list[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None,
+        session: str | None,
+        record: bool = True,
+    ) -> Routed:
+        ctx = request[_CONTEXT]
+        tracing = self.svc.tracing
+        with tracing.child_span(ctx, "kvroute.decide") as span:
+            routed = await self.svc.decide(
+                tokens, max_tokens, cache_salt=cache_salt, record=record, context=ctx,
+                session=session,
+            )  # fmt: skip
+            chosen = routed.decision.chosen
+            tracing.annotate(span, {
+                "kvroute.worker": chosen.worker_id, "kvroute.policy": routed.decision.policy,
+                "kvroute.prompt_tokens": len(tokens),
+                "kvroute.matched_tokens": chosen.matched_tokens,
+                "kvroute.predicted_tokens": chosen.predicted_tokens,
+            })  # fmt: skip
+        return routed
+
     async def _proxy(
         self,
         request: web.Request,
@@ -249,19 +303,34 @@ class _Handlers:
         rewriter: ResponseRewriter | None = None,
         *,
         hops: str,
+        stream: bool,
+        model: object,
+        session: str | None,
     ) -> web.StreamResponse:
-        try:
-            response, result = await self.svc.proxy.forward(
-                request, "/v1/completions", body, routed.targets, self.svc.accounting(routed),
-                rewriter, hops=hops,
-            )  # fmt: skip
-        except WorkersUnavailableError as exc:
-            if exc.timed_out:
-                raise _ApiError(504, str(exc), "timeout") from exc
-            raise _ApiError(502, str(exc), "worker_unavailable") from exc
+        svc = self.svc
+        ctx = request[_CONTEXT]
+        timing = RequestTiming(svc.accounting(routed), ctx.received_s)
+        with svc.tracing.child_span(ctx, "kvroute.proxy") as span:
+            headers = ctx.forwarded_headers(svc.tracing.traceparent(span))
+            try:
+                response, result = await svc.proxy.forward(
+                    request, "/v1/completions", body, routed.targets, timing, rewriter,
+                    hops=hops, headers=headers,
+                )  # fmt: skip
+            except WorkersUnavailableError as exc:
+                if exc.timed_out:
+                    raise _ApiError(504, str(exc), "timeout") from exc
+                raise _ApiError(502, str(exc), "worker_unavailable") from exc
+            svc.tracing.annotate(span, {
+                "kvroute.worker": result.worker_id, "kvroute.attempts": result.num_attempts,
+                "http.response.status_code": result.status,
+            })  # fmt: skip
         if result.client_aborted:
-            self.svc.metrics.client_aborts.labels("answer").inc()
-        self.svc.actual_hits(result.worker_id, result.usage)
+            svc.metrics.client_aborts.labels("answer").inc()
+        served = ServedRequest(
+            routed.decision, routed.num_prompt_tokens, result, timing, stream, model, session
+        )
+        svc.served.record(served)
         return response
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -270,8 +339,15 @@ class _Handlers:
         body: CompletionBody = _decode(raw, CompletionBody)
         self._check_output(body.max_tokens)
         tokens = self._tokens(body.prompt)
-        routed = await self.svc.decide(tokens, body.max_tokens, cache_salt=body.cache_salt)
-        return await self._proxy(request, routed, raw, hops=hops)
+        session = session_key(request.headers, body.user)
+        routed = await self._decide(
+            request, tokens, body.max_tokens, cache_salt=body.cache_salt, session=session
+        )
+        if body.stream:
+            raw = msgspec.json.encode(_ask_usage(msgspec.json.decode(raw)))
+        return await self._proxy(
+            request, routed, raw, hops=hops, stream=body.stream, model=body.model, session=session
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         hops = self._check_hops(request)
@@ -293,20 +369,31 @@ class _Handlers:
         extra = msgspec.json.decode(raw)
         completion: dict[str, Any] = {k: extra[k] for k in _CHAT_PASSTHROUGH if k in extra}
         completion.update(prompt=prompt, max_tokens=max_tokens, stream=body.stream)
-        routed = await self.svc.decide(tokens, max_tokens, cache_salt=body.cache_salt)
+        if body.stream:
+            _ask_usage(completion)
+        session = session_key(request.headers, body.user)
+        routed = await self._decide(
+            request, tokens, max_tokens, cache_salt=body.cache_salt, session=session
+        )
         completion_body = msgspec.json.encode(completion)
-        return await self._proxy(request, routed, completion_body, ChatRewriter(), hops=hops)
+        return await self._proxy(
+            request, routed, completion_body, ChatRewriter(), hops=hops, stream=body.stream,
+            model=body.model, session=session,
+        )  # fmt: skip
 
     async def route(self, request: web.Request) -> web.Response:
         body: RouteBody = _decode(await self._body(request), RouteBody)
         self._check_output(body.max_tokens)
         tokens = self._tokens(body.prompt)
-        routed = await self.svc.decide(
-            tokens, body.max_tokens, cache_salt=body.cache_salt, record=not body.dry_run
-        )
+        session = session_key(request.headers, body.user)
+        routed = await self._decide(
+            request, tokens, body.max_tokens, cache_salt=body.cache_salt, session=session,
+            record=not body.dry_run,
+        )  # fmt: skip
+        decision = routed.decision
         if not body.dry_run:
             await self.svc.hold(routed)
-        decision = routed.decision
+            self.svc.served.remember_session(session, decision.worker_id)
         answer = {
             "worker_id": decision.worker_id,
             "url": routed.targets[0].url,
@@ -466,6 +553,29 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
 
 
 @web.middleware
+async def _identify(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Gives every request its :class:`RequestContext` (id, trace) and, on the inference
+    endpoints, its server span when tracing."""
+    ctx = RequestContext.from_headers(request.headers)
+    request[_CONTEXT] = ctx
+    if request.path not in _TRACED:
+        return await handler(request)
+    service: RouterService = request.app[_SERVICE]  # type: ignore[assignment]
+    tracing = service.tracing
+    with tracing.request_span(ctx, f"{request.method} {request.path}") as span:
+        response = await handler(request)
+        tracing.annotate(span, {"http.response.status_code": response.status})
+        return response
+
+
+async def _answer_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer names its request's id (``X-Request-Id``), errors included."""
+    ctx = request.get(_CONTEXT)
+    if ctx is not None:
+        response.headers[REQUEST_ID_HEADER] = ctx.request_id
+
+
+@web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turns every failure into a JSON error and counts answers per endpoint."""
     resource = request.match_info.route.resource
@@ -514,9 +624,10 @@ def _run_to_completion(handler: Handler) -> Handler:
 def make_app(service: RouterService) -> web.Application:
     """The aiohttp application of a router service."""
     app = web.Application(
-        middlewares=[_errors], client_max_size=service.config.limits.max_body_bytes
+        middlewares=[_identify, _errors], client_max_size=service.config.limits.max_body_bytes
     )
     app[_SERVICE] = service
+    app.on_response_prepare.append(_answer_request_id)
     h = _Handlers(service)
     admin, inference = guards(service.config)
     app.add_routes(

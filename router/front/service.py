@@ -34,11 +34,16 @@ from events.identity import WorkerId
 from events.subscriber import SubscriberConfig
 from events.tokenizer import Tokenizer, load_tokenizer
 from router.errors import RouterError
+from router.front.accuracy import AccuracyCollector, RoutingAccuracy
 from router.front.breaker import CircuitBreakers, CircuitState
 from router.front.chat import ChatTemplate, load_chat_template
 from router.front.config import RouterConfig
 from router.front.metrics import RouterMetrics
+from router.front.model_labels import ModelLabels
 from router.front.proxy import ProxyTarget, WorkerProxy
+from router.front.request_context import RequestContext
+from router.front.served import ServedLedger
+from router.front.tracing import Tracing
 from router.index.base import PrefixMatch
 from router.index.lookup import INDEX_ERRORS, IndexLookup
 from router.index.redis_index import RedisPrefixIndex
@@ -55,6 +60,7 @@ from router.routing.policies import (
 )
 from router.routing.predicted import PredictedEntries
 from router.routing.request_keys import RequestKeys, key_request
+from router.routing.sessions import SessionTable, with_session_bonus
 from router.store.connection import RedisClient, RedisOptions, connect, redact_url
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
@@ -133,6 +139,13 @@ class RouterService:
             lambda: {r.worker_id: self.breakers.state(WorkerId(r.worker_id)) for r in self.workers}
         )
         self.ingest_metrics = IngestMetrics(self.metrics.registry)
+        accuracy = RoutingAccuracy(config.accuracy)
+        self.metrics.registry.register(AccuracyCollector(accuracy.figures))
+        self.sessions = SessionTable(config.sessions) if config.sessions.enabled else None
+        self.served = ServedLedger(
+            self.metrics, accuracy, self.sessions, ModelLabels(), self._block_size_of
+        )
+        self.tracing = Tracing.setup(config.otel, required=config.otel_required)
         self.keyer = RouterKeyer(config.key_seed)
         self._predicted = (
             PredictedEntries(self.policy.credit_ttl_s, config.predicted_max_entries)
@@ -365,8 +378,16 @@ class RouterService:
         self._records.pop(worker_id, None)
         self.poller.set_worker(worker_id, None)
         self.breakers.forget(worker_id)
+        self.served.accuracy.forget(worker_id)
+        if self.sessions is not None:
+            self.sessions.forget_worker(worker_id)
         if self._predicted is not None:
             self._predicted.forget(worker_id)
+
+    def _block_size_of(self, worker_id: WorkerId) -> int:
+        """A worker's registered block size; 1 (no rounding to blocks) once it is gone."""
+        record = self._records.get(worker_id)
+        return record.block_size if record is not None else 1
 
     async def _sync_workers(self) -> None:
         """Adopt registrations made by other replicas (through Redis).
@@ -417,6 +438,8 @@ class RouterService:
         *,
         cache_salt: str | None = None,
         record: bool = True,
+        context: RequestContext | None = None,
+        session: str | None = None,
     ) -> Routed:
         """Choose a worker for a prompt.
 
@@ -426,6 +449,9 @@ class RouterService:
             cache_salt: The request's cache salt, if any.
             record: Credit predicted entries, count metrics and log the decision (False
                 for a dry run, which changes nothing).
+            context: The request's id and trace (for the decision log).
+            session: The request's session key: the worker that served the session last
+                gets the session bonus (:mod:`router.routing.sessions`).
 
         Returns:
             The decision and the forwarding order.
@@ -447,6 +473,11 @@ class RouterService:
         predicted = self._predicted_blocks(keyed, now)
         loads = await self.load.snapshot(workers)
         candidates = build_candidates(workers, loads, matches, predicted)
+        if session is not None and self.sessions is not None:
+            served_last = self.sessions.worker_of(session, now)
+            candidates = with_session_bonus(
+                candidates, served_last, self.sessions.config.bonus_tokens
+            )
         request = RouteRequest(keyed.base_keys, len(token_ids), keyed.base, num_output_tokens)
         decision = self.policy.decide(request, candidates)
         by_id = {WorkerId(r.worker_id): r for r in records}
@@ -457,7 +488,7 @@ class RouterService:
         routed_ = Routed(decision, targets, keyed, len(token_ids), num_output_tokens)
         if record:
             self.credit(decision.worker_id, keyed.of(decision.worker_id))
-            self._record(decision, len(token_ids))
+            self._record(decision, len(token_ids), context)
         self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
         return routed_
 
@@ -473,7 +504,9 @@ class RouterService:
             out.update(found)
         return out
 
-    def _record(self, decision: Decision, num_prompt_tokens: int) -> None:
+    def _record(
+        self, decision: Decision, num_prompt_tokens: int, context: RequestContext | None
+    ) -> None:
         chosen = decision.chosen
         self.metrics.decisions.labels(decision.worker_id, decision.policy).inc()
         self.metrics.matched_tokens.labels(decision.worker_id).inc(chosen.matched_tokens)
@@ -482,6 +515,8 @@ class RouterService:
             line = msgspec.json.encode(
                 {
                     "ts": time.time(),
+                    "request_id": context.request_id if context is not None else None,
+                    "trace_id": context.trace_id if context is not None else None,
                     "worker_id": decision.worker_id,
                     "policy": decision.policy,
                     "num_prompt_tokens": num_prompt_tokens,
@@ -529,17 +564,6 @@ class RouterService:
     def accounting(self, routed_: Routed) -> LoadAccounting:
         """An observer that accounts a forwarded request's load on each worker tried."""
         return LoadAccounting(self, routed_)
-
-    def actual_hits(self, worker_id: WorkerId, usage: Mapping[str, object] | None) -> None:
-        """Count the prefix hit the worker reported for a request it served."""
-        if not usage:
-            return
-        cached = usage.get("cached_tokens")
-        details = usage.get("prompt_tokens_details")
-        if cached is None and isinstance(details, dict):
-            cached = details.get("cached_tokens")
-        if isinstance(cached, int) and not isinstance(cached, bool):
-            self.metrics.actual_hit_tokens.labels(worker_id).inc(cached)
 
     # -- background ----------------------------------------------------------------------
 
