@@ -30,22 +30,35 @@ import collections
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Final
 
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from router.errors import RouterError
 
 __all__ = [
+    "ACCURACY_RATIO",
+    "EXPECTED_CACHED_TOKENS",
+    "REPORTED_CACHED_TOKENS",
     "AccuracyCollector",
     "AccuracyConfig",
+    "ReportedAccuracy",
     "RoutingAccuracy",
     "WindowFigures",
     "expected_hit_tokens",
+    "parse_router_accuracy",
     "reported_usage",
 ]
 
 logger = logging.getLogger(__name__)
+
+ACCURACY_RATIO: Final = "kvroute_router_routing_accuracy_ratio"
+EXPECTED_CACHED_TOKENS: Final = "kvroute_router_expected_cached_tokens"
+"""Counter of the hit tokens the router expected (``_total`` on the wire), per worker."""
+REPORTED_CACHED_TOKENS: Final = "kvroute_router_reported_cached_tokens"
+"""Counter of the hit tokens the workers reported (``_total`` on the wire), per worker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,7 +317,7 @@ class AccuracyCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
-            "kvroute_router_routing_accuracy_ratio",
+            ACCURACY_RATIO,
             "Agreement of the cache hits the router expected with those the worker "
             "reported, over its last requests: sum(min(expected, reported)) / "
             "sum(max(expected, reported)); 1 = the router sees the worker's cache as it is.",
@@ -313,3 +326,43 @@ class AccuracyCollector(Collector):
         for worker, figures in sorted(self._read().items()):
             family.add_metric([worker], figures.ratio)
         yield family
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedAccuracy:
+    """One worker's routing accuracy as a router's ``/metrics`` shows it.
+
+    Attributes:
+        expected_cached_tokens: Hit tokens the router expected, since it started.
+        reported_cached_tokens: Hit tokens the worker reported, since then.
+        ratio: The agreement over the worker's last requests (``None``: too little at
+            stake for a figure).
+    """
+
+    expected_cached_tokens: int
+    reported_cached_tokens: int
+    ratio: float | None
+
+
+def parse_router_accuracy(text: str) -> dict[str, ReportedAccuracy]:
+    """Each worker's routing accuracy in a router's Prometheus ``/metrics`` text."""
+    totals: dict[str, dict[str, float]] = {}
+    ratios: dict[str, float] = {}
+    wanted = {f"{EXPECTED_CACHED_TOKENS}_total", f"{REPORTED_CACHED_TOKENS}_total"}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            worker = sample.labels.get("worker")
+            if worker is None:
+                continue
+            if sample.name in wanted:
+                totals.setdefault(worker, {})[sample.name] = sample.value
+            elif sample.name == ACCURACY_RATIO:
+                ratios[worker] = sample.value
+    return {
+        worker: ReportedAccuracy(
+            int(totals.get(worker, {}).get(f"{EXPECTED_CACHED_TOKENS}_total", 0)),
+            int(totals.get(worker, {}).get(f"{REPORTED_CACHED_TOKENS}_total", 0)),
+            ratios.get(worker),
+        )
+        for worker in sorted(totals.keys() | ratios.keys())
+    }

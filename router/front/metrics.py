@@ -3,7 +3,7 @@
 They live in the same caller-owned ``CollectorRegistry`` as the ingest's
 :class:`router.ingest.metrics.IngestMetrics` (events applied, skipped, replayed, resynced), so
 one ``GET /metrics`` shows both. Labels are bounded: worker ids, policy names, fixed
-outcome words.
+outcome words, model names the router knows (:mod:`router.front.model_labels`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.front.accuracy import EXPECTED_CACHED_TOKENS, REPORTED_CACHED_TOKENS
 from router.front.breaker import CircuitState
 
 __all__ = ["CIRCUIT_STATE_VALUES", "RouterMetrics"]
@@ -86,7 +87,7 @@ class RouterMetrics:
             registry=r,
         )
         self.expected_cached_tokens = Counter(
-            "kvroute_router_expected_cached_tokens",
+            EXPECTED_CACHED_TOKENS,
             "Prompt tokens the router expected the serving worker to find cached (what its "
             "decision credited that worker with, in whole blocks, short of the last prompt "
             "token); counted for requests whose worker reported its hit.",
@@ -94,7 +95,7 @@ class RouterMetrics:
             registry=r,
         )
         self.reported_cached_tokens = Counter(
-            "kvroute_router_reported_cached_tokens",
+            REPORTED_CACHED_TOKENS,
             "Prompt tokens the serving worker reported found in its prefix cache "
             "(usage.cached_tokens, or vLLM's usage.prompt_tokens_details.cached_tokens).",
             ["worker"],
