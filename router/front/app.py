@@ -25,6 +25,15 @@ Endpoints:
   memory); ``GET /ready``: readiness, 200 ``{"ready": true, ...}`` or 503 ``{"ready":
   false, "reasons": [...], "error"}`` when no worker is routable; ``GET /metrics``.
 
+Every answer carries the request's ``X-Request-Id`` (the client's when usable, else a
+fresh one: :mod:`router.front.request_context`), which goes to the worker with a
+well-formed ``traceparent``/``tracestate``; inference requests are traced when
+:mod:`router.front.tracing` is on. A request's session (``X-Session-Id``, else the body's
+``user``) prefers the worker that served it last (:mod:`router.routing.sessions`). Each
+answered request is counted by :mod:`router.front.served` (hits, routing accuracy,
+latency). Streamed completions are sent with ``stream_options.include_usage``, so vLLM
+reports the hit of every request.
+
 Who may call what (bearer keys, JSON-only bodies) is :mod:`router.front.access`. Every
 error is JSON ``{"error": {"message", "type"}}``: 400 for a malformed body, 401 without
 the endpoint's key, 404 for an unknown worker or path, 405 for a wrong method, 408 for a
