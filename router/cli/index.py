@@ -379,7 +379,7 @@ def _print_accuracy(
             f"{worker:<20} {a.expected_cached_tokens:>12,} {a.reported_cached_tokens:>12,} "
             f"{ratio:>9}{flag}"
         )
-    print(f"{len(low)} workers below the accuracy threshold")
+    print(f"workers below the accuracy threshold: {len(low)}")
 
 
 def _per_entry(stats: IndexStats) -> str:

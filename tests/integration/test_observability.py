@@ -64,12 +64,13 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, st
     return out
 
 
-def index_check(redis_url: str, namespace: str, router_url: str) -> tuple[int, list[Any]]:
+def index_check(redis_url: str, namespace: str, router_url: str, *flags: str) -> tuple[int, str]:
+    """``kvroute index check --router``: exit code and output."""
     argv = [sys.executable, "-m", "router", "index", "check", "--redis", redis_url,
-            "--namespace", namespace, "--router", router_url, "--json"]  # fmt: skip
+            "--namespace", namespace, "--router", router_url, *flags]  # fmt: skip
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode in (0, 1), proc.stderr
-    return proc.returncode, json.loads(proc.stdout)
+    return proc.returncode, proc.stdout
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Run:
     reported: int
     check_code: int
     check_accuracy: dict[str, Any]
+    check_text: str
 
 
 def accuracy_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -116,9 +118,10 @@ def test_routing_accuracy_catches_a_router_started_with_the_wrong_tokenizer(
                 assert served == w
                 reported += usage["cached_tokens"]
             metrics = await scrape(s, svc.url)
-            code, rows = await asyncio.to_thread(index_check, redis_url, ns, svc.url)
-            row = next(r for r in rows if r["worker_id"] == w)
-            return Run(metrics, reported, code, row["routing_accuracy"])
+            code, out = await asyncio.to_thread(index_check, redis_url, ns, svc.url, "--json")
+            row = next(r for r in json.loads(out) if r["worker_id"] == w)
+            _, text = await asyncio.to_thread(index_check, redis_url, ns, svc.url)
+            return Run(metrics, reported, code, row["routing_accuracy"], text)
 
     wrong = asyncio.run(run(wrong_prefix, namespace, tokenizer=str(tokenizer)))
     # Each repeat hits 16 blocks of the worker's bytes (256 tokens); the router expected the
@@ -139,6 +142,9 @@ def test_routing_accuracy_catches_a_router_started_with_the_wrong_tokenizer(
         "ratio": pytest.approx(48 / 256),
         "low": True,
     }
+    line = next(x for x in wrong.check_text.splitlines() if x.startswith(f"{w} ") and "low" in x)
+    assert line.split()[:4] == [w, "336", "1,792", "0.19"]
+    assert "workers below the accuracy threshold: 1" in wrong.check_text
 
     caplog.clear()
     right = asyncio.run(run(right_prefix, f"{namespace}-right"))
