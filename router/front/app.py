@@ -62,15 +62,15 @@ from redis.exceptions import RedisError
 
 from events.errors import EventsError
 from events.identity import WorkerId
-from events.request_ids import REQUEST_ID_HEADER
 from events.tokenizer import TokenizerError
 from router.front.access import AccessError, Guard
 from router.front.chat import ChatMessage, ChatRewriter, ChatTemplateError
 from router.front.config import RouterConfig
 from router.front.hops import hop_refusal, next_hops
+from router.front.identity import answer_request_id, context_of, identify
 from router.front.proxy import ResponseRewriter, WorkersUnavailableError
-from router.front.request_context import RequestContext, session_key
-from router.front.served import RequestTiming, ServedRequest
+from router.front.request_context import session_key
+from router.front.served import RequestTiming, ServedRequest, ask_for_usage
 from router.front.service import NoWorkersError, Routed
 from router.workers.registration import RegistrationConflict, RegistrationError
 from router.workers.registry import WorkerRecord
@@ -86,7 +86,6 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 _SERVICE: Final = web.AppKey("service", object)
-_CONTEXT: Final = web.RequestKey("context", RequestContext)
 _TRACED: Final = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/route"})
 _CLIENT_CLOSED: Final = 499  # nginx's "client closed request": no answer was sent
 # Sampling fields of a chat request that carry over to the completion sent to the worker.
@@ -190,23 +189,6 @@ def _decode(raw: bytes, kind: type[Any]) -> Any:
         raise _ApiError(400, f"request body is not valid JSON: {exc}") from exc
 
 
-def _ask_usage(body: Any) -> Any:
-    """A streamed completion body that asks the worker for ``usage`` in its last chunk.
-
-    The router needs the worker's ``cached_tokens`` of every request (routing accuracy,
-    hit counters); vLLM streams ``usage`` only with ``stream_options.include_usage``.
-    kvroute workers always send it. A ``stream_options`` that is not an object is left for
-    the worker to judge.
-    """
-    if isinstance(body, dict):
-        options = body.get("stream_options")
-        if options is None:
-            body["stream_options"] = {"include_usage": True}
-        elif isinstance(options, dict):
-            options["include_usage"] = True
-    return body
-
-
 def _worker_view(record: WorkerRecord) -> dict[str, Any]:
     """A worker's registration in the shape of a ``POST /v1/workers`` body."""
     view: dict[str, Any] = msgspec.to_builtins(
@@ -288,7 +270,7 @@ class _Handlers:
         session: str | None,
         record: bool = True,
     ) -> Routed:
-        ctx = request[_CONTEXT]
+        ctx = context_of(request)
         tracing = self.svc.tracing
         with tracing.child_span(ctx, "kvroute.decide") as span:
             routed = await self.svc.decide(
@@ -317,7 +299,7 @@ class _Handlers:
         session: str | None,
     ) -> web.StreamResponse:
         svc = self.svc
-        ctx = request[_CONTEXT]
+        ctx = context_of(request)
         timing = RequestTiming(svc.accounting(routed), ctx.received_s)
         with svc.tracing.child_span(ctx, "kvroute.proxy") as span:
             headers = ctx.forwarded_headers(svc.tracing.traceparent(span))
@@ -353,7 +335,7 @@ class _Handlers:
             request, tokens, body.max_tokens, cache_salt=body.cache_salt, session=session
         )
         if body.stream:
-            raw = msgspec.json.encode(_ask_usage(msgspec.json.decode(raw)))
+            raw = msgspec.json.encode(ask_for_usage(msgspec.json.decode(raw)))
         return await self._proxy(
             request, routed, raw, hops=hops, stream=body.stream, model=body.model, session=session
         )
@@ -379,7 +361,7 @@ class _Handlers:
         completion: dict[str, Any] = {k: extra[k] for k in _CHAT_PASSTHROUGH if k in extra}
         completion.update(prompt=prompt, max_tokens=max_tokens, stream=body.stream)
         if body.stream:
-            _ask_usage(completion)
+            ask_for_usage(completion)
         session = session_key(request.headers, body.user)
         routed = await self._decide(
             request, tokens, max_tokens, cache_salt=body.cache_salt, session=session
@@ -562,29 +544,6 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
 
 
 @web.middleware
-async def _identify(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Gives every request its :class:`RequestContext` (id, trace) and, on the inference
-    endpoints, its server span when tracing."""
-    ctx = RequestContext.from_headers(request.headers)
-    request[_CONTEXT] = ctx
-    if request.path not in _TRACED:
-        return await handler(request)
-    service: RouterService = request.app[_SERVICE]  # type: ignore[assignment]
-    tracing = service.tracing
-    with tracing.request_span(ctx, f"{request.method} {request.path}") as span:
-        response = await handler(request)
-        tracing.annotate(span, {"http.response.status_code": response.status})
-        return response
-
-
-async def _answer_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """Every answer names its request's id (``X-Request-Id``), errors included."""
-    ctx = request.get(_CONTEXT)
-    if ctx is not None:
-        response.headers[REQUEST_ID_HEADER] = ctx.request_id
-
-
-@web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turns every failure into a JSON error and counts answers per endpoint."""
     resource = request.match_info.route.resource
@@ -633,10 +592,11 @@ def _run_to_completion(handler: Handler) -> Handler:
 def make_app(service: RouterService) -> web.Application:
     """The aiohttp application of a router service."""
     app = web.Application(
-        middlewares=[_identify, _errors], client_max_size=service.config.limits.max_body_bytes
+        middlewares=[identify(lambda: service.tracing, _TRACED), _errors],
+        client_max_size=service.config.limits.max_body_bytes,
     )
     app[_SERVICE] = service
-    app.on_response_prepare.append(_answer_request_id)
+    app.on_response_prepare.append(answer_request_id)
     h = _Handlers(service)
     admin, inference = guards(service.config)
     app.add_routes(
