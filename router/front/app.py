@@ -277,13 +277,14 @@ class _Handlers:
                 tokens, max_tokens, cache_salt=cache_salt, record=record, context=ctx,
                 session=session,
             )  # fmt: skip
-            chosen = routed.decision.chosen
-            tracing.annotate(span, {
-                "kvroute.worker": chosen.worker_id, "kvroute.policy": routed.decision.policy,
-                "kvroute.prompt_tokens": len(tokens),
-                "kvroute.matched_tokens": chosen.matched_tokens,
-                "kvroute.predicted_tokens": chosen.predicted_tokens,
-            })  # fmt: skip
+            if span is not None:  # no attributes built while tracing is off
+                chosen = routed.decision.chosen
+                tracing.annotate(span, {
+                    "kvroute.worker": chosen.worker_id, "kvroute.policy": routed.decision.policy,
+                    "kvroute.prompt_tokens": len(tokens),
+                    "kvroute.matched_tokens": chosen.matched_tokens,
+                    "kvroute.predicted_tokens": chosen.predicted_tokens,
+                })  # fmt: skip
         return routed
 
     async def _proxy(
@@ -312,10 +313,11 @@ class _Handlers:
                 if exc.timed_out:
                     raise _ApiError(504, str(exc), "timeout") from exc
                 raise _ApiError(502, str(exc), "worker_unavailable") from exc
-            svc.tracing.annotate(span, {
-                "kvroute.worker": result.worker_id, "kvroute.attempts": result.num_attempts,
-                "http.response.status_code": result.status,
-            })  # fmt: skip
+            if span is not None:
+                svc.tracing.annotate(span, {
+                    "kvroute.worker": result.worker_id, "kvroute.attempts": result.num_attempts,
+                    "http.response.status_code": result.status,
+                })  # fmt: skip
         if result.client_aborted:
             svc.metrics.client_aborts.labels("answer").inc()
         served = ServedRequest(
