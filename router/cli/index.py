@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 import aiohttp
 import msgspec
 
+from events.cli.flags import add_flag
 from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
 from router.errors import RouterError
@@ -174,19 +175,21 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--seed", type=int, default=0, help="router key seed the cluster uses (default: 0)"
     )
-    check.add_argument(
+    add_flag(
+        check,
         "--router",
         metavar="URL",
-        help="also report each worker's routing accuracy from this router's /metrics: the "
+        meaning="also report each worker's routing accuracy from this router's /metrics: the "
         "cached tokens it expected against those the worker reported (every worker it "
         "served, vLLM engines included); with it, no kvroute worker to compare is needed",
     )
-    check.add_argument(
+    add_flag(
+        check,
         "--accuracy-warn-below-ratio",
         type=float,
         default=AccuracyConfig().warn_below_ratio,
-        help="with --router: a worker whose accuracy is below this fails the check "
-        "(default: %(default)s, the router's own default)",
+        meaning="with --router: a worker whose accuracy is below this fails the check (the "
+        "router's own default)",
     )
     sub.add_parser(
         "stats",

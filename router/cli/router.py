@@ -300,13 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy", choices=POLICY_NAMES, help=f"routing policy (default: {DEFAULT_POLICY})"
     )
-    p.add_argument(
+    add_flag(
+        p,
         "--otel",
         action="store_true",
-        default=None,
-        help="make OpenTelemetry spans of each request's decision and proxying, children of "
-        "its traceparent (needs pip install 'kvroute[otel]'; on as well when an "
-        "OTEL_EXPORTER_* variable is set and the packages are installed)",
+        default_text="off, unless an OTEL_EXPORTER_* variable is set and the packages are "
+        "installed",
+        meaning="make OpenTelemetry spans of each request's decision and proxying, children "
+        "of its traceparent (needs pip install 'kvroute[otel]')",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
