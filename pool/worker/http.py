@@ -40,6 +40,10 @@ Endpoints:
   range). The snapshot reflects exactly the event batches with seq < ``next_seq``: a
   router applies it, then the live stream from ``next_seq`` on.
 
+Every answer carries back the request's ``X-Request-Id`` (1 to 128 printable ASCII
+characters; another value is ignored), and a completion's ``id`` ends with it:
+``cmpl-<32 hex digits>-<X-Request-Id>``, unique whatever the client sends.
+
 Errors are JSON ``{"error": {"message", "type"}}``, aiohttp's own included; keys, JSON-only
 bodies and error shapes are :mod:`pool.worker.guards`'. A body above the size limit gets
 413 ``request_too_large``, the message naming the limit and the flag that raises it.
@@ -62,6 +66,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from events.request_ids import REQUEST_ID_HEADER, printable_id
 from events.tokenizer import Tokenizer
 from pool.snapshot import new_lifetime_id
 from pool.worker.completions import (
@@ -140,7 +145,7 @@ class _EngineCollector(Collector):
             _gauge("kvroute_worker_requests_running", "Requests running.", s.num_running),
             _gauge("kvroute_worker_requests_waiting", "Requests waiting.", s.num_waiting),
             _gauge("kvroute_worker_free_blocks", "Free KV blocks.", s.num_free_blocks),
-            _gauge("kvroute_worker_kv_cache_usage", "Fraction of KV blocks in use.", s.usage),
+            _gauge("kvroute_worker_kv_cache_usage_ratio", "Fraction of KV blocks in use.", s.usage),
             _gauge(
                 "kvroute_worker_queued_prefill_tokens",
                 "Prompt tokens still to compute (waiting misses, running prefill chunks).",
@@ -181,6 +186,13 @@ def _gauge(name: str, doc: str, value: float) -> Metric:
 
 def _counter(name: str, doc: str, value: float) -> Metric:
     return CounterMetricFamily(name, doc, value=value)
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer carries the request's ``X-Request-Id`` back, when it had a usable one."""
+    request_id = printable_id(request.headers.get(REQUEST_ID_HEADER))
+    if request_id is not None:
+        response.headers[REQUEST_ID_HEADER] = request_id
 
 
 class WorkerHTTP:
@@ -239,6 +251,7 @@ class WorkerHTTP:
             on_client_abort=lambda stage: self._client_aborts.labels(stage).inc(),
         )
         self.app = web.Application(middlewares=middlewares, client_max_size=max_body_bytes)
+        self.app.on_response_prepare.append(_echo_request_id)
         self.app.add_routes(
             [
                 web.post("/v1/completions", self._completions),
@@ -281,7 +294,12 @@ class WorkerHTTP:
             return error_response(400, str(exc))
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        # Unique whatever the client sends; its X-Request-Id (the router's) as a suffix
+        # finds the request in this worker's logs and answers.
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        client_id = printable_id(request.headers.get(REQUEST_ID_HEADER))
+        if client_id is not None:
+            request_id += f"-{client_id}"
 
         def deliver(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)

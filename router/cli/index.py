@@ -4,7 +4,11 @@
 bridge (exactly what ingest would write) and compares the result with the worker's
 entries in Redis: missing entries, extra entries and tier mismatches, per worker; and
 flags a worker whose events (as the router reading them recorded, or its snapshot) carry
-another block size than its registration; exit code 1 if any. ``kvroute index stats``
+another block size than its registration; exit code 1 if any. With ``--router URL`` it
+also reports each worker's routing accuracy as that router measures it (the cached tokens
+it expected against those the worker reported, :mod:`router.front.accuracy`), vLLM
+engines included, and exits 1 when one is below ``--accuracy-warn-below-ratio``.
+``kvroute index stats``
 prints entries, keys, workers and memory.
 ``kvroute index register`` / ``unregister`` / ``workers`` manage the persistent worker
 registrations that every router replica ingests (from ``--worker`` specs or a JSON file).
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -23,9 +28,11 @@ from dataclasses import asdict, dataclass
 import aiohttp
 import msgspec
 
+from events.cli.flags import add_flag
 from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
 from router.errors import RouterError
+from router.front.accuracy import AccuracyConfig, ReportedAccuracy, parse_router_accuracy
 from router.index.base import IndexStats
 from router.index.changes import Changes
 from router.index.redis_index import RedisPrefixIndex
@@ -168,6 +175,22 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--seed", type=int, default=0, help="router key seed the cluster uses (default: 0)"
     )
+    add_flag(
+        check,
+        "--router",
+        metavar="URL",
+        meaning="also report each worker's routing accuracy from this router's /metrics: the "
+        "cached tokens it expected against those the worker reported (every worker it "
+        "served, vLLM engines included); with it, no kvroute worker to compare is needed",
+    )
+    add_flag(
+        check,
+        "--accuracy-warn-below-ratio",
+        type=float,
+        default=AccuracyConfig().warn_below_ratio,
+        meaning="with --router: a worker whose accuracy is below this fails the check (the "
+        "router's own default)",
+    )
     sub.add_parser(
         "stats",
         parents=[common],
@@ -253,39 +276,113 @@ async def _run(args: argparse.Namespace) -> int:
             return 0
         if args.action in ("register", "unregister", "workers"):
             return await _registry_action(args, WorkerRegistry(client, layout))
-        index = RedisPrefixIndex(client, layout, RouterKeyer(args.seed))
-        targets = _targets(args.worker)
-        if not targets:
-            records = await WorkerRegistry(client, layout).records()
-            targets = [(r.worker_id, r.http_url) for r in records if r.has_snapshot and r.http_url]
-        if not targets:
-            raise RouterError("no kvroute worker to check: pass --worker ID=HTTP_URL")
-        async with aiohttp.ClientSession() as session:
-            checks = await check_workers(index, session, targets, WorkerRegistry(client, layout))
-        if args.json:
-            print(json.dumps([
-                asdict(c) | {"num_divergent": c.num_divergent,
-                             "block_size_mismatch": c.block_size_mismatch}
-                for c in checks
-            ]))  # fmt: skip
-        else:
-            print(f"{'worker':<20} {'expected':>9} {'indexed':>9} {'missing':>8} {'extra':>8} "
-                  f"{'tier':>6}  block size")  # fmt: skip
-            for c in checks:
-                sizes = "-" if c.registered_block_size is None else str(c.registered_block_size)
-                if c.block_size_mismatch:
-                    sizes += f" (events: {c.events_block_size}; mismatch)"
-                print(
-                    f"{c.worker_id:<20} {c.num_expected:>9} {c.num_indexed:>9} "
-                    f"{c.num_missing:>8} {c.num_extra:>8} {c.num_tier_mismatch:>6}  {sizes}"
-                )
-            total = sum(c.num_divergent for c in checks)
-            mismatched = sum(c.block_size_mismatch for c in checks)
-            print(f"{total} divergent entries, {mismatched} block size mismatches")
-        failed = any(c.num_divergent or c.block_size_mismatch for c in checks)
-        return 1 if failed else 0
+        return await _check(args, client, layout)
     finally:
         await client.aclose()
+
+
+async def _check(args: argparse.Namespace, client: RedisClient, layout: KeyLayout) -> int:
+    """``kvroute index check``: the index against workers' snapshots, and with
+    ``--router`` each worker's routing accuracy; the exit code."""
+    index = RedisPrefixIndex(client, layout, RouterKeyer(args.seed))
+    targets = _targets(args.worker)
+    if not targets:
+        records = await WorkerRegistry(client, layout).records()
+        targets = [(r.worker_id, r.http_url) for r in records if r.has_snapshot and r.http_url]
+    if not targets and args.router is None:
+        raise RouterError("no kvroute worker to check: pass --worker ID=HTTP_URL")
+    async with aiohttp.ClientSession() as session:
+        checks = await check_workers(index, session, targets, WorkerRegistry(client, layout))
+        accuracy = {} if args.router is None else await _router_accuracy(session, args.router)
+    low = sorted(
+        w for w, a in accuracy.items()
+        if a.ratio is not None and a.ratio < args.accuracy_warn_below_ratio
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(_check_rows(checks, accuracy, args.router is not None, low)))
+    else:
+        _print_checks(checks)
+        if args.router is not None:
+            _print_accuracy(args.router, accuracy, low)
+    failed = any(c.num_divergent or c.block_size_mismatch for c in checks) or bool(low)
+    return 1 if failed else 0
+
+
+async def _router_accuracy(
+    session: aiohttp.ClientSession, router_url: str
+) -> dict[str, ReportedAccuracy]:
+    url = router_url.rstrip("/") + "/metrics"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            if resp.status != 200:
+                raise RouterError(f"--router {router_url}: GET /metrics answered {resp.status}")
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        raise RouterError(f"--router {router_url}: cannot read /metrics: {exc}") from exc
+    return parse_router_accuracy(text)
+
+
+def _check_rows(
+    checks: Sequence[WorkerCheck],
+    accuracy: dict[str, ReportedAccuracy],
+    with_router: bool,
+    low: Sequence[str],
+) -> list[dict[str, object]]:
+    """One JSON object per worker: its index check (``null`` fields for a worker only the
+    router reports) and, with ``--router``, its ``routing_accuracy``."""
+    fields = [f.name for f in dataclasses.fields(WorkerCheck)][1:]
+    rows: dict[str, dict[str, object]] = {}
+    for c in checks:
+        rows[c.worker_id] = asdict(c) | {
+            "num_divergent": c.num_divergent, "block_size_mismatch": c.block_size_mismatch,
+        }  # fmt: skip
+    if with_router:
+        for worker in accuracy.keys() - rows.keys():
+            rows[worker] = {"worker_id": worker, **dict.fromkeys(fields), "num_divergent": None,
+                            "block_size_mismatch": None}  # fmt: skip
+        for worker, row in rows.items():
+            figures = accuracy.get(worker)
+            row["routing_accuracy"] = None if figures is None else asdict(figures) | {
+                "low": worker in low
+            }  # fmt: skip
+    return [rows[w] for w in sorted(rows)] if with_router else list(rows.values())
+
+
+def _print_checks(checks: Sequence[WorkerCheck]) -> None:
+    if not checks:
+        return
+    print(f"{'worker':<20} {'expected':>9} {'indexed':>9} {'missing':>8} {'extra':>8} "
+          f"{'tier':>6}  block size")  # fmt: skip
+    for c in checks:
+        sizes = "-" if c.registered_block_size is None else str(c.registered_block_size)
+        if c.block_size_mismatch:
+            sizes += f" (events: {c.events_block_size}; mismatch)"
+        print(
+            f"{c.worker_id:<20} {c.num_expected:>9} {c.num_indexed:>9} "
+            f"{c.num_missing:>8} {c.num_extra:>8} {c.num_tier_mismatch:>6}  {sizes}"
+        )
+    total = sum(c.num_divergent for c in checks)
+    mismatched = sum(c.block_size_mismatch for c in checks)
+    print(f"{total} divergent entries, {mismatched} block size mismatches")
+
+
+def _print_accuracy(
+    router_url: str, accuracy: dict[str, ReportedAccuracy], low: Sequence[str]
+) -> None:
+    print(f"routing accuracy at {router_url} (cached prompt tokens the router expected "
+          "against those each worker reported; accuracy over its last requests)")  # fmt: skip
+    if not accuracy:
+        print("no figures yet: the router has served no request that reported its hits")
+        return
+    print(f"{'worker':<20} {'expected':>12} {'reported':>12} {'accuracy':>9}")
+    for worker, a in accuracy.items():
+        ratio = "-" if a.ratio is None else f"{a.ratio:.2f}"
+        flag = "  low: see the router's warning for likely causes" if worker in low else ""
+        print(
+            f"{worker:<20} {a.expected_cached_tokens:>12,} {a.reported_cached_tokens:>12,} "
+            f"{ratio:>9}{flag}"
+        )
+    print(f"workers below the accuracy threshold: {len(low)}")
 
 
 def _per_entry(stats: IndexStats) -> str:

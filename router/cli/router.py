@@ -37,13 +37,16 @@ from events.hashing import NATIVE_KEYS
 from router.cli.cost_flags import add_cost_arguments, cost_weights_from
 from router.errors import PrefixIndexError, RouterError
 from router.front.access import exposure_warning
+from router.front.accuracy import AccuracyConfig
 from router.front.app import guards
 from router.front.breaker import BreakerConfig
 from router.front.config import RequestLimits, RouterConfig
 from router.front.proxy import ProxyConfig
 from router.front.service import RouterService
+from router.front.tracing import wants_tracing
 from router.ingest._native.runs import NATIVE_RUNS
 from router.routing.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig
+from router.routing.sessions import SessionConfig
 from router.store.connection import redact_url
 from router.store.layout import check_name
 from router.store.server import RedisServer
@@ -63,6 +66,8 @@ _WORKER_USAGE = (
 _PROXY = ProxyConfig()
 _BREAKER = BreakerConfig()
 _LIMITS = RequestLimits()
+_ACCURACY = AccuracyConfig()
+_SESSIONS = SessionConfig()
 
 
 class RouterCliError(RouterError, ValueError):
@@ -209,6 +214,25 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
         ("--replica-id", str, "this replica's id, naming its leases, heartbeat and shared "
          "load in Redis and metrics ([A-Za-z0-9_.:@-]; default: $KVROUTE_REPLICA_ID, else a "
          "random one)"),
+        ("--session-affinity-tokens", int, "prompt tokens the worker that served a request's "
+         "session last (X-Session-Id header, else the body's user field) is credited with, "
+         "as if cached; 0 turns session affinity off. The default, one block, wins ties "
+         "and loses to any worker with one request less in flight "
+         f"(default: {_SESSIONS.bonus_tokens})"),
+        ("--session-ttl-s", float, "seconds a session is remembered after its last request "
+         f"(default: {_SESSIONS.ttl_s:g})"),
+        ("--session-max-entries", int, "most sessions remembered; past it the least recently "
+         f"seen are forgotten (default: {_SESSIONS.max_entries})"),
+        ("--accuracy-window-requests", int, "requests per worker over which routing accuracy "
+         "(the cache hits the router expected against those the worker reported) is "
+         f"measured (default: {_ACCURACY.window_requests})"),
+        ("--accuracy-warn-below-ratio", float, "routing accuracy below which a full window "
+         "logs one WARNING about the worker, naming the likely causes "
+         f"(default: {_ACCURACY.warn_below_ratio:g})"),
+        ("--accuracy-min-tokens", int, "cached tokens at stake in a worker's window below "
+         f"which no accuracy figure is given (default: {_ACCURACY.min_tokens})"),
+        ("--accuracy-warn-interval-s", float, "least seconds between two accuracy warnings "
+         f"about one worker (default: {_ACCURACY.warn_interval_s:g})"),
         ("--client-key", str, "the router's CURVE secret key file (NAME.key_secret from `kvroute "
          "keys`), presented to workers registered with server_key= (default: "
          "$KVROUTE_CLIENT_KEY, else a fresh key pair, admitted only by workers without "
@@ -275,6 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy", choices=POLICY_NAMES, help=f"routing policy (default: {DEFAULT_POLICY})"
     )
+    add_flag(
+        p,
+        "--otel",
+        action="store_true",
+        default_text="off, unless an OTEL_EXPORTER_* variable is set and the packages are "
+        "installed",
+        meaning="make OpenTelemetry spans of each request's decision and proxying, children "
+        "of its traceparent (needs pip install 'kvroute[otel]')",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -328,6 +361,19 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
             failure_threshold=int(pick("circuit_failures", _BREAKER.failure_threshold)),
             cooldown_s=float(pick("circuit_cooldown_s", _BREAKER.cooldown_s)),
         )
+        accuracy = AccuracyConfig(
+            window_requests=int(pick("accuracy_window_requests", _ACCURACY.window_requests)),
+            warn_below_ratio=float(
+                pick("accuracy_warn_below_ratio", _ACCURACY.warn_below_ratio)
+            ),
+            min_tokens=int(pick("accuracy_min_tokens", _ACCURACY.min_tokens)),
+            warn_interval_s=float(pick("accuracy_warn_interval_s", _ACCURACY.warn_interval_s)),
+        )
+        sessions = SessionConfig(
+            bonus_tokens=int(pick("session_affinity_tokens", _SESSIONS.bonus_tokens)),
+            ttl_s=float(pick("session_ttl_s", _SESSIONS.ttl_s)),
+            max_entries=int(pick("session_max_entries", _SESSIONS.max_entries)),
+        )
     except (TypeError, ValueError, RouterError) as exc:
         raise RouterCliError(f"invalid setting: {exc}") from exc
     workers = _config_workers(file.get("workers", [])) + [parse_worker_flag(s) for s in args.worker]
@@ -374,6 +420,10 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         api_key=api_key,
         allow_worker_nets=allowed,
         require_curve=require_curve,
+        accuracy=accuracy,
+        sessions=sessions,
+        otel=wants_tracing(bool(pick("otel", False)), os.environ),
+        otel_required=bool(pick("otel", False)),
     )
 
 

@@ -25,6 +25,15 @@ Endpoints:
   memory); ``GET /ready``: readiness, 200 ``{"ready": true, ...}`` or 503 ``{"ready":
   false, "reasons": [...], "error"}`` when no worker is routable; ``GET /metrics``.
 
+Every answer carries the request's ``X-Request-Id`` (the client's when usable, else a
+fresh one: :mod:`router.front.request_context`), which goes to the worker with a
+well-formed ``traceparent``/``tracestate``; inference requests are traced when
+:mod:`router.front.tracing` is on. A request's session (``X-Session-Id``, else the body's
+``user``) prefers the worker that served it last (:mod:`router.routing.sessions`). Each
+answered request is counted by :mod:`router.front.served` (hits, routing accuracy,
+latency). Streamed completions are sent with ``stream_options.include_usage``, so vLLM
+reports the hit of every request.
+
 Who may call what (bearer keys, JSON-only bodies) is :mod:`router.front.access`. Every
 error is JSON ``{"error": {"message", "type"}}``: 400 for a malformed body, 401 without
 the endpoint's key, 404 for an unknown worker or path, 405 for a wrong method, 408 for a
@@ -58,7 +67,10 @@ from router.front.access import AccessError, Guard
 from router.front.chat import ChatMessage, ChatRewriter, ChatTemplateError
 from router.front.config import RouterConfig
 from router.front.hops import hop_refusal, next_hops
+from router.front.identity import answer_request_id, context_of, identify
 from router.front.proxy import ResponseRewriter, WorkersUnavailableError
+from router.front.request_context import session_key
+from router.front.served import RequestTiming, ServedRequest, ask_for_usage
 from router.front.service import NoWorkersError, Routed
 from router.workers.registration import RegistrationConflict, RegistrationError
 from router.workers.registry import WorkerRecord
@@ -74,6 +86,7 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 _SERVICE: Final = web.AppKey("service", object)
+_TRACED: Final = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/route"})
 _CLIENT_CLOSED: Final = 499  # nginx's "client closed request": no answer was sent
 # Sampling fields of a chat request that carry over to the completion sent to the worker.
 _CHAT_PASSTHROUGH: Final = (
@@ -88,6 +101,9 @@ class CompletionBody(msgspec.Struct, kw_only=True):
     max_tokens: NonNegative = 16
     stream: bool = False
     cache_salt: str | None = None
+    # Read for metrics and session affinity only; any JSON goes on to the worker unjudged.
+    model: object = None
+    user: object = None
 
 
 class RouteBody(CompletionBody, kw_only=True):
@@ -104,6 +120,9 @@ class ChatBody(msgspec.Struct, kw_only=True):
     max_completion_tokens: NonNegative | None = None
     stream: bool = False
     cache_salt: str | None = None
+    # Read for metrics and session affinity only; any JSON goes on to the worker unjudged.
+    model: object = None
+    user: object = None
 
 
 class WorkerBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -241,6 +260,33 @@ class _Handlers:
                 400, f"max_tokens {max_tokens} exceeds the limit {self.limits.max_output_tokens}"
             )
 
+    async def _decide(
+        self,
+        request: web.Request,
+        tokens: list[int],
+        max_tokens: int,
+        *,
+        cache_salt: str | None,
+        session: str | None,
+        record: bool = True,
+    ) -> Routed:
+        ctx = context_of(request)
+        tracing = self.svc.tracing
+        with tracing.child_span(ctx, "kvroute.decide") as span:
+            routed = await self.svc.decide(
+                tokens, max_tokens, cache_salt=cache_salt, record=record, context=ctx,
+                session=session,
+            )  # fmt: skip
+            if span is not None:  # no attributes built while tracing is off
+                chosen = routed.decision.chosen
+                tracing.annotate(span, {
+                    "kvroute.worker": chosen.worker_id, "kvroute.policy": routed.decision.policy,
+                    "kvroute.prompt_tokens": len(tokens),
+                    "kvroute.matched_tokens": chosen.matched_tokens,
+                    "kvroute.predicted_tokens": chosen.predicted_tokens,
+                })  # fmt: skip
+        return routed
+
     async def _proxy(
         self,
         request: web.Request,
@@ -249,19 +295,35 @@ class _Handlers:
         rewriter: ResponseRewriter | None = None,
         *,
         hops: str,
+        stream: bool,
+        model: object,
+        session: str | None,
     ) -> web.StreamResponse:
-        try:
-            response, result = await self.svc.proxy.forward(
-                request, "/v1/completions", body, routed.targets, self.svc.accounting(routed),
-                rewriter, hops=hops,
-            )  # fmt: skip
-        except WorkersUnavailableError as exc:
-            if exc.timed_out:
-                raise _ApiError(504, str(exc), "timeout") from exc
-            raise _ApiError(502, str(exc), "worker_unavailable") from exc
+        svc = self.svc
+        ctx = context_of(request)
+        timing = RequestTiming(svc.accounting(routed), ctx.received_s)
+        with svc.tracing.child_span(ctx, "kvroute.proxy") as span:
+            headers = ctx.forwarded_headers(svc.tracing.traceparent(span))
+            try:
+                response, result = await svc.proxy.forward(
+                    request, "/v1/completions", body, routed.targets, timing, rewriter,
+                    hops=hops, headers=headers,
+                )  # fmt: skip
+            except WorkersUnavailableError as exc:
+                if exc.timed_out:
+                    raise _ApiError(504, str(exc), "timeout") from exc
+                raise _ApiError(502, str(exc), "worker_unavailable") from exc
+            if span is not None:
+                svc.tracing.annotate(span, {
+                    "kvroute.worker": result.worker_id, "kvroute.attempts": result.num_attempts,
+                    "http.response.status_code": result.status,
+                })  # fmt: skip
         if result.client_aborted:
-            self.svc.metrics.client_aborts.labels("answer").inc()
-        self.svc.actual_hits(result.worker_id, result.usage)
+            svc.metrics.client_aborts.labels("answer").inc()
+        served = ServedRequest(
+            routed.decision, routed.num_prompt_tokens, result, timing, stream, model, session
+        )
+        svc.served.record(served)
         return response
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -270,8 +332,15 @@ class _Handlers:
         body: CompletionBody = _decode(raw, CompletionBody)
         self._check_output(body.max_tokens)
         tokens = self._tokens(body.prompt)
-        routed = await self.svc.decide(tokens, body.max_tokens, cache_salt=body.cache_salt)
-        return await self._proxy(request, routed, raw, hops=hops)
+        session = session_key(request.headers, body.user)
+        routed = await self._decide(
+            request, tokens, body.max_tokens, cache_salt=body.cache_salt, session=session
+        )
+        if body.stream:
+            raw = msgspec.json.encode(ask_for_usage(msgspec.json.decode(raw)))
+        return await self._proxy(
+            request, routed, raw, hops=hops, stream=body.stream, model=body.model, session=session
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         hops = self._check_hops(request)
@@ -293,20 +362,31 @@ class _Handlers:
         extra = msgspec.json.decode(raw)
         completion: dict[str, Any] = {k: extra[k] for k in _CHAT_PASSTHROUGH if k in extra}
         completion.update(prompt=prompt, max_tokens=max_tokens, stream=body.stream)
-        routed = await self.svc.decide(tokens, max_tokens, cache_salt=body.cache_salt)
+        if body.stream:
+            ask_for_usage(completion)
+        session = session_key(request.headers, body.user)
+        routed = await self._decide(
+            request, tokens, max_tokens, cache_salt=body.cache_salt, session=session
+        )
         completion_body = msgspec.json.encode(completion)
-        return await self._proxy(request, routed, completion_body, ChatRewriter(), hops=hops)
+        return await self._proxy(
+            request, routed, completion_body, ChatRewriter(), hops=hops, stream=body.stream,
+            model=body.model, session=session,
+        )  # fmt: skip
 
     async def route(self, request: web.Request) -> web.Response:
         body: RouteBody = _decode(await self._body(request), RouteBody)
         self._check_output(body.max_tokens)
         tokens = self._tokens(body.prompt)
-        routed = await self.svc.decide(
-            tokens, body.max_tokens, cache_salt=body.cache_salt, record=not body.dry_run
-        )
+        session = session_key(request.headers, body.user)
+        routed = await self._decide(
+            request, tokens, body.max_tokens, cache_salt=body.cache_salt, session=session,
+            record=not body.dry_run,
+        )  # fmt: skip
+        decision = routed.decision
         if not body.dry_run:
             await self.svc.hold(routed)
-        decision = routed.decision
+            self.svc.served.remember_session(session, decision.worker_id)
         answer = {
             "worker_id": decision.worker_id,
             "url": routed.targets[0].url,
@@ -514,9 +594,11 @@ def _run_to_completion(handler: Handler) -> Handler:
 def make_app(service: RouterService) -> web.Application:
     """The aiohttp application of a router service."""
     app = web.Application(
-        middlewares=[_errors], client_max_size=service.config.limits.max_body_bytes
+        middlewares=[identify(lambda: service.tracing, _TRACED), _errors],
+        client_max_size=service.config.limits.max_body_bytes,
     )
     app[_SERVICE] = service
+    app.on_response_prepare.append(answer_request_id)
     h = _Handlers(service)
     admin, inference = guards(service.config)
     app.add_routes(

@@ -11,9 +11,11 @@ from dataclasses import dataclass, field
 from events.auth import BearerKey
 from events.curve import CurveKeyPair
 from events.subscriber import SubscriberConfig
+from router.front.accuracy import AccuracyConfig
 from router.front.breaker import BreakerConfig
 from router.front.proxy import ProxyConfig
 from router.routing.policies import DEFAULT_POLICY, PolicyConfig
+from router.routing.sessions import SessionConfig
 from router.workers.registry import WorkerRecord
 
 __all__ = ["RequestLimits", "RouterConfig"]
@@ -87,6 +89,11 @@ class RouterConfig:
         replay_timeout_s: Longest silence accepted from a worker's replay endpoint.
         replay_deadline_s: Longest a whole replay may take, however steadily its replies
             come; past either, the replay is abandoned and the worker resynced.
+        accuracy: When routing accuracy (expected against reported hits) is warned about
+            (see :mod:`router.front.accuracy`).
+        sessions: Session affinity (see :mod:`router.routing.sessions`).
+        otel: Make OpenTelemetry spans (see :mod:`router.front.tracing`).
+        otel_required: ``otel`` was asked for explicitly: missing packages are an error.
     """
 
     redis_url: str
@@ -119,3 +126,7 @@ class RouterConfig:
     require_curve: bool = False
     replay_timeout_s: float = SubscriberConfig().replay_timeout_s
     replay_deadline_s: float = SubscriberConfig().replay_deadline_s
+    accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
+    sessions: SessionConfig = field(default_factory=SessionConfig)
+    otel: bool = False
+    otel_required: bool = False

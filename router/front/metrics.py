@@ -3,7 +3,7 @@
 They live in the same caller-owned ``CollectorRegistry`` as the ingest's
 :class:`router.ingest.metrics.IngestMetrics` (events applied, skipped, replayed, resynced), so
 one ``GET /metrics`` shows both. Labels are bounded: worker ids, policy names, fixed
-outcome words.
+outcome words, model names the router knows (:mod:`router.front.model_labels`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.front.accuracy import EXPECTED_CACHED_TOKENS, REPORTED_CACHED_TOKENS
 from router.front.breaker import CircuitState
 
 __all__ = ["CIRCUIT_STATE_VALUES", "RouterMetrics"]
@@ -42,6 +43,9 @@ class _CircuitCollector(Collector):
 
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5)
+# Whole requests: a cached short prompt answers in milliseconds, a long generation in minutes.
+_REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                    300.0)  # fmt: skip
 
 
 @dataclass
@@ -82,16 +86,57 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
-        self.actual_hit_tokens = Counter(
-            "kvroute_router_actual_hit_tokens",
-            "Prompt tokens the worker reported as prefix-cache hits (usage.cached_tokens).",
+        self.expected_cached_tokens = Counter(
+            EXPECTED_CACHED_TOKENS,
+            "Prompt tokens the router expected the serving worker to find cached (what its "
+            "decision credited that worker with, in whole blocks, short of the last prompt "
+            "token); counted for requests whose worker reported its hit.",
+            ["worker"],
+            registry=r,
+        )
+        self.reported_cached_tokens = Counter(
+            REPORTED_CACHED_TOKENS,
+            "Prompt tokens the serving worker reported found in its prefix cache "
+            "(usage.cached_tokens, or vLLM's usage.prompt_tokens_details.cached_tokens).",
             ["worker"],
             registry=r,
         )
         self.prompt_tokens = Counter(
             "kvroute_router_prompt_tokens",
-            "Prompt tokens of proxied requests.",
+            "Prompt tokens of the requests each worker served (as the worker counted them "
+            "in usage.prompt_tokens; the router's own count when the answer had none).",
             ["worker"],
+            registry=r,
+        )
+        self.unreported_hits = Counter(
+            "kvroute_router_unreported_cached_tokens_requests",
+            "Requests a worker served without reporting cached tokens (a vLLM engine "
+            "without --enable-prompt-tokens-details): left out of the accuracy figures.",
+            ["worker"],
+            registry=r,
+        )
+        self.time_to_first_token_seconds = Histogram(
+            "kvroute_router_time_to_first_token_seconds",
+            "Streamed requests: from the router receiving the request to the first event "
+            "of the worker's answer (queueing, decision, connection and prefill).",
+            ["worker", "model"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.e2e_request_latency_seconds = Histogram(
+            "kvroute_router_e2e_request_latency_seconds",
+            "From the router receiving a request to the last byte of its answer going to "
+            "the client (every attempt included), for requests a worker answered.",
+            ["worker", "model"],
+            buckets=_REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "kvroute_router_queue_seconds",
+            "From the router receiving a request to its dispatch to the first worker "
+            "tried (body read, tokenization, decision, waiting for a connection).",
+            ["model"],
+            buckets=(*_LATENCY_BUCKETS, 1.0, 2.5, 5.0),
             registry=r,
         )
         self.index_live = Gauge(

@@ -152,6 +152,7 @@ class ProxyResult:
         status: Its HTTP status.
         num_attempts: Workers tried, the successful one included.
         usage: The ``usage`` object of its completion (last stream chunk or body), if any.
+        model: The ``model`` its completion names (where ``usage`` was found), if any.
         failures: ``"worker: reason"`` for each failed attempt.
         client_aborted: The client left before the whole answer reached it.
     """
@@ -162,6 +163,7 @@ class ProxyResult:
     usage: dict[str, object] | None = None
     failures: list[str] = field(default_factory=list)
     client_aborted: bool = False
+    model: str | None = None
 
 
 class AttemptObserver(Protocol):
@@ -222,6 +224,7 @@ class _Answer:
     response: web.StreamResponse
     status: int
     usage: dict[str, object] | None = None
+    model: str | None = None
     worker_failed: bool = False  # a 5xx, or a stream the worker broke off
     unreachable: bool = False
     client_aborted: bool = False
@@ -289,6 +292,7 @@ class WorkerProxy:
         rewriter: ResponseRewriter | None = None,
         *,
         hops: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> tuple[web.StreamResponse, ProxyResult]:
         """Send ``body`` to ``path`` of the best target that answers; answer the client.
 
@@ -300,6 +304,8 @@ class WorkerProxy:
             observer: Hears each attempt's start, first byte and end.
             rewriter: Rewrites the answer (``None``: passed through unchanged).
             hops: The ``X-Kvroute-Hops`` value to send (see :mod:`router.front.hops`).
+            headers: More headers to send, over the client's (the request's identity:
+                ``X-Request-Id``, ``traceparent``).
 
         Returns:
             The response to return from the handler, and what happened.
@@ -310,10 +316,11 @@ class WorkerProxy:
         names: tuple[str, ...] = _FORWARDED_HEADERS
         if self.config.forward_authorization:
             names = (*names, "Authorization")
-        headers = {h: request.headers[h] for h in names if h in request.headers}
-        headers.update(_BODY_HEADERS)
+        sent = {h: request.headers[h] for h in names if h in request.headers}
+        sent.update(headers or {})
+        sent.update(_BODY_HEADERS)
         if hops is not None:
-            headers[HOPS_HEADER] = hops
+            sent[HOPS_HEADER] = hops
         deadline = asyncio.get_running_loop().time() + self.config.total_timeout_s
         failures: list[str] = []
         attempts = 0
@@ -329,7 +336,7 @@ class WorkerProxy:
             outcome: AttemptOutcome = "failed"
             try:
                 answer = await self._attempt(
-                    request, target, path, body, headers, observer, rewriter, deadline
+                    request, target, path, body, sent, observer, rewriter, deadline
                 )
             except _Failed as exc:
                 self.breakers.failed(wid, unreachable=exc.unreachable)
@@ -350,8 +357,9 @@ class WorkerProxy:
             if not answer.response.prepared:
                 answer.response.headers[WORKER_HEADER] = wid
             result = ProxyResult(
-                wid, answer.status, attempts, answer.usage, failures, answer.client_aborted
-            )
+                wid, answer.status, attempts, answer.usage, failures, answer.client_aborted,
+                answer.model,
+            )  # fmt: skip
             return answer.response, result
         if not failures:
             failures.append("every candidate worker's circuit is open")
@@ -453,7 +461,7 @@ class WorkerProxy:
                     unreachable=dog.unreachable,
                     timed_out=dog.timed_out,
                 ) from exc
-        usage = _usage_of(raw)
+        usage, model = _usage_of(raw)
         if rewriter is not None and upstream.status == 200:
             raw = rewriter.rewrite_body(raw)
         status, content_type = upstream.status, upstream.content_type
@@ -461,7 +469,9 @@ class WorkerProxy:
         for name in _PASSED_BACK_HEADERS:
             if name in upstream.headers:
                 response.headers[name] = upstream.headers[name]
-        return _Answer(response, upstream.status, usage, worker_failed=upstream.status >= 500)
+        return _Answer(
+            response, upstream.status, usage, model, worker_failed=upstream.status >= 500
+        )
 
     async def _read_limited(
         self, upstream: aiohttp.ClientResponse, dog: SilenceWatchdog, limit: int
@@ -509,7 +519,9 @@ class WorkerProxy:
                 if line.startswith(b"data:"):
                     data = line[5:].strip()
                     if b'"usage"' in data:
-                        answer.usage = _usage_of(data) or answer.usage
+                        usage, model = _usage_of(data)
+                        if usage is not None:
+                            answer.usage, answer.model = usage, model
                     if rewriter is not None:
                         line = b"data: " + rewriter.rewrite_event(data) + b"\n"
                 try:
@@ -536,11 +548,16 @@ class WorkerProxy:
         return answer
 
 
-def _usage_of(raw: bytes) -> dict[str, object] | None:
-    """The ``usage`` object of a completion body or chunk, if it has one."""
+def _usage_of(raw: bytes) -> tuple[dict[str, object] | None, str | None]:
+    """The ``usage`` object of a completion body or chunk, and its ``model``, if any."""
     try:
         body = msgspec.json.decode(raw)
     except msgspec.DecodeError:
-        return None
-    usage = body.get("usage") if isinstance(body, dict) else None
-    return usage if isinstance(usage, dict) else None
+        return None, None
+    if not isinstance(body, dict):
+        return None, None
+    usage, model = body.get("usage"), body.get("model")
+    return (
+        usage if isinstance(usage, dict) else None,
+        model if isinstance(model, str) else None,
+    )

@@ -32,6 +32,7 @@ from events.identity import WorkerId
 from events.subscriber import SubscriberConfig
 from events.tokenizer import Tokenizer, load_tokenizer
 from router.errors import RouterError
+from router.front.accuracy import AccuracyCollector, RoutingAccuracy
 from router.front.breaker import CircuitBreakers, CircuitState
 from router.front.chat import ChatTemplate, load_chat_template
 from router.front.config import RouterConfig
@@ -39,7 +40,11 @@ from router.front.decision_log import DecisionLog
 from router.front.load_accounting import LoadAccounting
 from router.front.lookup import INDEX_ERRORS, IndexLookup
 from router.front.metrics import RouterMetrics
+from router.front.model_labels import ModelLabels
 from router.front.proxy import ProxyTarget, WorkerProxy
+from router.front.request_context import RequestContext
+from router.front.served import ServedLedger
+from router.front.tracing import Tracing
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.metrics import IngestMetrics
@@ -55,6 +60,7 @@ from router.routing.policies import (
 )
 from router.routing.predicted import PredictedEntries
 from router.routing.request_keys import RequestKeys, key_request
+from router.routing.sessions import SessionTable, with_session_bonus
 from router.store.connection import RedisClient, RedisOptions, connect, redact_url
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
@@ -134,6 +140,13 @@ class RouterService:
             lambda: {r.worker_id: self.breakers.state(r.worker_id) for r in self.workers}
         )
         self.ingest_metrics = IngestMetrics(self.metrics.registry)
+        accuracy = RoutingAccuracy(config.accuracy)
+        self.metrics.registry.register(AccuracyCollector(accuracy.figures))
+        self.sessions = SessionTable(config.sessions) if config.sessions.enabled else None
+        self.served = ServedLedger(
+            self.metrics, accuracy, self.sessions, ModelLabels(), self._block_size_of
+        )
+        self.tracing = Tracing.setup(config.otel, required=config.otel_required)
         self.keyer = RouterKeyer(config.key_seed)
         self._predicted = (
             PredictedEntries(self.policy.credit_ttl_s, config.predicted_max_entries)
@@ -376,8 +389,16 @@ class RouterService:
         self._records.pop(worker_id, None)
         self.poller.set_worker(worker_id, None)
         self.breakers.forget(worker_id)
+        self.served.accuracy.forget(worker_id)
+        if self.sessions is not None:
+            self.sessions.forget_worker(worker_id)
         if self._predicted is not None:
             self._predicted.forget(worker_id)
+
+    def _block_size_of(self, worker_id: WorkerId) -> int:
+        """A worker's registered block size; 1 (no rounding to blocks) once it is gone."""
+        record = self._records.get(worker_id)
+        return record.block_size if record is not None else 1
 
     async def _sync_workers(self) -> None:
         """Adopt registrations made by other replicas (through Redis).
@@ -428,6 +449,8 @@ class RouterService:
         *,
         cache_salt: str | None = None,
         record: bool = True,
+        context: RequestContext | None = None,
+        session: str | None = None,
     ) -> Routed:
         """Choose a worker for a prompt.
 
@@ -437,6 +460,9 @@ class RouterService:
             cache_salt: The request's cache salt, if any.
             record: Credit predicted entries, count metrics and log the decision (False
                 for a dry run, which changes nothing).
+            context: The request's id and trace (for the decision log).
+            session: The request's session key: the worker that served the session last
+                gets the session bonus (:mod:`router.routing.sessions`).
 
         Returns:
             The decision and the forwarding order.
@@ -458,6 +484,11 @@ class RouterService:
         predicted = self._predicted_blocks(keyed, now)
         loads = await self.load.snapshot(workers)
         candidates = build_candidates(workers, loads, matches, predicted)
+        if session is not None and self.sessions is not None:
+            served_last = self.sessions.worker_of(session, now)
+            candidates = with_session_bonus(
+                candidates, served_last, self.sessions.config.bonus_tokens
+            )
         request = RouteRequest(keyed.base_keys, len(token_ids), keyed.base, num_output_tokens)
         decision = self.policy.decide(request, candidates)
         by_id = {r.worker_id: r for r in records}
@@ -468,7 +499,7 @@ class RouterService:
         routed_ = Routed(decision, targets, keyed, len(token_ids), num_output_tokens)
         if record:
             self.credit(decision.worker_id, keyed.of(decision.worker_id))
-            self._record(decision, len(token_ids))
+            self._record(decision, len(token_ids), context)
         self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
         return routed_
 
@@ -484,13 +515,21 @@ class RouterService:
             out.update(found)
         return out
 
-    def _record(self, decision: Decision, num_prompt_tokens: int) -> None:
+    def _record(
+        self, decision: Decision, num_prompt_tokens: int, context: RequestContext | None
+    ) -> None:
         chosen = decision.chosen
         self.metrics.decisions.labels(decision.worker_id, decision.policy).inc()
         self.metrics.matched_tokens.labels(decision.worker_id).inc(chosen.matched_tokens)
         self.metrics.predicted_tokens.labels(decision.worker_id).inc(chosen.predicted_tokens)
         if self._decision_log is not None:
-            self._decision_log.write(decision, num_prompt_tokens, index_live=self.index_live)
+            self._decision_log.write(
+                decision,
+                num_prompt_tokens,
+                index_live=self.index_live,
+                request_id=context.request_id if context is not None else None,
+                trace_id=context.trace_id if context is not None else None,
+            )
 
     async def hold(self, routed_: Routed) -> None:
         """Count a ``/v1/route`` decision as load on its worker for ``route_hold_s``."""
@@ -529,17 +568,6 @@ class RouterService:
     def accounting(self, routed_: Routed) -> LoadAccounting:
         """An observer that accounts a forwarded request's load on each worker tried."""
         return LoadAccounting(self, routed_)
-
-    def actual_hits(self, worker_id: WorkerId, usage: Mapping[str, object] | None) -> None:
-        """Count the prefix hit the worker reported for a request it served."""
-        if not usage:
-            return
-        cached = usage.get("cached_tokens")
-        details = usage.get("prompt_tokens_details")
-        if cached is None and isinstance(details, dict):
-            cached = details.get("cached_tokens")
-        if isinstance(cached, int) and not isinstance(cached, bool):
-            self.metrics.actual_hit_tokens.labels(worker_id).inc(cached)
 
     # -- background ----------------------------------------------------------------------
 

@@ -78,12 +78,16 @@ class Candidate(msgspec.Struct, frozen=True, gc=False):
         match: The prefix its own events confirm it caches.
         num_predicted_blocks: The prefix it is credited with by predicted entries (or by
             the route history of ``approximate``); 0 when none.
+        session_bonus_tokens: Prompt tokens cost-based policies credit it with, as if
+            cached, because it served the request's session last
+            (:mod:`router.routing.sessions`); 0 for every other candidate.
     """
 
     worker_id: WorkerId
     load: WorkerLoad = msgspec.field(default_factory=WorkerLoad)
     match: PrefixMatch = msgspec.field(default_factory=PrefixMatch)
     num_predicted_blocks: int = 0
+    session_bonus_tokens: int = 0
 
 
 class CandidateScore(msgspec.Struct, frozen=True, gc=False):
@@ -282,6 +286,7 @@ class CostPolicy:
         num_prompt = request.num_prompt_tokens
         scores = [
             candidate_score(num_prompt, tokens, c.load, weights, replicated)
+            - weights.prefill * c.session_bonus_tokens
             for tokens, c, replicated in zip(cached, candidates, shared, strict=True)
         ]
         index = choose(

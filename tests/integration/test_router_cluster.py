@@ -207,7 +207,7 @@ def test_prefix_affinity_then_spreading_under_load(
             async with s.get(f"{svc.url}/metrics") as resp:
                 metrics = await resp.text()
             reported = usage0["cached_tokens"] + 3 * 256 + hits
-            name = "kvroute_router_actual_hit_tokens_total"
+            name = "kvroute_router_reported_cached_tokens_total"
             assert sum(_sample(metrics, name, w.worker_id) for w in workers) == reported
 
     asyncio.run(scenario())

@@ -531,3 +531,26 @@ def test_a_body_over_max_body_bytes_gets_a_json_413_naming_the_limit(
         assert reply["usage"]["prompt_tokens"] == 500
     finally:
         running.stop()
+
+
+def test_the_request_id_is_echoed_and_ends_the_completion_id(worker: RunningWorker) -> None:
+    def ask(request_id: str | None, path: str = "/v1/completions") -> tuple[str | None, str]:
+        headers = dict(JSON_HEADERS)
+        if request_id is not None:
+            headers["X-Request-Id"] = request_id
+        body = json.dumps({"prompt": "id", "max_tokens": 1}).encode()
+        request = urllib.request.Request(f"{worker.http}{path}", data=body, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+                return response.headers.get("X-Request-Id"), json.loads(response.read())["id"]
+        except urllib.error.HTTPError as exc:  # errors carry it too
+            return exc.headers.get("X-Request-Id"), ""
+
+    echoed, completion_id = ask("router-chose-this 1")
+    assert echoed == "router-chose-this 1"
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}-router-chose-this 1", completion_id)
+    echoed, completion_id = ask(None)
+    assert echoed is None and re.fullmatch(r"cmpl-[0-9a-f]{32}", completion_id)
+    echoed, completion_id = ask("x" * 129)  # unusable: ignored, never echoed
+    assert echoed is None and re.fullmatch(r"cmpl-[0-9a-f]{32}", completion_id)
+    assert ask("e1", "/no-such-path") == ("e1", "")
