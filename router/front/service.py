@@ -3,7 +3,7 @@
 :class:`RouterService` owns one router replica's life: it connects to Redis, ingests the
 registered workers' event streams into the prefix index (:mod:`router.ingest.service`), shares
 in-flight load with the other replicas (:mod:`router.load.shared`), decides routes with a
-policy (:mod:`router.routing.policies`) and forwards requests (:mod:`router.front.proxy`) behind the
+policy (:mod:`router.routing.decider`) and forwards requests (:mod:`router.front.proxy`) behind the
 HTTP API of :mod:`router.front.app`.
 
 When the index lookup fails, routing degrades to load alone (:mod:`router.index.lookup`): the
@@ -42,12 +42,8 @@ from router.ingest.service import IndexIngest, IngestConfig
 from router.load.accounting import LoadAccounting
 from router.load.model import finished, prefilled, routed
 from router.load.shared import RedisLoadTracker, SharedLoadConfig
-from router.routing.policies import (
-    Decision,
-    RouteRequest,
-    build_candidates,
-    make_policy,
-)
+from router.routing.decider import DecisionInputs, decide
+from router.routing.policies import Decision, RouteRequest, make_policy
 from router.routing.predicted import PredictedEntries
 from router.store.connection import RedisClient, RedisOptions, connect
 from router.store.layout import KeyLayout
@@ -307,17 +303,15 @@ class RouterService:
             matches = await self._lookup.matches(token_ids, records, keys, cache_salt)
         now = time.monotonic()
         predicted = (
-            self._predicted.lookup(keys, workers, now) if self._predicted is not None else None
+            self._predicted.lookup(keys, workers, now) if self._predicted is not None else {}
         )
         loads = await self.load.snapshot(workers)
-        candidates = build_candidates(workers, loads, matches, predicted)
         request = RouteRequest(keys, len(token_ids), block_size, num_output_tokens)
-        decision = self.policy.decide(request, candidates)
+        decision = decide(self.policy, DecisionInputs(request, workers, loads, matches, predicted))
         by_id = {WorkerId(r.worker_id): r for r in records}
-        order = sorted(
-            decision.candidates, key=lambda c: (c.worker_id != decision.worker_id, c.score)
+        targets = tuple(
+            ProxyTarget(c.worker_id, by_id[c.worker_id].http_url or "") for c in decision.ranked()
         )
-        targets = tuple(ProxyTarget(c.worker_id, by_id[c.worker_id].http_url or "") for c in order)
         routed_ = Routed(decision, targets, tuple(keys), len(token_ids), num_output_tokens)
         if record:
             self.credit(decision.worker_id, keys)
@@ -339,6 +333,8 @@ class RouterService:
                     "num_prompt_tokens": num_prompt_tokens,
                     "index_live": self._lookup.live,
                     "candidates": decision.candidates,
+                    "costs": decision.costs,
+                    "weights": decision.weights,
                 }
             )
             self._decision_log.write(line + b"\n")
