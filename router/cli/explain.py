@@ -180,11 +180,15 @@ def _cost_lines(exp: Explanation) -> list[str]:
     first = next(iter(costs.values()))
     names = [name for name, _, _ in first.terms(weights)]
     formula = " + ".join(f"{w:g} x {name}" for name, _, w in first.terms(weights))
+    formula += " (share: by how much the worker's recent share of work would exceed the mean)"
     rows = [
         (
             c.worker_id,
             f"{costs[c.worker_id].cached_tokens:,.0f}",
-            *(f"{tokens:,.0f}" for _, tokens, _ in costs[c.worker_id].terms(weights)),
+            *(
+                f"{amount:.3f}" if name == "share" else f"{amount:,.0f}"
+                for name, amount, _ in costs[c.worker_id].terms(weights)
+            ),
             f"{c.score:,.1f}",
         )
         for c in exp.decision.candidates

@@ -24,6 +24,7 @@ from router.cli.cost_flags import add_cost_arguments, cost_weights_from
 from router.cluster.workload import DEFAULT_TRACE_PATH
 from router.errors import RouterError
 from router.routing.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig, make_policy
+from router.sim.bounds import pooled_lru_hits
 from router.sim.engine import SimConfig, WorkerCacheFactory, simulate
 from router.sim.report import PolicyResult, format_table, plot_results, summarize
 from router.sim.trace import SimRequest, ideal_hits, load_trace
@@ -95,6 +96,8 @@ def run_policies(
 ) -> list[PolicyResult]:
     """Simulate each policy on the same requests, each over fresh workers."""
     ideal = ideal_hits(requests)
+    capacity_tokens = config.num_workers * config.capacity_blocks * config.block_size
+    lru = pooled_lru_hits(requests, capacity_tokens)
     results = []
     for name in policies:
         bar = tqdm(total=len(requests), desc=name, unit="req", disable=not progress, leave=False)
@@ -106,7 +109,7 @@ def run_policies(
         wall_s = time.perf_counter() - started_s
         cpu_s = time.process_time() - started_cpu_s
         results.append(
-            summarize(name, requests, outcomes, ideal, config.num_workers, wall_s, cpu_s)
+            summarize(name, requests, outcomes, ideal, config.num_workers, wall_s, cpu_s, lru)
         )
         logger.info("%s: %d requests in %.1f s (%.1f s CPU)", name, len(requests), wall_s, cpu_s)
     return results
@@ -120,7 +123,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Replay a Mooncake-format trace (timestamp ms, input_length, "
         "output_length, hash_ids of 512-token blocks) over simulated workers, each a real "
         "vLLM-V1-style BlockPool, routed by the router's own policy code; report hit rate "
-        "against the infinite-cache ideal, load balance and simulated TTFT per policy.",
+        "against the infinite-cache ideal and the pooled-LRU bound (one LRU cache of the "
+        "cluster's total capacity: perfect routing with LRU eviction), load balance and "
+        "simulated TTFT per policy.",
     )
     parser.add_argument(
         "--trace",
@@ -228,6 +233,7 @@ def main(argv: list[str]) -> int:
     except (RouterError, ImportError, OSError) as exc:
         logger.error("%s", exc)
         return 1
+    bound = results[0].pooled_lru
     if args.json:
         payload = {
             "trace": args.trace,
@@ -236,6 +242,8 @@ def main(argv: list[str]) -> int:
             "capacity_blocks": config.capacity_blocks,
             "block_size": config.block_size,
             "speed": config.speed,
+            "ideal_hit_rate_blocks": results[0].ideal.hit_rate_blocks,
+            "pooled_lru_hit_rate_blocks": bound.hit_rate_blocks if bound else None,
             "policies": {r.policy: r.to_json() for r in results},
         }
         print(json.dumps(payload, indent=2))

@@ -45,6 +45,7 @@ from router.load.shared import RedisLoadTracker, SharedLoadConfig
 from router.routing.decider import DecisionInputs, decide
 from router.routing.policies import Decision, RouteRequest, make_policy
 from router.routing.predicted import PredictedEntries
+from router.routing.share import WorkShares
 from router.store.connection import RedisClient, RedisOptions, connect
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
@@ -106,6 +107,7 @@ class RouterService:
             if self.policy.credit_ttl_s > 0
             else None
         )
+        self._shares = WorkShares(config.policy_config.weights.fair_share_half_life_s)
         self._records: dict[WorkerId, WorkerRecord] = {}
         self._dead: dict[WorkerId, WorkerRecord] = {}
         self._unreachable_since: dict[WorkerId, float] = {}
@@ -244,6 +246,7 @@ class RouterService:
     def _drop_worker(self, worker_id: WorkerId) -> None:
         self._records.pop(worker_id, None)
         self.poller.set_worker(worker_id, None)
+        self._shares.forget(worker_id)
         if self._predicted is not None:
             self._predicted.forget(worker_id)
 
@@ -306,8 +309,10 @@ class RouterService:
             self._predicted.lookup(keys, workers, now) if self._predicted is not None else {}
         )
         loads = await self.load.snapshot(workers)
+        recent = self._shares.snapshot(workers, now)
         request = RouteRequest(keys, len(token_ids), block_size, num_output_tokens)
-        decision = decide(self.policy, DecisionInputs(request, workers, loads, matches, predicted))
+        inputs = DecisionInputs(request, workers, loads, matches, predicted, recent)
+        decision = decide(self.policy, inputs)
         by_id = {WorkerId(r.worker_id): r for r in records}
         targets = tuple(
             ProxyTarget(c.worker_id, by_id[c.worker_id].http_url or "") for c in decision.ranked()
@@ -315,6 +320,7 @@ class RouterService:
         routed_ = Routed(decision, targets, tuple(keys), len(token_ids), num_output_tokens)
         if record:
             self.credit(decision.worker_id, keys)
+            self._shares.add(decision.worker_id, decision.prefill_tokens, now)
             self._record(decision, len(token_ids))
         self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
         return routed_

@@ -5,9 +5,9 @@ workers, :func:`explain_request` computes the router keys, looks them up, and ma
 decision through the router's own decision path (:func:`router.routing.decider.decide`),
 so every figure shown (each candidate's score and cost terms) is the one the router
 computes on those inputs, never a second computation. With the router's decision record
-for that request, the candidates' loads and predicted prefixes are taken from it (the log
-of KV events does not hold them), and the replayed matches and pick are compared with what
-the router saw and did.
+for that request, the candidates' loads, predicted prefixes and recent work are taken from
+it (the log of KV events does not hold them), and the replayed matches and pick are
+compared with what the router saw and did.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from events.identity import WorkerId
 from router.index.base import PrefixIndex
 from router.load.model import WorkerLoad
 from router.offline.replay import ReplayError
-from router.routing.cost import CostBreakdown, CostWeights
+from router.routing.cost import CostBreakdown, CostWeights, RecentWork
 from router.routing.decider import DecisionInputs, decide
 from router.routing.policies import Decision, PolicyConfig, RouteRequest, make_policy
 
@@ -224,13 +224,17 @@ async def explain_request(
     matches = await index.lookup(keys, list(workers)) if chooser.uses_index and keys else {}
     loads: dict[WorkerId, WorkerLoad] = {}
     predicted: dict[WorkerId, int] = {}
+    recent: dict[WorkerId, RecentWork] = {}
     if recorded is not None:
         costs = recorded.costs if len(recorded.costs) == len(recorded.candidates) else None
         for i, seen in enumerate(recorded.candidates):
             worker = WorkerId(seen.worker_id)
             loads[worker] = seen.load
-            if costs is not None:  # the credit itself, as the router scored it
+            if costs is not None:  # the credit and recent work, as the router scored them
                 credited = costs[i].credited_tokens // block_size
+                recent[worker] = RecentWork(
+                    costs[i].recent_requests, costs[i].recent_prefill_tokens
+                )
             else:  # older logs: a credit shows only where it exceeds the match
                 credited = (
                     seen.predicted_tokens // block_size
@@ -240,7 +244,8 @@ async def explain_request(
             if credited:
                 predicted[worker] = credited
     request = RouteRequest(keys, len(token_ids), block_size, num_output_tokens)
-    decision = decide(chooser, DecisionInputs(request, workers, loads, matches, predicted))
+    inputs = DecisionInputs(request, workers, loads, matches, predicted, recent)
+    decision = decide(chooser, inputs)
     return Explanation(
         at_ts=at_ts,
         num_prompt_tokens=len(token_ids),

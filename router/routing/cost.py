@@ -17,6 +17,12 @@ a prefix every worker caches lowers every score by the same amount and attracts 
 a prefix a few workers cache costs the others little to acquire, so affinity to it never
 piles the traffic on the few.
 
+What keeps families from piling up on a few workers is the fair-share term
+(``fair_share``): a worker whose share of the recent requests or computed tokens would
+exceed ``balance_factor`` times the mean pays for the excess, so the requests that are
+cheap to move (new families of a popular prefix) move, long private prefixes stay, and the
+workers' caches churn evenly, as one pooled cache would.
+
 Everything here is pure: no clock, no I/O; randomness comes from the caller's generator.
 """
 
@@ -26,6 +32,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import msgspec
 
@@ -33,9 +40,11 @@ from router.errors import RouterError
 from router.load.model import WorkerLoad
 
 __all__ = [
+    "PRIOR_REQUESTS",
     "CostBreakdown",
     "CostConfigError",
     "CostWeights",
+    "RecentWork",
     "choose",
     "replicated_blocks",
     "score_candidate",
@@ -55,12 +64,18 @@ class CostWeights:
         prefill: Per prompt token the candidate would compute for this request. Well
             above ``queued_prefill``: a queued token only delays this request, while a
             computed token also delays every request queued behind it later, and a prefix
-            computed twice takes cache room from other prefixes. Measured in the simulator
-            (8 workers x 5,859 blocks, other weights at their defaults): prefill weights
-            1, 2, 4, 8 reach 94.5, 98.4, 99.3, 99.5 % of the infinite-cache hit rate on
-            the Mooncake synthetic trace and 83.9, 88.2, 92.0, 94.4 % on its conversation
-            trace, with max/mean load <= 1.16 and TTFT within 3 %; at 3x speed
-            (overload) 8 also cuts TTFT p50 from 39.5 s (weight 1) to 24.1 s.
+            computed twice takes cache room from other prefixes, which costs hits later
+            once the working set outgrows the cluster's cache. Measured in the simulator
+            (8 workers x 5,859 blocks, other weights at their defaults, before the
+            fair-share term): prefill weights 1, 2, 4, 8 reach 94.5, 98.4, 99.3, 99.5 % of
+            the infinite-cache hit rate on the Mooncake synthetic trace and 83.9, 88.2,
+            92.0, 94.4 % on its conversation trace (working set 3.9x the cache), with
+            max/mean load <= 1.16 and TTFT within 3 %; at 3x speed (overload) 8 also cuts
+            TTFT p50 from 39.5 s (weight 1) to 24.1 s. With the fair-share term keeping
+            the load even, the weight no longer has to trade hits for balance: on the
+            conversation trace 8, 16, 32, 64 reach 0.977, 0.990, 0.998, 1.000 of the
+            pooled-LRU bound (:mod:`router.sim.bounds`) at max/mean load <= 1.05 and mean
+            TTFT 0.96, 0.99, 1.02, 1.05 s (``benchmarks/RESULTS.md``, bench_sim capacity).
         queued_prefill: Per prompt token already queued on the candidate.
         replicated_prefill: Per prompt token the candidate would compute that at least
             ``replicated_holders`` other candidates already cache (instead of ``prefill``).
@@ -76,9 +91,22 @@ class CostWeights:
             probability proportional to ``exp(-(score - best) / (temperature * prompt))``:
             a candidate whose cost exceeds the best by ``temperature`` times the prompt
             length is ``e`` times less likely than the best.
+        fair_share: Prompt tokens (charged at ``prefill``; fewer for a shorter prompt: its
+            own length) a candidate pays per unit by which its recent share of the
+            cluster's requests, and of its computed tokens, would exceed
+            ``balance_factor`` times the mean with this request (see
+            :attr:`CostBreakdown.excess_share`); 0 turns the term off. A request moves off an
+            over-served worker when that costs less than the term: new families of a
+            popular prefix (a copy of the shared part) move first, long private prefixes
+            stay. Keeping recent computed tokens even also keeps every worker's cache as
+            old as one pooled LRU cache would be, so fewer reused blocks are evicted.
+        balance_factor: Share of the mean (>= 1) that a worker may reach before the
+            fair-share term charges it.
+        fair_share_half_life_s: Age at which a routed request counts half in the recent
+            shares.
     """
 
-    prefill: float = 8.0
+    prefill: float = 32.0
     queued_prefill: float = 1.0
     replicated_prefill: float = 1.0
     replicated_holders: int = 2
@@ -86,9 +114,19 @@ class CostWeights:
     per_request: float = 256.0
     cpu_hit: float = 0.5
     temperature: float = 0.0
+    fair_share: float = 2048.0
+    balance_factor: float = 1.1
+    fair_share_half_life_s: float = 60.0
 
     def __post_init__(self) -> None:
-        names = ("prefill", "queued_prefill", "replicated_prefill", "decode", "per_request")
+        names = (
+            "prefill",
+            "queued_prefill",
+            "replicated_prefill",
+            "decode",
+            "per_request",
+            "fair_share",
+        )
         for name in (*names, "temperature"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -97,6 +135,28 @@ class CostWeights:
             raise CostConfigError(f"replicated_holders must be >= 1, got {self.replicated_holders}")
         if not 0.0 <= self.cpu_hit <= 1.0:
             raise CostConfigError(f"cost weight cpu_hit must be in [0, 1], got {self.cpu_hit}")
+        if not (math.isfinite(self.balance_factor) and self.balance_factor >= 1.0):
+            raise CostConfigError(f"balance_factor must be >= 1, got {self.balance_factor}")
+        if not (math.isfinite(self.fair_share_half_life_s) and self.fair_share_half_life_s > 0):
+            raise CostConfigError(
+                f"fair_share_half_life_s must be > 0, got {self.fair_share_half_life_s}"
+            )
+
+
+class RecentWork(msgspec.Struct, frozen=True, gc=False):
+    """One worker's recent work, each request counted with weight ``2 ** (-age / half_life)``
+    (:class:`router.routing.share.WorkShares` keeps it; the fair-share term reads it).
+
+    Attributes:
+        requests: Requests routed to it.
+        prefill_tokens: Prompt tokens it was expected to compute for them.
+    """
+
+    requests: float = 0.0
+    prefill_tokens: float = 0.0
+
+
+_IDLE_WORK: Final = RecentWork()
 
 
 # A msgspec Struct, not a frozen dataclass: one per candidate per decision (64 at 64
@@ -120,6 +180,20 @@ class CostBreakdown(msgspec.Struct, frozen=True, gc=False):
         credited_tokens: Prompt tokens predicted entries alone credit the candidate with
             (``cached_tokens`` is the larger of these and its event-backed prefix); kept
             so that ``kvroute explain`` can re-make the decision from a decision log.
+        recent_requests: The candidate's recent requests (:mod:`router.routing.share`),
+            the input of ``excess_share``, kept for the same reason.
+        recent_prefill_tokens: Its recent prefill tokens, likewise.
+        excess_share: By how much its recent shares would exceed ``balance_factor`` with
+            this request routed to it, each worker credited with :data:`PRIOR_REQUESTS`
+            typical requests: ``max(0, (requests + 1 + PRIOR) / (R / n + PRIOR) - b)`` over
+            the ``R`` recent requests (this one included) of ``n`` candidates, plus the
+            same for computed tokens, ``max(0, (tokens + x + PRIOR * T / R) / (T / n +
+            PRIOR * T / R) - b)`` with ``x`` this request's prefill and ``T`` all recent
+            prefill tokens with it, weighed by ``x / (T / R)``: what the request adds in
+            typical requests. So a request that hits a long prefix on an over-served
+            worker adds little work there and is charged little, while a long prompt
+            nobody caches goes to a worker below its share. Charged at ``prefill`` times
+            :meth:`share_unit`.
     """
 
     cached_tokens: float
@@ -130,16 +204,32 @@ class CostBreakdown(msgspec.Struct, frozen=True, gc=False):
     num_requests: int
     score: float
     credited_tokens: int = 0
+    recent_requests: float = 0.0
+    recent_prefill_tokens: float = 0.0
+    excess_share: float = 0.0
 
     def terms(self, weights: CostWeights) -> tuple[tuple[str, float, float], ...]:
-        """Each term of :attr:`score` as ``(name, tokens, weight)``, in summation order."""
+        """Each term of :attr:`score` as ``(name, amount, weight)``, in summation order."""
         return (
             ("compute", self.prefill_tokens - self.replicated_tokens, weights.prefill),
             ("replicated", self.replicated_tokens, weights.replicated_prefill),
             ("queued", float(self.queued_prefill_tokens), weights.queued_prefill),
             ("decode", float(self.decode_tokens), weights.decode),
             ("requests", float(self.num_requests), weights.per_request),
+            ("share", self.excess_share, weights.prefill * self.share_unit(weights)),
         )
+
+    def share_unit(self, weights: CostWeights) -> float:
+        """Prompt tokens one unit of :attr:`excess_share` costs (before ``prefill``): the
+        prompt, up to ``weights.fair_share``."""
+        prompt = round(self.cached_tokens + self.prefill_tokens)  # both from the prompt
+        return weights.fair_share if weights.fair_share < prompt else prompt
+
+
+PRIOR_REQUESTS: Final = 8.0
+"""Pseudo-requests every worker is credited with before recent shares are compared, so
+that a handful of requests (a quiet cluster, a router just started) never reads as an
+imbalance: a deviation counts only once it exceeds what chance gives over ~8 requests."""
 
 
 def score_candidates(
@@ -149,6 +239,7 @@ def score_candidates(
     loads: Sequence[WorkerLoad],
     weights: CostWeights,
     credited_tokens: Sequence[int] | None = None,
+    recent: Sequence[RecentWork] | None = None,
 ) -> list[CostBreakdown]:
     """Score sending a request to each of several candidates (the one scoring loop).
 
@@ -163,6 +254,8 @@ def score_candidates(
         weights: The cost weights.
         credited_tokens: Per candidate, the part of ``cached_tokens`` predicted entries
             credit (recorded in the breakdown only); ``None``: all 0.
+        recent: Per candidate, its recent work, for the fair-share term; ``None``: no
+            such term (as with ``weights.fair_share == 0``).
 
     Returns:
         One breakdown per candidate, in the order given.
@@ -173,9 +266,26 @@ def score_candidates(
     w_prefill, w_replicated = weights.prefill, weights.replicated_prefill
     w_queued, w_decode, w_request = weights.queued_prefill, weights.decode, weights.per_request
     credited = credited_tokens if credited_tokens is not None else [0] * len(loads)
+    # The share unit is this request's prompt, up to fair_share tokens: moving a short
+    # prompt off its prefix saves little balance, and a long one stays sticky.
+    unit = weights.fair_share if weights.fair_share < num_prompt_tokens else num_prompt_tokens
+    w_share = weights.prefill * unit
+    works: Sequence[RecentWork] = recent if recent is not None else [_IDLE_WORK] * len(loads)
+    total_requests = sum([r.requests for r in works]) if recent is not None else 0.0
+    # Without any recent work (no record kept, or none yet) there is nothing to balance.
+    fair = w_share > 0 and len(loads) > 1 and total_requests > 0
+    # Fair-share constants (see CostBreakdown.excess_share): with this request routed,
+    # requests R = total + 1; the mean share of requests is R / n + PRIOR, and of tokens
+    # T * k where T = total tokens + this candidate's prefill and k = 1 / n + PRIOR / R.
+    balance = weights.balance_factor
+    requests_after = total_requests + 1
+    total_tokens = sum([r.prefill_tokens for r in works]) if fair else 0.0
+    mean_requests = requests_after / len(loads) + PRIOR_REQUESTS
+    per_token_mean = 1 / len(loads) + PRIOR_REQUESTS / requests_after
+    prior_per_token = PRIOR_REQUESTS / requests_after
     out = []
-    for cached, shared, load, credit in zip(
-        cached_tokens, replicated_tokens, loads, credited, strict=True
+    for cached, shared, load, credit, work in zip(
+        cached_tokens, replicated_tokens, loads, credited, works, strict=True
     ):
         # Conditionals and "+ 0.0", not min/max/float calls: each call costs more than
         # the arithmetic here.
@@ -193,15 +303,40 @@ def score_candidates(
         queued = load.queued_prefill_tokens
         decode = load.decode_tokens
         requests = load.num_requests
+        excess = 0.0
+        if fair:
+            by_requests = (work.requests + 1 + PRIOR_REQUESTS) / mean_requests - balance
+            if by_requests > 0:
+                excess = by_requests
+            after = total_tokens + prefill
+            if after > 0:
+                by_tokens = (work.prefill_tokens + prefill + prior_per_token * after) / (
+                    after * per_token_mean
+                ) - balance
+                if by_tokens > 0:  # weighed by what this request adds, in typical requests
+                    excess += by_tokens * prefill * requests_after / after
         score = (
             w_prefill * (prefill - shared)
             + w_replicated * shared
             + w_queued * queued
             + w_decode * decode
             + w_request * requests
+            + w_share * excess
         )
         out.append(
-            CostBreakdown(cached + 0.0, prefill, shared, queued, decode, requests, score, credit)
+            CostBreakdown(
+                cached + 0.0,
+                prefill,
+                shared,
+                queued,
+                decode,
+                requests,
+                score,
+                credit,
+                work.requests,
+                work.prefill_tokens,
+                excess,
+            )
         )
     return out
 

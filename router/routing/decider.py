@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from events.identity import WorkerId
 from router.index.base import PrefixMatch
 from router.load.model import WorkerLoad
+from router.routing.cost import RecentWork
 from router.routing.policies import Decision, RouteRequest, RoutingPolicy, build_candidates
 
 __all__ = ["DecisionInputs", "decide"]
@@ -39,6 +40,8 @@ class DecisionInputs:
             not read the index (``RoutingPolicy.uses_index``).
         predicted: Prefix lengths in blocks credited by predicted entries or route
             history (absent worker: none).
+        recent: Their recent work (:class:`router.routing.share.WorkShares`), for the
+            fair-share term (absent worker: none; empty: no such term).
     """
 
     request: RouteRequest
@@ -46,6 +49,7 @@ class DecisionInputs:
     loads: Mapping[WorkerId, WorkerLoad]
     matches: Mapping[WorkerId, PrefixMatch] = field(default_factory=dict)
     predicted: Mapping[WorkerId, int] = field(default_factory=dict)
+    recent: Mapping[WorkerId, RecentWork] = field(default_factory=dict)
 
 
 def decide(policy: RoutingPolicy, inputs: DecisionInputs) -> Decision:
@@ -61,5 +65,7 @@ def decide(policy: RoutingPolicy, inputs: DecisionInputs) -> Decision:
         candidate's cost terms and the weights they were scored with.
     """
     assert inputs.workers, "a decision needs at least one candidate"
-    candidates = build_candidates(inputs.workers, inputs.loads, inputs.matches, inputs.predicted)
+    candidates = build_candidates(
+        inputs.workers, inputs.loads, inputs.matches, inputs.predicted, inputs.recent
+    )
     return policy.decide(inputs.request, candidates)

@@ -30,6 +30,7 @@ from router.routing.cost import (
     CostBreakdown,
     CostConfigError,
     CostWeights,
+    RecentWork,
     choose,
     replicated_blocks,
     score_candidates,
@@ -79,12 +80,14 @@ class Candidate(msgspec.Struct, frozen=True, gc=False):
         match: The prefix its own events confirm it caches.
         num_predicted_blocks: The prefix it is credited with by predicted entries (or by
             the route history of ``approximate``); 0 when none.
+        recent: Its recent work, for the fair-share term of the cost-based policies.
     """
 
     worker_id: WorkerId
     load: WorkerLoad = msgspec.field(default_factory=WorkerLoad)
     match: PrefixMatch = msgspec.field(default_factory=PrefixMatch)
     num_predicted_blocks: int = 0
+    recent: RecentWork = msgspec.field(default_factory=RecentWork)
 
 
 class CandidateScore(msgspec.Struct, frozen=True, gc=False):
@@ -215,6 +218,7 @@ def build_candidates(
     loads: Mapping[WorkerId, WorkerLoad],
     matches: Mapping[WorkerId, PrefixMatch] | None = None,
     predicted: Mapping[WorkerId, int] | None = None,
+    recent: Mapping[WorkerId, RecentWork] | None = None,
 ) -> list[Candidate]:
     """Join what the caller looked up into one :class:`Candidate` per worker.
 
@@ -223,16 +227,25 @@ def build_candidates(
         loads: Their loads (absent: idle).
         matches: Index lookup result (absent worker: no match).
         predicted: Predicted prefix lengths (absent worker: none).
+        recent: Their recent work (absent worker: none).
 
     Returns:
         The candidates, in the order of ``workers``.
     """
     no_match = PrefixMatch()
     idle = WorkerLoad()
+    none = RecentWork()
     matches = matches or {}
     predicted = predicted or {}
+    recent = recent or {}
     return [
-        Candidate(w, loads.get(w, idle), matches.get(w, no_match), predicted.get(w, 0))
+        Candidate(
+            w,
+            loads.get(w, idle),
+            matches.get(w, no_match),
+            predicted.get(w, 0),
+            recent.get(w, none),
+        )
         for w in workers
     ]
 
@@ -327,6 +340,7 @@ class CostPolicy:
             [c.load for c in candidates],
             weights,
             credited,
+            [c.recent for c in candidates] if weights.fair_share > 0 else None,
         )
         scores = [c.score for c in costs]
         index = choose(

@@ -34,6 +34,7 @@ from router.load.model import MemoryLoadTracker, finished, prefilled, routed
 from router.routing.decider import DecisionInputs, decide
 from router.routing.policies import Decision, PolicyConfig, RouteRequest, RoutingPolicy
 from router.routing.predicted import PredictedEntries
+from router.routing.share import WorkShares
 from router.sim.trace import SimError, SimRequest
 
 __all__ = [
@@ -174,6 +175,7 @@ class _Simulation:
         self.index = MemoryPrefixIndex(self.keyer)
         self.loads = MemoryLoadTracker()
         self.predicted = PredictedEntries(policy.credit_ttl_s) if policy.credit_ttl_s > 0 else None
+        self.shares = WorkShares(config.policy.weights.fair_share_half_life_s)
         self.workers = [
             _Worker(WorkerId(f"sim-{i}"), factory(config.capacity_blocks, config.block_size))
             for i in range(config.num_workers)
@@ -196,12 +198,14 @@ class _Simulation:
         route_request = RouteRequest(
             keys, request.num_prompt_tokens, self.config.block_size, request.num_output_tokens
         )
-        inputs = DecisionInputs(route_request, workers, loads, matches, predicted)
+        recent = self.shares.snapshot(workers, now_s)
+        inputs = DecisionInputs(route_request, workers, loads, matches, predicted, recent)
         decision = decide(self.policy, inputs)
         if self.on_decision is not None:
             self.on_decision(inputs, decision)
         if self.predicted is not None:
             self.predicted.credit(decision.worker_id, keys, now_s)
+        self.shares.add(decision.worker_id, decision.prefill_tokens, now_s)
         await self.loads.add(
             decision.worker_id, routed(decision.prefill_tokens, request.num_output_tokens)
         )

@@ -25,7 +25,7 @@ from router.index.base import PrefixMatch
 from router.index.memory import MemoryPrefixIndex
 from router.load.model import WorkerLoad
 from router.offline.explain import RecordedDecision, explain_request
-from router.routing.cost import CostWeights
+from router.routing.cost import CostWeights, RecentWork
 from router.routing.decider import DecisionInputs, decide
 from router.routing.policies import POLICY_NAMES, Decision, PolicyConfig, RouteRequest, make_policy
 from router.sim.engine import SimConfig, simulate
@@ -79,6 +79,7 @@ candidate = st.tuples(
     st.integers(0, 6),  # of which on CPU (the tail)
     st.integers(0, 6),  # blocks predicted entries credit it with
     st.tuples(st.integers(0, 8), st.integers(0, 5000), st.integers(0, 800)),  # load
+    st.tuples(st.floats(0, 50), st.floats(0, 50_000)),  # recent requests, prefill tokens
 )
 
 
@@ -122,13 +123,13 @@ def _logged(decision: Decision, num_prompt_tokens: int) -> RecordedDecision:
     num_output_tokens=st.integers(0, 64),
 )
 def test_explain_costs_equal_the_live_decision_for_any_candidates(
-    cands: list[tuple[int, int, int, tuple[int, int, int]]],
+    cands: list[tuple[int, int, int, tuple[int, int, int], tuple[float, float]]],
     policy: str,
     seed: int,
     num_output_tokens: int,
 ) -> None:
     workers = WORKERS[: len(cands)]
-    index = _index([(blocks, cpu) for blocks, cpu, _, _ in cands])
+    index = _index([(blocks, cpu) for blocks, cpu, _, _, _ in cands])
     config = PolicyConfig(seed=seed)
     # The live shell's inputs: the index's matches, the predicted entries, the loads.
     live_policy = make_policy(policy, config)
@@ -136,9 +137,10 @@ def test_explain_costs_equal_the_live_decision_for_any_candidates(
     inputs = DecisionInputs(
         RouteRequest(KEYS, len(TOKENS), BS, num_output_tokens),
         workers,
-        {w: WorkerLoad(*load) for w, (_, _, _, load) in zip(workers, cands, strict=True)},
+        {w: WorkerLoad(*load) for w, (_, _, _, load, _) in zip(workers, cands, strict=True)},
         matches,
-        {w: p for w, (_, _, p, _) in zip(workers, cands, strict=True) if p},
+        {w: p for w, (_, _, p, _, _) in zip(workers, cands, strict=True) if p},
+        {w: RecentWork(*recent) for w, (*_, recent) in zip(workers, cands, strict=True)},
     )
     live = decide(live_policy, inputs)
     exp = asyncio.run(
@@ -155,6 +157,10 @@ def test_explain_costs_equal_the_live_decision_for_any_candidates(
         )
     )
     assert exp.decision == live  # the pick, every score, every cost term, the weights
+    if live.costs:  # the recent work came back from the log, not from a fresh record
+        assert [c.recent_requests for c in exp.decision.costs] == [
+            inputs.recent[w].requests for w in workers
+        ]
     assert exp.costs == live.costs_by_worker()
     assert exp.agrees is True
 

@@ -91,6 +91,9 @@ def test_explain_of_a_shared_system_prompt_reports_the_live_routers_costs(
                 service = RouterService(config)
                 await service.start()
                 try:
+                    first = await service.decide(PROMPT, 4)
+                    # The second decision also weighs the first: its predicted entry
+                    # and the recent work it left on the chosen worker.
                     routed = await service.decide(PROMPT, 4)
                 finally:
                     await service.close()
@@ -105,7 +108,9 @@ def test_explain_of_a_shared_system_prompt_reports_the_live_routers_costs(
             ("w1", 48),
             ("w2", 0),
         ]
-        (line,) = decisions.read_bytes().splitlines()
+        assert decision.chosen.predicted_tokens == 80  # credited by the first decision
+        assert 0.99 < decision.costs_by_worker()[first.decision.worker_id].recent_requests <= 1
+        _, line = decisions.read_bytes().splitlines()
         return msgspec.json.decode(line, type=RecordedDecision)
 
     recorded = asyncio.run(live())
