@@ -73,9 +73,9 @@ class CostWeights:
             max/mean load <= 1.16 and TTFT within 3 %; at 3x speed (overload) 8 also cuts
             TTFT p50 from 39.5 s (weight 1) to 24.1 s. With the fair-share term keeping
             the load even, the weight no longer has to trade hits for balance: on the
-            conversation trace 8, 16, 32, 64 reach 0.977, 0.990, 0.998, 1.000 of the
+            conversation trace 8, 16, 32, 64 reach 0.974, 0.989, 0.998, 1.000 of the
             pooled-LRU bound (:mod:`router.sim.bounds`) at max/mean load <= 1.05 and mean
-            TTFT 0.96, 0.99, 1.02, 1.05 s (``benchmarks/RESULTS.md``, bench_sim capacity).
+            TTFT 0.97, 1.00, 1.02, 1.05 s (``benchmarks/RESULTS.md``, bench_sim capacity).
         queued_prefill: Per prompt token already queued on the candidate.
         replicated_prefill: Per prompt token the candidate would compute that at least
             ``replicated_holders`` other candidates already cache (instead of ``prefill``).
