@@ -15,6 +15,8 @@ Rows, each p50 and p99 over ``--requests`` sequential requests (rows interleaved
 * bare: the client posting the same body straight to a worker (the baseline);
 * decide: ``RouterService.decide`` called in process (tokens -> keys -> one Redis lookup
   -> load -> policy), no HTTP;
+* decider: the pure core of that call alone, :func:`router.routing.decider.decide` on the
+  inputs the service gathered (candidates, policy, every candidate's cost terms), no I/O;
 * route: ``POST /v1/route`` (decision recorded: predicted entry, load held);
 * proxy: ``POST /v1/completions`` through the router to the chosen worker.
 
@@ -44,8 +46,12 @@ from aiohttp import web
 from benchmarks.environment import describe
 from events.schema import BlockStored, KVEventBatch
 from router.front.config import RouterConfig
-from router.front.service import RouterService
+from router.front.service import Routed, RouterService
+from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
+from router.routing.decider import DecisionInputs
+from router.routing.decider import decide as decide_route
+from router.routing.policies import RouteRequest
 from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.store.server import RedisServer, find_redis_server
@@ -150,6 +156,22 @@ async def timed(calls: dict[str, Callable[[], Awaitable[None]]], n: int) -> dict
     return samples
 
 
+def gathered_inputs(routed: Routed) -> DecisionInputs:
+    """The inputs the service gathered for a decision, rebuilt from its candidates (the
+    bench's index holds GPU blocks only, and no predicted entries: dry runs credit none)."""
+    decision = routed.decision
+    keys = list(routed.keys)
+    workers = [c.worker_id for c in decision.candidates]
+    matches = {
+        c.worker_id: PrefixMatch(c.matched_tokens // BLOCK_SIZE, c.matched_tokens // BLOCK_SIZE)
+        for c in decision.candidates
+        if c.matched_tokens
+    }
+    loads = {c.worker_id: c.load for c in decision.candidates}
+    request = RouteRequest(keys, routed.num_prompt_tokens, BLOCK_SIZE, routed.num_output_tokens)
+    return DecisionInputs(request, workers, loads, matches)
+
+
 def pct(samples: Sequence[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000.0
@@ -183,6 +205,7 @@ async def measure(redis_url: str, num_workers: int, requests: int) -> dict[str, 
         expected = min(HOLDERS, num_workers)
         assert routed.decision.chosen.matched_tokens == PROMPT_TOKENS, routed.decision
         assert sum(1 for c in routed.decision.candidates if c.matched_tokens) == expected
+        assert decide_route(service.policy, gathered_inputs(routed)) == routed.decision
         async with aiohttp.ClientSession() as client:
 
             async def post(url: str) -> None:
@@ -193,9 +216,15 @@ async def measure(redis_url: str, num_workers: int, requests: int) -> dict[str, 
             async def decide() -> None:
                 await service.decide(tokens, 1, record=False)
 
+            inputs = gathered_inputs(routed)
+
+            async def decider() -> None:
+                decide_route(service.policy, inputs)
+
             calls: dict[str, Callable[[], Awaitable[None]]] = {
                 "bare": lambda: post(f"{urls[0]}/v1/completions"),
                 "decide": decide,
+                "decider": decider,
                 "route": lambda: post(f"{service.url}/v1/route"),
                 "proxy": lambda: post(f"{service.url}/v1/completions"),
             }

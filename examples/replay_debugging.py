@@ -7,7 +7,9 @@
    Note the moment, then reset the prefix cache of the worker holding the system prompt.
 3. ``kvroute replay`` the log at that moment and at the end; ``kvroute explain`` why the
    second question went where it did (the replayed state agrees with the router's
-   decision record), and where it would go after the reset (anywhere: nobody holds it).
+   decision record), and what changed after the reset: the index holds nothing of the
+   system prompt any more, but the router's predicted entry for that decision (in its
+   record) still credits the holder with it, so the router would still send it there.
 
     python examples/replay_debugging.py [--keep DIR]
 """

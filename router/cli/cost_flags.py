@@ -49,6 +49,14 @@ COST_FLAGS: Final = (
     CostFlag("--temperature", "temperature", float,
              "softmax temperature over costs, relative to the prompt length; 0 picks the "
              "cheapest"),
+    CostFlag("--fair-share-weight", "fair_share", float,
+             "prompt tokens (at the prefill weight) a worker pays per unit its recent share "
+             "of requests or computed tokens would exceed --balance-factor x the mean; 0: off"),
+    CostFlag("--balance-factor", "balance_factor", float,
+             "share of the mean recent work a worker may reach before the fair-share term "
+             "charges it"),
+    CostFlag("--fair-share-half-life-s", "fair_share_half_life_s", float,
+             "age in seconds at which a routed request counts half in the recent shares"),
 )  # fmt: skip
 
 

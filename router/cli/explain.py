@@ -16,8 +16,11 @@ import logging
 import shlex
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final
+
+import msgspec
 
 from events.hashing import RouterKeyer
 from events.identity import WorkerId
@@ -75,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
         default="",
         metavar="'FLAGS'",
         help="the `kvroute router` flags the router ran with, quoted (e.g. '--config "
-        "router.toml --prefill-weight 4'), so costs are scored with its weights",
+        "router.toml --prefill-weight 4'), so costs are scored with its weights (default: "
+        "the weights the --decisions record holds, else the defaults)",
     )
     p.add_argument(
         "--block-size",
@@ -117,7 +121,8 @@ def read_token_file(path: Path) -> list[int]:
 
 
 def explanation_json(exp: Explanation, span: LogSpan) -> dict[str, Any]:
-    """The explanation as one JSON object."""
+    """The explanation as one JSON object (``cost``: the cost terms, cost-based policies)."""
+    costs = exp.costs
     out: dict[str, Any] = {
         "at": exp.at_ts,
         "at_iso": format_ts(exp.at_ts),
@@ -136,10 +141,13 @@ def explanation_json(exp: Explanation, span: LogSpan) -> dict[str, Any]:
                 "queued_prefill_tokens": c.load.queued_prefill_tokens,
                 "decode_tokens": c.load.decode_tokens,
                 "score": c.score,
+                **({"cost": msgspec.to_builtins(costs[c.worker_id])} if costs else {}),
             }
             for c in exp.decision.candidates
         ],
     }
+    if exp.decision.weights is not None:
+        out["weights"] = msgspec.to_builtins(exp.decision.weights)
     if exp.recorded is not None:
         out["router"] = {
             "ts": exp.recorded.ts,
@@ -152,8 +160,48 @@ def explanation_json(exp: Explanation, span: LogSpan) -> dict[str, Any]:
     return out
 
 
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Fixed-width lines: the first column left-aligned, the others right-aligned."""
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    return [
+        "  ".join(
+            c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r)
+        ).rstrip()
+        for r in (header, *rows)
+    ]
+
+
+def _cost_lines(exp: Explanation) -> list[str]:
+    """The cost terms each candidate was scored with, and the weights (cost policies)."""
+    weights = exp.decision.weights
+    costs = exp.costs
+    if weights is None or not costs:
+        return []
+    first = next(iter(costs.values()))
+    names = [name for name, _, _ in first.terms(weights)]
+    formula = " + ".join(f"{w:g} x {name}" for name, _, w in first.terms(weights))
+    formula += " (share: by how much the worker's recent share of work would exceed the mean)"
+    rows = [
+        (
+            c.worker_id,
+            f"{costs[c.worker_id].cached_tokens:,.0f}",
+            *(
+                f"{amount:.3f}" if name == "share" else f"{amount:,.0f}"
+                for name, amount, _ in costs[c.worker_id].terms(weights)
+            ),
+            f"{c.score:,.1f}",
+        )
+        for c in exp.decision.candidates
+    ]
+    return [
+        "",
+        f"cost in tokens of work: score = {formula}",
+        *_table(("worker", "cached", *names, "score"), rows),
+    ]
+
+
 def explanation_text(exp: Explanation, span: LogSpan) -> str:
-    """The explanation as a table and a few sentences."""
+    """The explanation as a table and a few sentences, then the cost terms."""
     blocks = exp.num_prompt_tokens // exp.block_size
     lines = [
         f"request: {exp.num_prompt_tokens} prompt tokens ({blocks} full blocks of "
@@ -162,7 +210,7 @@ def explanation_text(exp: Explanation, span: LogSpan) -> str:
         "",
     ]
     header = ("worker", "matched", "predicted", "requests", "queued", "decode", "score", "")
-    rows = [header] + [
+    rows = [
         (
             c.worker_id,
             str(c.matched_tokens),
@@ -175,10 +223,7 @@ def explanation_text(exp: Explanation, span: LogSpan) -> str:
         )
         for c in exp.decision.candidates
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for row in rows:
-        cells = [c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)]
-        lines.append("  ".join(cells).rstrip())
+    lines += _table(header, rows)
     lines += ["", f"why: {exp.reason}"]
     recorded = exp.recorded
     if recorded is not None:
@@ -193,7 +238,7 @@ def explanation_text(exp: Explanation, span: LogSpan) -> str:
             f"replayed moment) it chose {recorded.worker_id} ({recorded.policy}){degraded}; "
             + verdict
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _cost_lines(exp))
 
 
 def _candidates(args: argparse.Namespace, in_log: Sequence[str]) -> list[WorkerId]:
@@ -226,13 +271,16 @@ async def _run(args: argparse.Namespace) -> int:
         router_cli.build_parser().parse_args(shlex.split(args.router_args)), redis_url=""
     )
     policy = args.policy or (recorded.policy if recorded is not None else router.policy)
+    config = router.policy_config
+    if recorded is not None and recorded.weights is not None and not args.router_args:
+        config = replace(config, weights=recorded.weights)  # what the router scored with
     exp = await explain_request(
         index,
         token_ids,
         workers,
         at_ts=at_ts,
         policy=policy,
-        config=router.policy_config,
+        config=config,
         block_size=block_size,
         keyer=keyer,
         num_output_tokens=args.max_tokens,

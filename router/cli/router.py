@@ -216,8 +216,9 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          "random one)"),
         ("--session-affinity-tokens", int, "prompt tokens the worker that served a request's "
          "session last (X-Session-Id header, else the body's user field) is credited with, "
-         "as if cached; 0 turns session affinity off. The default, one block, wins ties "
-         "and loses to any worker with one request less in flight "
+         "as if cached; 0 turns session affinity off. The default is worth half a request "
+         "in flight at the default weights: it wins ties and loses to any worker with one "
+         "request less in flight "
          f"(default: {_SESSIONS.bonus_tokens})"),
         ("--session-ttl-s", float, "seconds a session is remembered after its last request "
          f"(default: {_SESSIONS.ttl_s:g})"),

@@ -26,6 +26,7 @@ from router.cluster.trace_generator import GeneratorConfig
 from router.cluster.trace_source import DEFAULT_TRACE_PATH, choose_trace
 from router.errors import RouterError
 from router.routing.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig, make_policy
+from router.sim.bounds import pooled_lru_hits
 from router.sim.engine import SimConfig, WorkerCacheFactory, simulate
 from router.sim.report import PolicyResult, format_table, plot_results, summarize
 from router.sim.trace import SimRequest, ideal_hits, to_requests
@@ -105,6 +106,8 @@ def run_policies(
         shown: Advanced once per request routed, named after the running policy.
     """
     ideal = ideal_hits(requests)
+    capacity_tokens = config.num_workers * config.capacity_blocks * config.block_size
+    lru = pooled_lru_hits(requests, capacity_tokens)
     results = []
     for name in policies:
         if shown is not None:
@@ -122,7 +125,7 @@ def run_policies(
         wall_s = time.perf_counter() - started_s
         cpu_s = time.process_time() - started_cpu_s
         results.append(
-            summarize(name, requests, outcomes, ideal, config.num_workers, wall_s, cpu_s)
+            summarize(name, requests, outcomes, ideal, config.num_workers, wall_s, cpu_s, lru)
         )
         logger.info("%s: %d requests in %.1f s (%.1f s CPU)", name, len(requests), wall_s, cpu_s)
     return results
@@ -136,7 +139,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Replay a Mooncake-format trace (timestamp ms, input_length, "
         "output_length, hash_ids of 512-token blocks) over simulated workers, each a real "
         "vLLM-V1-style BlockPool, routed by the router's own policy code; report hit rate "
-        "against the infinite-cache ideal, load balance and simulated TTFT per policy.",
+        "against the infinite-cache ideal and the pooled-LRU bound (one LRU cache of the "
+        "cluster's total capacity: perfect routing with LRU eviction), load balance and "
+        "simulated TTFT per policy.",
         epilog="Without --trace: the Mooncake trace at "
         f"{DEFAULT_TRACE_PATH} when present, else the built-in generated trace: "
         f"{GeneratorConfig().summary()} (docs/workload.md).",
@@ -266,6 +271,7 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         logger.error("interrupted")
         return 130
+    bound = results[0].pooled_lru
     if args.json:
         payload = {
             "trace": source.name if source.path is None else str(source.path),
@@ -274,6 +280,8 @@ def main(argv: list[str]) -> int:
             "capacity_blocks": config.capacity_blocks,
             "block_size": config.block_size,
             "speed": config.speed,
+            "ideal_hit_rate_blocks": results[0].ideal.hit_rate_blocks,
+            "pooled_lru_hit_rate_blocks": bound.hit_rate_blocks if bound else None,
             "policies": {r.policy: r.to_json() for r in results},
         }
         print(json.dumps(payload, indent=2))

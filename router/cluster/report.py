@@ -193,21 +193,37 @@ class ClusterReport:
         num_requests: Requests in the workload.
         ideal_hit_rate: Hit rate of one infinite cache over the workload (the bound).
         runs: One per policy, in the order run.
+        pooled_lru_hit_rate: Hit rate (tokens) of one LRU cache with the cluster's total
+            capacity (:mod:`router.sim.bounds`): perfect routing with LRU eviction, the
+            reachable bound when the workload outgrows the cache; ``None``: not computed.
     """
 
     workload: str
     num_requests: int
     ideal_hit_rate: float
     runs: tuple[PolicyRun, ...]
+    pooled_lru_hit_rate: float | None = None
+
+    def ratio_to_pooled_lru(self, run: PolicyRun) -> float | None:
+        """``run``'s hit rate over the pooled-LRU bound's; ``None`` without the bound."""
+        bound = self.pooled_lru_hit_rate
+        if bound is None:
+            return None
+        return run.hit_rate / bound if bound else 1.0
 
     def to_json(self) -> dict[str, Any]:
         """The report as one JSON object (``policies`` maps a name to its figures)."""
-        return {
+        out: dict[str, Any] = {
             "workload": self.workload,
             "num_requests": self.num_requests,
             "ideal_hit_rate": self.ideal_hit_rate,
             "policies": {run.policy: run.summary() for run in self.runs},
         }
+        if self.pooled_lru_hit_rate is not None:
+            out["pooled_lru_hit_rate"] = self.pooled_lru_hit_rate
+            for run in self.runs:
+                out["policies"][run.policy]["ratio_to_pooled_lru"] = self.ratio_to_pooled_lru(run)
+        return out
 
 
 def _ratio(value: float, baseline: float) -> str:
@@ -249,6 +265,17 @@ def format_report(report: ClusterReport) -> str:
         f"workload: {report.workload}",
         "infinite-cache hit rate of this workload (the bound): "
         f"{100 * report.ideal_hit_rate:.1f} %",
+    ]
+    if report.pooled_lru_hit_rate is not None:
+        lines.append(
+            "pooled-LRU hit rate (one LRU cache of the cluster's capacity: perfect routing "
+            f"with LRU eviction): {100 * report.pooled_lru_hit_rate:.1f} %"
+        )
+        ratios = [report.ratio_to_pooled_lru(r) or 0.0 for r in runs]
+        rows.insert(
+            1, ["hit rate / pooled LRU", *(f"{v:.3f}" for v in ratios), *([""] * len(others))]
+        )
+    lines += [
         "",
         *_table(header, rows),
         "",
@@ -280,6 +307,10 @@ def build_figure(report: ClusterReport) -> Any:
         100 * report.ideal_hit_rate, color="gray", linestyle="--", label="infinite cache (bound)"
     )
     ax_hit.set_ylim(0, 105)
+    if report.pooled_lru_hit_rate is not None:
+        ax_hit.axhline(
+            100 * report.pooled_lru_hit_rate, color="black", linestyle=":", label="pooled LRU"
+        )
     ax_hit.set_ylabel("prefix hit rate (% of prompt tokens)")
     ax_hit.set_title("prefix cache hits")
     for run in runs:

@@ -42,6 +42,7 @@ from router.cluster.processes import (
 from router.cluster.report import ClusterReport, PolicyRun, RequestResult, WorkerStats
 from router.cluster.workload import Workload, WorkloadRequest, ideal_hit_tokens
 from router.errors import RouterError
+from router.sim.bounds import pooled_lru_hit_tokens
 from router.store.connection import connect
 from router.store.server import RedisServer, free_port
 
@@ -470,4 +471,8 @@ def run_cluster(
     prompts = [r.token_ids for r in workload.requests]
     total = workload.num_prompt_tokens
     ideal = ideal_hit_tokens(prompts, config.block_size) / total if total else 0.0
-    return ClusterReport(workload.description, len(workload.requests), ideal, tuple(runs))
+    capacity = config.num_workers * (config.num_blocks - 1)  # each worker's null block aside
+    lru = 0.0
+    if total and capacity > 0:
+        lru = pooled_lru_hit_tokens(prompts, config.block_size, capacity) / total
+    return ClusterReport(workload.description, len(workload.requests), ideal, tuple(runs), lru)

@@ -17,9 +17,10 @@ class DecisionLog:
     """Appends decisions to a file, one flushed JSON object per line.
 
     Each line holds ``ts``, ``worker_id``, ``policy``, ``num_prompt_tokens``,
-    ``index_live`` and ``candidates`` (each candidate's score and its parts), plus any
-    extra fields the caller gives. Fields are only ever added, so ``kvroute explain``
-    reads logs of older routers too.
+    ``index_live``, ``candidates`` (each candidate's score and its parts), ``costs`` and
+    ``weights`` (each candidate's cost terms and the weights they were scored with, so
+    ``kvroute explain`` re-makes the decision), plus any extra fields the caller gives.
+    Fields are only ever added, so ``kvroute explain`` reads logs of older routers too.
 
     Args:
         path: The file (appended to; created if missing).
@@ -41,6 +42,8 @@ class DecisionLog:
                 "num_prompt_tokens": num_prompt_tokens,
                 "index_live": index_live,
                 "candidates": decision.candidates,
+                "costs": decision.costs,
+                "weights": decision.weights,
                 **extra,
             }
         )

@@ -3,7 +3,7 @@
 :class:`RouterService` owns one router replica's life: it connects to Redis, ingests the
 registered workers' event streams into the prefix index (:mod:`router.ingest.service`), shares
 in-flight load with the other replicas (:mod:`router.load.shared`), decides routes with a
-policy (:mod:`router.routing.policies`) and forwards requests (:mod:`router.front.proxy`) behind the
+policy (:mod:`router.routing.decider`) and forwards requests (:mod:`router.front.proxy`) behind the
 HTTP API of :mod:`router.front.app`.
 
 When the index lookup fails, or Redis refuses the ingest's writes (the index would go
@@ -52,15 +52,16 @@ from router.ingest.service import IndexIngest, IngestConfig
 from router.load.model import finished, prefilled, routed
 from router.load.reports import WorkerReportPoller
 from router.load.shared import RedisLoadTracker, SharedLoadConfig
+from router.routing.decider import DecisionInputs, decide
 from router.routing.policies import (
     Decision,
     RouteRequest,
-    build_candidates,
     make_policy,
 )
 from router.routing.predicted import PredictedEntries
 from router.routing.request_keys import RequestKeys, key_request
-from router.routing.sessions import SessionTable, with_session_bonus
+from router.routing.sessions import SessionTable
+from router.routing.share import WorkShares
 from router.store.connection import RedisClient, RedisOptions, connect, redact_url
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
@@ -153,6 +154,7 @@ class RouterService:
             if self.policy.credit_ttl_s > 0
             else None
         )
+        self._shares = WorkShares(config.policy_config.weights.fair_share_half_life_s)
         self._records: dict[WorkerId, WorkerRecord] = {}
         self._liveness = Liveness(config.dead_after_s or config.lease_ttl_s)
         self._decision_log: DecisionLog | None = None
@@ -390,6 +392,7 @@ class RouterService:
         self.poller.set_worker(worker_id, None)
         self.breakers.forget(worker_id)
         self.served.accuracy.forget(worker_id)
+        self._shares.forget(worker_id)
         if self.sessions is not None:
             self.sessions.forget_worker(worker_id)
         if self._predicted is not None:
@@ -481,24 +484,35 @@ class RouterService:
         if self.policy.uses_index and self.index_writable:
             matches = await self._lookup.matches(keyed)
         now = time.monotonic()
-        predicted = self._predicted_blocks(keyed, now)
+        predicted = self._predicted_blocks(keyed, now) or {}
         loads = await self.load.snapshot(workers)
-        candidates = build_candidates(workers, loads, matches, predicted)
-        if session is not None and self.sessions is not None:
-            served_last = self.sessions.worker_of(session, now)
-            candidates = with_session_bonus(
-                candidates, served_last, self.sessions.config.bonus_tokens
-            )
-        request = RouteRequest(keyed.base_keys, len(token_ids), keyed.base, num_output_tokens)
-        decision = self.policy.decide(request, candidates)
-        by_id = {r.worker_id: r for r in records}
-        order = sorted(
-            decision.candidates, key=lambda c: (c.worker_id != decision.worker_id, c.score)
+        recent = self._shares.snapshot(workers, now)
+        sessions = self.sessions
+        served_last = (
+            sessions.worker_of(session, now)
+            if session is not None and sessions is not None
+            else None
         )
-        targets = tuple(ProxyTarget(c.worker_id, by_id[c.worker_id].http_url or "") for c in order)
+        request = RouteRequest(keyed.base_keys, len(token_ids), keyed.base, num_output_tokens)
+        inputs = DecisionInputs(
+            request,
+            workers,
+            loads,
+            matches,
+            predicted,
+            recent,
+            session_worker=served_last,
+            session_bonus_tokens=sessions.config.bonus_tokens if sessions is not None else 0,
+        )
+        decision = decide(self.policy, inputs)
+        by_id = {r.worker_id: r for r in records}
+        targets = tuple(
+            ProxyTarget(c.worker_id, by_id[c.worker_id].http_url or "") for c in decision.ranked()
+        )
         routed_ = Routed(decision, targets, keyed, len(token_ids), num_output_tokens)
         if record:
             self.credit(decision.worker_id, keyed.of(decision.worker_id))
+            self._shares.add(decision.worker_id, decision.prefill_tokens, now)
             self._record(decision, len(token_ids), context)
         self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
         return routed_

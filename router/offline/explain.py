@@ -1,17 +1,19 @@
 """Explain one routing decision: score a request against an index replayed to a moment.
 
 Given the index as it stood (see :mod:`router.offline.replay`), a prompt and the candidate
-workers, :func:`explain_request` computes the router keys, looks them up, and runs the
-real routing policy on the result, so the figures are those the router would have used.
-With the router's decision record for that request, the candidates' loads and predicted
-prefixes are taken from it (the log of KV events does not hold them), and the replayed
-matches and pick are compared with what the router saw and did.
+workers, :func:`explain_request` computes the router keys, looks them up, and makes the
+decision through the router's own decision path (:func:`router.routing.decider.decide`),
+so every figure shown (each candidate's score and cost terms) is the one the router
+computes on those inputs, never a second computation. With the router's decision record
+for that request, the candidates' loads, predicted prefixes and recent work are taken from
+it (the log of KV events does not hold them), and the replayed matches and pick are
+compared with what the router saw and did.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -21,14 +23,9 @@ from events.identity import WorkerId
 from router.index.base import PrefixIndex
 from router.load.model import WorkerLoad
 from router.offline.replay import ReplayError
-from router.routing.cost import CostBreakdown, score_candidate
-from router.routing.policies import (
-    Decision,
-    PolicyConfig,
-    RouteRequest,
-    build_candidates,
-    make_policy,
-)
+from router.routing.cost import CostBreakdown, CostWeights, RecentWork
+from router.routing.decider import DecisionInputs, decide
+from router.routing.policies import Decision, PolicyConfig, RouteRequest, make_policy
 
 __all__ = [
     "Explanation",
@@ -71,6 +68,9 @@ class RecordedDecision:
         candidates: Every candidate as it scored them.
         index_live: False when the router's index was unreachable and it routed on load
             alone (matched tokens are then all 0).
+        costs: For cost-based policies, each candidate's cost terms, in the order of
+            ``candidates`` (empty in logs of routers that did not record them).
+        weights: The cost weights the router scored with (``None``: not recorded).
     """
 
     ts: float
@@ -79,6 +79,8 @@ class RecordedDecision:
     num_prompt_tokens: int
     candidates: tuple[RecordedCandidate, ...] = ()
     index_live: bool = True
+    costs: tuple[CostBreakdown, ...] = ()
+    weights: CostWeights | None = None
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,7 @@ class Explanation:
         at_ts: The moment of the replayed index.
         num_prompt_tokens: The request's prompt length.
         block_size: Tokens per block of its keys.
-        decision: The policy's decision on the replayed state.
-        costs: For cost-based policies, each candidate's cost terms.
+        decision: The decision on the replayed state, with each candidate's cost terms.
         reason: Why the policy picked that worker, in one paragraph.
         recorded: The router's own decision, when a decision log was given.
     """
@@ -99,9 +100,13 @@ class Explanation:
     num_prompt_tokens: int
     block_size: int
     decision: Decision
-    costs: Mapping[WorkerId, CostBreakdown] = field(default_factory=dict)
     reason: str = ""
     recorded: RecordedDecision | None = None
+
+    @property
+    def costs(self) -> Mapping[WorkerId, CostBreakdown]:
+        """Each candidate's cost terms, for cost-based policies (else empty)."""
+        return self.decision.costs_by_worker()
 
     @property
     def disagreements(self) -> list[str]:
@@ -133,11 +138,10 @@ class Explanation:
         return None if self.recorded is None else not self.disagreements
 
 
-def _reason(
-    decision: Decision, costs: Mapping[WorkerId, CostBreakdown], num_prompt_tokens: int
-) -> str:
+def _reason(decision: Decision, num_prompt_tokens: int, *, reads_index: bool) -> str:
     chosen = decision.chosen
-    if not costs:
+    costs = decision.costs_by_worker()
+    if not costs or not reads_index:
         return (
             f"{decision.policy} does not read the prefix index; on the replayed inputs it "
             f"picks {chosen.worker_id} (score {chosen.score:g}). Its own state (rotation, "
@@ -166,6 +170,16 @@ def _reason(
     )
     if runner.score == mine.score:
         text += " The scores tie; the router breaks ties by rotation."
+    shared = [(c.worker_id, costs[c.worker_id]) for c in decision.candidates]
+    shared = [(w, cost) for w, cost in shared if cost.replicated_tokens > 0]
+    if shared and decision.weights is not None:
+        w = decision.weights
+        names = ", ".join(f"{worker} {cost.replicated_tokens:,.0f}" for worker, cost in shared)
+        text += (
+            f" A prefix at least {w.replicated_holders} other workers cache costs "
+            f"{w.replicated_prefill:g} per token to compute instead of {w.prefill:g} "
+            f"(replicated tokens: {names})."
+        )
     return text
 
 
@@ -210,32 +224,34 @@ async def explain_request(
     matches = await index.lookup(keys, list(workers)) if chooser.uses_index and keys else {}
     loads: dict[WorkerId, WorkerLoad] = {}
     predicted: dict[WorkerId, int] = {}
+    recent: dict[WorkerId, RecentWork] = {}
     if recorded is not None:
-        for seen in recorded.candidates:
-            loads[WorkerId(seen.worker_id)] = seen.load
-            if seen.predicted_tokens > seen.matched_tokens:
-                predicted[WorkerId(seen.worker_id)] = seen.predicted_tokens // block_size
-    candidates = build_candidates(workers, loads, matches, predicted)
+        costs = recorded.costs if len(recorded.costs) == len(recorded.candidates) else None
+        for i, seen in enumerate(recorded.candidates):
+            worker = WorkerId(seen.worker_id)
+            loads[worker] = seen.load
+            if costs is not None:  # the credit and recent work, as the router scored them
+                credited = costs[i].credited_tokens // block_size
+                recent[worker] = RecentWork(
+                    costs[i].recent_requests, costs[i].recent_prefill_tokens
+                )
+            else:  # older logs: a credit shows only where it exceeds the match
+                credited = (
+                    seen.predicted_tokens // block_size
+                    if seen.predicted_tokens > seen.matched_tokens
+                    else 0
+                )
+            if credited:
+                predicted[worker] = credited
     request = RouteRequest(keys, len(token_ids), block_size, num_output_tokens)
-    decision = chooser.decide(request, candidates)
-    costs: dict[WorkerId, CostBreakdown] = {}
-    if policy == "cache_aware":
-        weights = config.weights
-        for c in candidates:
-            cached = max(
-                float(c.num_predicted_blocks * block_size),
-                c.match.weighted_tokens(block_size, weights.cpu_hit),
-            )
-            costs[c.worker_id] = score_candidate(len(token_ids), cached, c.load, weights)
-        # NOTE: the terms shown must be the ones the policy scored with.
-        assert all(costs[c.worker_id].score == c.score for c in decision.candidates)
+    inputs = DecisionInputs(request, workers, loads, matches, predicted, recent)
+    decision = decide(chooser, inputs)
     return Explanation(
         at_ts=at_ts,
         num_prompt_tokens=len(token_ids),
         block_size=block_size,
         decision=decision,
-        costs=costs,
-        reason=_reason(decision, costs, len(token_ids)),
+        reason=_reason(decision, len(token_ids), reads_index=chooser.uses_index),
         recorded=recorded,
     )
 

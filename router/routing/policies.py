@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,12 +27,13 @@ from events.identity import WorkerId
 from router.index.base import PrefixMatch
 from router.load.model import WorkerLoad
 from router.routing.cost import (
+    CostBreakdown,
     CostConfigError,
     CostWeights,
-    candidate_score,
+    RecentWork,
     choose,
     replicated_blocks,
-    score_candidate,
+    score_candidates,
 )
 
 __all__ = [
@@ -78,6 +80,7 @@ class Candidate(msgspec.Struct, frozen=True, gc=False):
         match: The prefix its own events confirm it caches.
         num_predicted_blocks: The prefix it is credited with by predicted entries (or by
             the route history of ``approximate``); 0 when none.
+        recent: Its recent work, for the fair-share term of the cost-based policies.
         session_bonus_tokens: Prompt tokens cost-based policies credit it with, as if
             cached, because it served the request's session last
             (:mod:`router.routing.sessions`); 0 for every other candidate.
@@ -87,6 +90,7 @@ class Candidate(msgspec.Struct, frozen=True, gc=False):
     load: WorkerLoad = msgspec.field(default_factory=WorkerLoad)
     match: PrefixMatch = msgspec.field(default_factory=PrefixMatch)
     num_predicted_blocks: int = 0
+    recent: RecentWork = msgspec.field(default_factory=RecentWork)
     session_bonus_tokens: int = 0
 
 
@@ -108,6 +112,9 @@ class CandidateScore(msgspec.Struct, frozen=True, gc=False):
     score: float
 
 
+_by_score = operator.attrgetter("score")
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A routing decision and its explanation.
@@ -118,17 +125,38 @@ class Decision:
         candidates: Every candidate as the policy scored it, in the order given.
         prefill_tokens: Prompt tokens the chosen worker is expected to compute (what the
             caller adds to its queued prefill load).
+        costs: For cost-based policies, each candidate's cost terms, in the order of
+            ``candidates`` (``costs[i].score == candidates[i].score``); empty otherwise.
+        weights: The cost weights ``costs`` were scored with; ``None`` without costs.
     """
 
     worker_id: WorkerId
     policy: str
     candidates: tuple[CandidateScore, ...]
     prefill_tokens: int
+    costs: tuple[CostBreakdown, ...] = ()
+    weights: CostWeights | None = None
 
     @property
     def chosen(self) -> CandidateScore:
         """The chosen candidate's entry of :attr:`candidates`."""
         return next(c for c in self.candidates if c.worker_id == self.worker_id)
+
+    def costs_by_worker(self) -> dict[WorkerId, CostBreakdown]:
+        """:attr:`costs` keyed by candidate; empty without costs."""
+        if not self.costs:
+            return {}
+        return {c.worker_id: cost for c, cost in zip(self.candidates, self.costs, strict=True)}
+
+    def ranked(self) -> tuple[CandidateScore, ...]:
+        """The candidates best first: the chosen one, then the others by score.
+
+        Ties keep the order given (the sort is stable): the order to fall back in when
+        the chosen worker fails.
+        """
+        chosen = self.worker_id
+        rest = sorted((c for c in self.candidates if c.worker_id != chosen), key=_by_score)
+        return (self.chosen, *rest)
 
 
 class RoutingPolicy(Protocol):
@@ -193,6 +221,7 @@ def build_candidates(
     loads: Mapping[WorkerId, WorkerLoad],
     matches: Mapping[WorkerId, PrefixMatch] | None = None,
     predicted: Mapping[WorkerId, int] | None = None,
+    recent: Mapping[WorkerId, RecentWork] | None = None,
 ) -> list[Candidate]:
     """Join what the caller looked up into one :class:`Candidate` per worker.
 
@@ -201,16 +230,25 @@ def build_candidates(
         loads: Their loads (absent: idle).
         matches: Index lookup result (absent worker: no match).
         predicted: Predicted prefix lengths (absent worker: none).
+        recent: Their recent work (absent worker: none).
 
     Returns:
         The candidates, in the order of ``workers``.
     """
     no_match = PrefixMatch()
     idle = WorkerLoad()
+    none = RecentWork()
     matches = matches or {}
     predicted = predicted or {}
+    recent = recent or {}
     return [
-        Candidate(w, loads.get(w, idle), matches.get(w, no_match), predicted.get(w, 0))
+        Candidate(
+            w,
+            loads.get(w, idle),
+            matches.get(w, no_match),
+            predicted.get(w, 0),
+            recent.get(w, none),
+        )
         for w in workers
     ]
 
@@ -244,11 +282,20 @@ def _decision(
     scores: Sequence[float],
     index: int,
     prefill_tokens: int | None = None,
+    costs: Sequence[CostBreakdown] = (),
+    weights: CostWeights | None = None,
 ) -> Decision:
     explained = _explain(request, candidates, scores)
     if prefill_tokens is None:
         prefill_tokens = request.num_prompt_tokens - explained[index].predicted_tokens
-    return Decision(candidates[index].worker_id, policy, explained, max(prefill_tokens, 0))
+    return Decision(
+        candidates[index].worker_id,
+        policy,
+        explained,
+        max(prefill_tokens, 0),
+        tuple(costs),
+        weights,
+    )
 
 
 class CostPolicy:
@@ -271,24 +318,35 @@ class CostPolicy:
         """Choose the candidate with the lowest cost (or sample near-best ones)."""
         weights = self._weights
         bs = request.block_size
-        if self.uses_index:
-            blocks = [max(c.match.num_blocks, c.num_predicted_blocks) for c in candidates]
-        else:
-            blocks = [c.num_predicted_blocks for c in candidates]
-        shared = [n * bs for n in replicated_blocks(blocks, weights.replicated_holders)]
-        cached = [float(c.num_predicted_blocks * bs) for c in candidates]
+        credited = [c.num_predicted_blocks * bs for c in candidates]
         if self.uses_index:
             cpu_hit = weights.cpu_hit
-            cached = [
-                max(tokens, c.match.weighted_tokens(bs, cpu_hit))
-                for tokens, c in zip(cached, candidates, strict=True)
-            ]
-        num_prompt = request.num_prompt_tokens
-        scores = [
-            candidate_score(num_prompt, tokens, c.load, weights, replicated)
-            - weights.prefill * c.session_bonus_tokens
-            for tokens, c, replicated in zip(cached, candidates, shared, strict=True)
-        ]
+            blocks: list[int] = []
+            cached: list[float] = []
+            for c, credit in zip(candidates, credited, strict=True):
+                match, predicted = c.match, c.num_predicted_blocks
+                if match.num_blocks:  # most candidates match nothing: skip the float work
+                    confirmed = match.weighted_tokens(bs, cpu_hit)
+                    blocks.append(max(match.num_blocks, predicted))
+                    cached.append(confirmed if confirmed > credit else float(credit))
+                else:
+                    blocks.append(predicted)
+                    cached.append(float(credit))
+        else:
+            blocks = [c.num_predicted_blocks for c in candidates]
+            cached = [float(t) for t in credited]
+        shared = [n * bs for n in replicated_blocks(blocks, weights.replicated_holders)]
+        costs = score_candidates(
+            request.num_prompt_tokens,
+            cached,
+            shared,
+            [c.load for c in candidates],
+            weights,
+            credited,
+            [c.recent for c in candidates] if weights.fair_share > 0 else None,
+            [c.session_bonus_tokens for c in candidates],
+        )
+        scores = [c.score for c in costs]
         index = choose(
             scores,
             temperature=weights.temperature,
@@ -297,11 +355,8 @@ class CostPolicy:
             tie_break=self._turn,
         )
         self._turn += 1
-        chosen = score_candidate(
-            num_prompt, cached[index], candidates[index].load, weights, shared[index]
-        )
-        prefill = math.ceil(chosen.prefill_tokens)
-        return _decision(self.name, request, candidates, scores, index, prefill)
+        prefill = math.ceil(costs[index].prefill_tokens)
+        return _decision(self.name, request, candidates, scores, index, prefill, costs, weights)
 
 
 class RoundRobinPolicy:

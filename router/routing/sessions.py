@@ -10,8 +10,8 @@ Why a bonus and not a pin: the index already sends a conversation back to the wo
 caches its earlier turns. The session says more only where the index cannot see: the
 moment between a turn's answer and its ``BlockStored`` events, a turn whose prompt was
 rewritten (a RAG context swapped, a summarised history), state outside the KV cache. That
-is worth a little, never a hot spot: the default bonus is one block of 16 tokens, 128 at
-the default prefill weight, half of one in-flight request (``per_request`` = 256), so the
+is worth a little, never a hot spot: the default bonus is 4 tokens, 128 at the default
+prefill weight (32), half of one in-flight request (``per_request`` = 256), so the
 session's worker wins ties and near-ties and loses to any worker with one request less.
 
 :class:`SessionTable` is the bounded map session key -> (worker, last seen); the router
@@ -46,7 +46,7 @@ class SessionConfig:
             (about 200 bytes each: 20 MB at the default).
     """
 
-    bonus_tokens: int = 16
+    bonus_tokens: int = 4
     ttl_s: float = 600.0
     max_entries: int = 100_000
 

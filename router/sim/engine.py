@@ -5,8 +5,8 @@ in ``kvroute sim``) with one prefill queue. Requests arrive at their trace times
 (divided by ``speed``) and are routed by the router's own code: router keys from
 :class:`events.hashing.RouterKeyer`, a lookup in a
 :class:`router.index.memory.MemoryPrefixIndex` fed with the workers' own KV events,
-predicted entries, a :class:`router.load.model.MemoryLoadTracker`, and the policy's
-``decide``. Only the network is missing.
+predicted entries, a :class:`router.load.model.MemoryLoadTracker`, and the router's one
+decision path (:func:`router.routing.decider.decide`). Only the network is missing.
 
 Latency model: a worker prefills one request at a time, in arrival order, taking
 ``uncached tokens / prefill_tokens_per_s``; the request's blocks are allocated when its
@@ -31,11 +31,20 @@ from events.schema import KVCacheEvent, KVEventBatch
 from router.cluster.workload import TRACE_BLOCK_TOKENS
 from router.index.memory import MemoryPrefixIndex
 from router.load.model import MemoryLoadTracker, finished, prefilled, routed
-from router.routing.policies import PolicyConfig, RouteRequest, RoutingPolicy, build_candidates
+from router.routing.decider import DecisionInputs, decide
+from router.routing.policies import Decision, PolicyConfig, RouteRequest, RoutingPolicy
 from router.routing.predicted import PredictedEntries
+from router.routing.share import WorkShares
 from router.sim.trace import SimError, SimRequest
 
-__all__ = ["RequestOutcome", "SimConfig", "WorkerCache", "WorkerCacheFactory", "simulate"]
+__all__ = [
+    "DecisionHook",
+    "RequestOutcome",
+    "SimConfig",
+    "WorkerCache",
+    "WorkerCacheFactory",
+    "simulate",
+]
 
 
 class WorkerCache(Protocol):
@@ -61,6 +70,9 @@ class WorkerCache(Protocol):
 
 WorkerCacheFactory = Callable[[int, int], WorkerCache]
 """``factory(capacity_blocks, block_size)``: a fresh, empty worker cache."""
+
+DecisionHook = Callable[[DecisionInputs, Decision], None]
+"""``hook(inputs, decision)``: sees every routing decision of a simulation, in order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,13 +166,16 @@ class _Simulation:
         policy: RoutingPolicy,
         config: SimConfig,
         factory: WorkerCacheFactory,
+        on_decision: DecisionHook | None = None,
     ) -> None:
         self.policy = policy
+        self.on_decision = on_decision
         self.config = config
         self.keyer = RouterKeyer(config.key_seed)
         self.index = MemoryPrefixIndex(self.keyer)
         self.loads = MemoryLoadTracker()
         self.predicted = PredictedEntries(policy.credit_ttl_s) if policy.credit_ttl_s > 0 else None
+        self.shares = WorkShares(config.policy.weights.fair_share_half_life_s)
         self.workers = [
             _Worker(WorkerId(f"sim-{i}"), factory(config.capacity_blocks, config.block_size))
             for i in range(config.num_workers)
@@ -176,18 +191,21 @@ class _Simulation:
     async def route(self, request: SimRequest, now_s: float) -> None:
         tokens = request.token_ids()
         keys: list[BlockKey] = self.keyer.keys(tokens, self.config.block_size)
-        policy = self.policy
-        matches = await self.index.lookup(keys, self.worker_ids) if policy.uses_index else None
-        predicted = self.predicted.lookup(keys, self.worker_ids, now_s) if self.predicted else None
-        loads = await self.loads.snapshot(self.worker_ids)
+        workers = self.worker_ids
+        matches = await self.index.lookup(keys, workers) if self.policy.uses_index else {}
+        predicted = self.predicted.lookup(keys, workers, now_s) if self.predicted else {}
+        loads = await self.loads.snapshot(workers)
         route_request = RouteRequest(
             keys, request.num_prompt_tokens, self.config.block_size, request.num_output_tokens
         )
-        decision = policy.decide(
-            route_request, build_candidates(self.worker_ids, loads, matches, predicted)
-        )
+        recent = self.shares.snapshot(workers, now_s)
+        inputs = DecisionInputs(route_request, workers, loads, matches, predicted, recent)
+        decision = decide(self.policy, inputs)
+        if self.on_decision is not None:
+            self.on_decision(inputs, decision)
         if self.predicted is not None:
             self.predicted.credit(decision.worker_id, keys, now_s)
+        self.shares.add(decision.worker_id, decision.prefill_tokens, now_s)
         await self.loads.add(
             decision.worker_id, routed(decision.prefill_tokens, request.num_output_tokens)
         )
@@ -256,6 +274,7 @@ async def simulate(
     config: SimConfig,
     factory: WorkerCacheFactory,
     on_arrival: Callable[[], None] | None = None,
+    on_decision: DecisionHook | None = None,
 ) -> list[RequestOutcome]:
     """Replay ``requests`` through ``policy`` over fresh workers.
 
@@ -265,6 +284,8 @@ async def simulate(
         config: Workers, capacity, latency model.
         factory: Makes each worker's cache.
         on_arrival: Called once per request routed (progress reporting).
+        on_decision: Called with each decision and the inputs it was made on, in order
+            (to study or re-check the routing).
 
     Returns:
         One outcome per request, in trace order.
@@ -279,7 +300,7 @@ async def simulate(
                 f"request {r.index} needs {-(-r.num_prompt_tokens // bs)} blocks of {bs} "
                 f"tokens but a worker has {config.capacity_blocks}; raise --capacity-blocks"
             )
-    sim = _Simulation(policy, config, factory)
+    sim = _Simulation(policy, config, factory, on_decision)
     for r in requests:
         sim.push(r.arrival_s / config.speed, _ARRIVAL, r)
     while sim.heap:

@@ -52,6 +52,9 @@ class PolicyResult:
         num_hit_tokens: Prompt tokens found in the chosen workers' caches.
         num_predicted_tokens: Prompt tokens the router expected to hit.
         ideal: The infinite-cache ideal of the trace.
+        pooled_lru: The pooled-LRU bound (:mod:`router.sim.bounds`): one LRU cache of the
+            whole cluster's capacity; ``None`` when not computed.
+        ttft_mean_s: Mean TTFT.
         requests_per_worker: Requests each worker served.
         prefill_tokens_per_worker: Prompt tokens each worker computed.
         ttft_p50_s: Median time to first token (simulated).
@@ -77,6 +80,8 @@ class PolicyResult:
     ttft_p99_s: float
     wall_s: float
     cpu_s: float
+    pooled_lru: IdealHits | None = None
+    ttft_mean_s: float = 0.0
 
     @property
     def hit_rate_blocks(self) -> float:
@@ -93,6 +98,14 @@ class PolicyResult:
         """Block hit rate over the infinite-cache ideal's."""
         ideal = self.ideal.hit_rate_blocks
         return self.hit_rate_blocks / ideal if ideal else 1.0
+
+    @property
+    def ratio_to_pooled_lru(self) -> float | None:
+        """Block hit rate over the pooled-LRU bound's; ``None`` without the bound."""
+        if self.pooled_lru is None:
+            return None
+        bound = self.pooled_lru.hit_rate_blocks
+        return self.hit_rate_blocks / bound if bound else 1.0
 
     @property
     def request_imbalance(self) -> float:
@@ -123,6 +136,7 @@ class PolicyResult:
             "request_imbalance": self.request_imbalance,
             "prefill_imbalance": self.prefill_imbalance,
             "ttft_p90_s": self.ttft_p90_s,
+            "ttft_mean_s": self.ttft_mean_s,
             "predicted_hit_tokens": self.num_predicted_tokens,
             "hit_tokens": self.num_hit_tokens,
             "requests_per_worker": list(self.requests_per_worker),
@@ -130,6 +144,15 @@ class PolicyResult:
             "num_requests": self.num_requests,
             "wall_s": self.wall_s,
             "cpu_s": self.cpu_s,
+            **(
+                {
+                    "pooled_lru_hit_rate_blocks": self.pooled_lru.hit_rate_blocks,
+                    "pooled_lru_hit_rate_tokens": self.pooled_lru.hit_rate_tokens,
+                    "ratio_to_pooled_lru": self.ratio_to_pooled_lru,
+                }
+                if self.pooled_lru is not None
+                else {}
+            ),
         }
 
 
@@ -141,6 +164,7 @@ def summarize(
     num_workers: int,
     wall_s: float,
     cpu_s: float,
+    pooled_lru: IdealHits | None = None,
 ) -> PolicyResult:
     """Aggregate one run's outcomes (in trace order, one per request)."""
     per_worker_requests = [0] * num_workers
@@ -170,6 +194,8 @@ def summarize(
         ttft_p99_s=percentile(ttfts, 99),
         wall_s=wall_s,
         cpu_s=cpu_s,
+        pooled_lru=pooled_lru,
+        ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
     )
 
 
@@ -178,20 +204,21 @@ def format_table(results: Sequence[PolicyResult], baseline: str | None = None) -
     by_name = {r.policy: r for r in results}
     base = by_name.get(baseline) if baseline else None
     header = (
-        f"{'policy':<16}{'hit blk':>8}{'hit tok':>8}{'/ideal':>8}"
+        f"{'policy':<16}{'hit blk':>8}{'hit tok':>8}{'/ideal':>8}{'/LRU':>7}"
         f"{'/' + (baseline or 'base')[:11]:>13}{'max/mean req':>13}{'max/mean pf':>12}"
-        f"{'TTFT p50':>10}{'p90':>8}{'p99':>8}{'CPU s':>7}"
+        f"{'TTFT mean':>10}{'p50':>8}{'p90':>8}{'p99':>8}{'CPU s':>7}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         vs_base = "-"  # no baseline in this run, or it hit nothing
         if base is not None and base.hit_rate_blocks:
             vs_base = f"{r.hit_rate_blocks / base.hit_rate_blocks:.2f}"
+        vs_lru = "-" if r.ratio_to_pooled_lru is None else f"{r.ratio_to_pooled_lru:.3f}"
         lines.append(
             f"{r.policy:<16}{r.hit_rate_blocks:>8.2%}{r.hit_rate_tokens:>8.2%}"
-            f"{r.ratio_to_ideal:>8.3f}{vs_base:>13}{r.request_imbalance:>13.2f}"
-            f"{r.prefill_imbalance:>12.2f}{r.ttft_p50_s:>10.2f}{r.ttft_p90_s:>8.2f}"
-            f"{r.ttft_p99_s:>8.2f}{r.cpu_s:>7.1f}"
+            f"{r.ratio_to_ideal:>8.3f}{vs_lru:>7}{vs_base:>13}{r.request_imbalance:>13.2f}"
+            f"{r.prefill_imbalance:>12.2f}{r.ttft_mean_s:>10.2f}{r.ttft_p50_s:>8.2f}"
+            f"{r.ttft_p90_s:>8.2f}{r.ttft_p99_s:>8.2f}{r.cpu_s:>7.1f}"
         )
     if results:
         ideal = results[0].ideal
@@ -199,6 +226,13 @@ def format_table(results: Sequence[PolicyResult], baseline: str | None = None) -
             f"infinite-cache ideal: {ideal.hit_rate_blocks:.2%} of blocks, "
             f"{ideal.hit_rate_tokens:.2%} of tokens"
         )
+        lru = results[0].pooled_lru
+        if lru is not None:
+            lines.append(
+                f"pooled-LRU bound (one LRU cache of the cluster's capacity: perfect routing "
+                f"with LRU eviction): {lru.hit_rate_blocks:.2%} of blocks, "
+                f"{lru.hit_rate_tokens:.2%} of tokens"
+            )
     return "\n".join(lines)
 
 
@@ -217,6 +251,9 @@ def build_figure(results: Sequence[PolicyResult]) -> Any:
     if results:
         ideal = 100 * results[0].ideal.hit_rate_blocks
         ax_hit.axhline(ideal, color="k", ls="--", label="infinite-cache ideal")
+        lru = results[0].pooled_lru
+        if lru is not None:
+            ax_hit.axhline(100 * lru.hit_rate_blocks, color="k", ls=":", label="pooled LRU")
     ax_hit.set_ylim(0, 105)
     ax_hit.set_ylabel("% of trace blocks")
     ax_hit.set_title("prefix hit rate (blocks)")

@@ -75,6 +75,8 @@ def test_quick_cluster_reports_cache_aware_beating_round_robin(
     # Cold caches both times; the cache-aware router reuses more of every prefix.
     assert aware["cached_tokens"] > rr["cached_tokens"]
     assert aware["hit_rate"] <= data["ideal_hit_rate"]
+    assert 0 < data["pooled_lru_hit_rate"] <= data["ideal_hit_rate"]
+    assert aware["ratio_to_pooled_lru"] == aware["hit_rate"] / data["pooled_lru_hit_rate"]
     for run in (aware, rr):
         served = run["workers"]
         assert len(served) == 2

@@ -84,10 +84,29 @@ def test_report_text_has_every_figure_and_the_ratio_to_the_baseline() -> None:
     assert lines[-1].split() == ["worker-1", "2", "1"]
 
 
+def test_report_shows_the_pooled_lru_bound_and_each_policys_ratio_to_it() -> None:
+    base = _report()
+    report = ClusterReport(base.workload, base.num_requests, 0.75, base.runs, 0.5)
+    lines = format_report(report).splitlines()
+    assert lines[1].endswith("(the bound): 75.0 %")
+    assert lines[2] == (
+        "pooled-LRU hit rate (one LRU cache of the cluster's capacity: perfect routing with "
+        "LRU eviction): 50.0 %"
+    )
+    ratio = next(line for line in lines if line.startswith("hit rate / pooled LRU"))
+    assert ratio.split()[-2:] == ["1.200", "0.240"]  # 60 % and 12 % of 50 %
+    data = report.to_json()
+    assert data["pooled_lru_hit_rate"] == 0.5
+    assert data["policies"]["cache_aware"]["ratio_to_pooled_lru"] == 1.2
+    assert "pooled_lru_hit_rate" not in base.to_json()
+    assert not any("pooled" in line for line in format_report(base).splitlines())
+
+
 def test_plot_is_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     path = tmp_path / "cluster.png"
-    write_plot(_report(), path)
+    base = _report()
+    write_plot(ClusterReport(base.workload, base.num_requests, 0.75, base.runs, 0.5), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -15,6 +15,7 @@ from events.identity import WorkerId
 from router.index.base import PrefixMatch
 from router.load.model import MemoryLoadTracker, WorkerLoad, finished, prefilled, routed
 from router.routing.cost import CostConfigError, CostWeights
+from router.routing.decider import DecisionInputs, decide
 from router.routing.policies import (
     DEFAULT_POLICY,
     POLICY_NAMES,
@@ -24,6 +25,7 @@ from router.routing.policies import (
     build_candidates,
     make_policy,
 )
+from router.routing.share import WorkShares
 
 BS = 16
 W = [WorkerId(f"w{i}") for i in range(4)]
@@ -106,19 +108,23 @@ def _route_burst(
     matches: dict[WorkerId, PrefixMatch],
     learned: PrefixMatch | None = None,
 ) -> Counter[WorkerId]:
-    """Route requests one after another, adding each one's load and never finishing any.
+    """Route requests one after another, as the router does (load and recent work
+    recorded after each decision), never finishing any.
 
     With ``learned``, a worker that gets a request caches that prefix from then on.
     """
     policy = make_policy(policy_name)
     tracker = MemoryLoadTracker()
+    shares = WorkShares(CostWeights().fair_share_half_life_s)
 
     async def run() -> Counter[WorkerId]:
         counts: Counter[WorkerId] = Counter()
         for req in reqs:
             loads = await tracker.snapshot(W)
-            d = policy.decide(req, build_candidates(W, loads, matches))
+            inputs = DecisionInputs(req, W, loads, matches, recent=shares.snapshot(W, 0.0))
+            d = decide(policy, inputs)
             await tracker.add(d.worker_id, routed(d.prefill_tokens, req.num_output_tokens))
+            shares.add(d.worker_id, d.prefill_tokens, 0.0)
             counts[d.worker_id] += 1
             if learned is not None:
                 matches[d.worker_id] = learned
@@ -133,16 +139,18 @@ def test_a_system_prompt_one_worker_caches_does_not_pile_everything_on_it() -> N
     reqs = [request(system + [5000 + i] * 64, output=100) for i in range(200)]
     system_match = PrefixMatch(128, 128, 0)
     # Realistic case: a worker caches the system prompt once it computed it (predicted
-    # entries credit it at once). Another worker gets a request as soon as w0's load
-    # outweighs computing the prompt there (8 x 2,112 tokens); from then on both hold it
-    # and the burst spreads over every worker, w0 keeping only its head start.
+    # entries credit it at once). Another worker gets a request as soon as w0's load and
+    # its share of the recent requests outweigh computing the prompt there (32 x 2,112
+    # tokens); from then on both hold it and the burst spreads over every worker, w0
+    # keeping only its head start.
     learning = _route_burst("cache_aware", reqs, {W[0]: system_match}, learned=system_match)
-    assert learning == {W[0]: 53, W[1]: 49, W[2]: 49, W[3]: 49}
+    assert learning == {W[0]: 64, W[1]: 45, W[2]: 46, W[3]: 45}
     # Worst case: the others never learn it, so each of their requests computes 2,112
-    # tokens against w0's 64. w0 takes most requests, but its growing load still sends
-    # every other worker a share; there is no point where the cache stops counting.
+    # tokens against w0's 64. w0 takes most requests, but its growing load and share
+    # still send every other worker a share; there is no point where the cache stops
+    # counting.
     static = _route_burst("cache_aware", reqs, {W[0]: system_match})
-    assert static == {W[0]: 145, W[1]: 18, W[2]: 19, W[3]: 18}
+    assert static == {W[0]: 134, W[1]: 22, W[2]: 22, W[3]: 22}
 
 
 def test_a_system_prompt_every_worker_caches_spreads_evenly() -> None:
@@ -246,12 +254,13 @@ def test_a_prefix_two_workers_hold_is_cheap_for_a_third_to_acquire() -> None:
     req = request(list(range(64)))  # 4 blocks; the first 3 are a shared prefix
     busy = {W[0]: WorkerLoad(1, 0, 0), W[1]: WorkerLoad(1, 0, 0)}
     held = PrefixMatch(3, 3, 0)
-    # One holder: computing the prefix elsewhere costs 8 per token, so w0 keeps it
-    # (8 x 16 + 256 for its request in flight, against 8 x 64).
+    p = CostWeights().prefill
+    # One holder: computing the prefix elsewhere costs p per token, so w0 keeps it
+    # (p x 16 + 256 for its request in flight, against p x 64).
     one = policy.decide(req, build_candidates(W[:3], busy, {W[0]: held}))
     assert one.worker_id == W[0]
-    assert [c.score for c in one.candidates] == [8 * 16 + 256, 256 + 8 * 64, 8 * 64]
+    assert [c.score for c in one.candidates] == [p * 16 + 256, 256 + p * 64, p * 64]
     # Two holders: it is replicated, the idle w2 pays 1 per token to acquire it.
     two = policy.decide(req, build_candidates(W[:3], busy, {W[0]: held, W[1]: held}))
     assert two.worker_id == W[2]
-    assert [c.score for c in two.candidates] == [8 * 16 + 256, 8 * 16 + 256, 8 * 16 + 48]
+    assert [c.score for c in two.candidates] == [p * 16 + 256, p * 16 + 256, p * 16 + 48]

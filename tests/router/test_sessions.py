@@ -10,10 +10,12 @@ import pytest
 from events.identity import WorkerId
 from router.errors import RouterError
 from router.load.model import WorkerLoad, routed
-from router.routing.policies import Candidate, RouteRequest, make_policy
+from router.routing.cost import CostWeights
+from router.routing.policies import Candidate, PolicyConfig, RouteRequest, make_policy
 from router.routing.sessions import SessionConfig, SessionTable, with_session_bonus
 from tests.router.test_http_api import echo_workers, post, running_router
 
+NO_SHARE = CostWeights(fair_share=0.0)
 A, B, C = WorkerId("a"), WorkerId("b"), WorkerId("c")
 
 
@@ -64,18 +66,22 @@ def test_bonus_goes_to_the_sessions_worker_only() -> None:
 
 def test_bonus_wins_ties_and_loses_to_one_request_of_load() -> None:
     policy = make_policy("cache_aware")
+    bonus = SessionConfig().bonus_tokens  # the default: worth half a request in flight
     request = RouteRequest(keys=[], num_prompt_tokens=100, block_size=16)
     for turn in range(4):  # whatever the tie-break turn
-        decision = policy.decide(request, with_session_bonus([Candidate(A), Candidate(B)], B, 16))
+        decision = policy.decide(
+            request, with_session_bonus([Candidate(A), Candidate(B)], B, bonus)
+        )
         assert decision.worker_id == B, turn
     scores = {c.worker_id: c.score for c in decision.candidates}
-    assert scores[A] - scores[B] == 8.0 * 16  # the prefill weight times the bonus
+    # The prefill weight times the bonus.
+    assert scores[A] - scores[B] == CostWeights().prefill * bonus
     busy = [Candidate(A), Candidate(B, load=WorkerLoad(1, 0, 0))]
-    assert policy.decide(request, with_session_bonus(busy, B, 16)).worker_id == A
+    assert policy.decide(request, with_session_bonus(busy, B, bonus)).worker_id == A
     # Policies that do not score costs ignore it.
     rr = make_policy("round_robin")
-    picks = {rr.decide(request, with_session_bonus([Candidate(A), Candidate(B)], B, 16)).worker_id
-             for _ in range(2)}  # fmt: skip
+    pair = with_session_bonus([Candidate(A), Candidate(B)], B, bonus)
+    picks = {rr.decide(request, pair).worker_id for _ in range(2)}
     assert picks == {A, B}
 
 
@@ -90,7 +96,11 @@ def test_router_keeps_a_session_on_its_worker_unless_it_is_overloaded(
     async def scenario() -> None:
         async with (
             echo_workers(2) as workers,
-            running_router(redis_url, namespace, workers) as (svc, client),
+            # Fair share off: it is load too (recent work), and would move a session of
+            # fresh prompts after a few requests (tests/router/test_share.py covers it).
+            running_router(
+                redis_url, namespace, workers, policy_config=PolicyConfig(weights=NO_SHARE)
+            ) as (svc, client),
         ):
 
             async def complete(headers: dict[str, str] | None = None, **body: object) -> str:
@@ -119,4 +129,3 @@ def test_router_keeps_a_session_on_its_worker_unless_it_is_overloaded(
             assert await complete(session) == moved
 
     asyncio.run(scenario())
-

@@ -134,12 +134,13 @@ def test_cache_aware_keeps_a_burst_of_siblings_together_through_predicted_entrie
 def test_a_one_block_system_prompt_every_request_shares_spreads_over_all_workers() -> None:
     # 200 requests, 50 ms apart, all starting with block 0 then two blocks of their own.
     # Each worker computes block 0 once (3 misses beyond the ideal's 1): once two workers
-    # hold it, it counts as replicated and costs the others little to acquire, so the
-    # load spreads instead of piling on the first worker that cached it.
+    # hold it, it counts as replicated and costs the others little to acquire, and the
+    # fair-share term spreads the rest evenly instead of piling it on the first worker
+    # that cached it.
     reqs = to_requests([rec(i * 50, [0, 1000 + 2 * i, 1001 + 2 * i]) for i in range(200)])
     outcomes = run(reqs, "cache_aware", num_workers=4)
     result = summarize("cache_aware", reqs, outcomes, ideal_hits(reqs), 4, 0.0, 0.0)
-    assert result.requests_per_worker == (51, 50, 50, 49)
+    assert result.requests_per_worker == (50, 50, 50, 50)
     assert (result.num_hit_blocks, result.ideal.num_hit_blocks) == (196, 199)
     assert result.load_imbalance <= 1.25
 
@@ -194,6 +195,11 @@ def test_kvroute_sim_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture
             "ttft_p99_s",
         } <= set(figures)
         assert figures["ideal_hit_rate_blocks"] == 31 / 36  # 0 + 2 + 2 + 3 x 9
+        # 2 workers x 5,859 blocks hold the whole trace: the pooled LRU is the ideal.
+        assert figures["pooled_lru_hit_rate_blocks"] == 31 / 36
+        assert figures["ratio_to_pooled_lru"] == figures["ratio_to_ideal"]
+        assert figures["ttft_mean_s"] > 0
+    assert report["pooled_lru_hit_rate_blocks"] == report["ideal_hit_rate_blocks"] == 31 / 36
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -204,6 +210,7 @@ def test_kvroute_sim_table_and_errors(
     assert kvroute(["sim", "--trace", str(trace), "--policy", "least_loaded"]) == 0
     out = capsys.readouterr().out
     assert "least_loaded" in out and "infinite-cache ideal: 33.33% of blocks" in out
+    assert "pooled-LRU bound (one LRU cache of the cluster's capacity" in out
     assert kvroute(["sim", "--trace", str(trace), "--policy", "nope"]) == 1
     assert "unknown policy 'nope'" in caplog.text
     assert kvroute(["sim", "--trace", str(tmp_path / "missing.jsonl")]) == 1
