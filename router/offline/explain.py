@@ -225,6 +225,8 @@ async def explain_request(
     loads: dict[WorkerId, WorkerLoad] = {}
     predicted: dict[WorkerId, int] = {}
     recent: dict[WorkerId, RecentWork] = {}
+    session_worker: WorkerId | None = None
+    session_bonus_tokens = 0
     if recorded is not None:
         costs = recorded.costs if len(recorded.costs) == len(recorded.candidates) else None
         for i, seen in enumerate(recorded.candidates):
@@ -235,6 +237,8 @@ async def explain_request(
                 recent[worker] = RecentWork(
                     costs[i].recent_requests, costs[i].recent_prefill_tokens
                 )
+                if costs[i].session_tokens:  # the session's worker, as the router credited it
+                    session_worker, session_bonus_tokens = worker, costs[i].session_tokens
             else:  # older logs: a credit shows only where it exceeds the match
                 credited = (
                     seen.predicted_tokens // block_size
@@ -244,7 +248,16 @@ async def explain_request(
             if credited:
                 predicted[worker] = credited
     request = RouteRequest(keys, len(token_ids), block_size, num_output_tokens)
-    inputs = DecisionInputs(request, workers, loads, matches, predicted, recent)
+    inputs = DecisionInputs(
+        request,
+        workers,
+        loads,
+        matches,
+        predicted,
+        recent,
+        session_worker=session_worker,
+        session_bonus_tokens=session_bonus_tokens,
+    )
     decision = decide(chooser, inputs)
     return Explanation(
         at_ts=at_ts,

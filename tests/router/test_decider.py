@@ -121,12 +121,14 @@ def _logged(decision: Decision, num_prompt_tokens: int) -> RecordedDecision:
     policy=st.sampled_from(POLICY_NAMES),
     seed=st.integers(0, 2**16),
     num_output_tokens=st.integers(0, 64),
+    session=st.tuples(st.integers(0, len(WORKERS)), st.integers(1, 64)),  # worker (or none)
 )
 def test_explain_costs_equal_the_live_decision_for_any_candidates(
     cands: list[tuple[int, int, int, tuple[int, int, int], tuple[float, float]]],
     policy: str,
     seed: int,
     num_output_tokens: int,
+    session: tuple[int, int],
 ) -> None:
     workers = WORKERS[: len(cands)]
     index = _index([(blocks, cpu) for blocks, cpu, _, _, _ in cands])
@@ -141,6 +143,8 @@ def test_explain_costs_equal_the_live_decision_for_any_candidates(
         matches,
         {w: p for w, (_, _, p, _, _) in zip(workers, cands, strict=True) if p},
         {w: RecentWork(*recent) for w, (*_, recent) in zip(workers, cands, strict=True)},
+        session_worker=WORKERS[session[0]] if session[0] < len(WORKERS) else None,
+        session_bonus_tokens=session[1],
     )
     live = decide(live_policy, inputs)
     exp = asyncio.run(
