@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT as ROOT
+
 _SOURCES = ("events", "pool", "router", "benchmarks", "tests", "examples", "docs")
 _OUTSIDE_NOTES = re.compile(r"VLLM_WIRE\.md|DESIGN\.md|STYLE\.md")
 _SHARED_NOT_DATA = re.compile(r"\.\./shared/(?!data/)")

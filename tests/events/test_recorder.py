@@ -28,8 +28,7 @@ from events.recorder import (
 )
 from events.schema import encode_batch
 from events.subscriber import EventSubscriber, ReceivedBatch, WorkerStream
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO_ROOT as REPO
 
 records_strategy = st.lists(
     st.builds(

@@ -18,8 +18,8 @@ import pytest
 from router.cluster.processes import ProcessGroup
 from router.store.server import free_port
 from tests.faults.fault_helpers import WORKER_ARGS, python_m
+from tests.support.paths import REPO_ROOT as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 _TIMEOUT_S = 120.0
 

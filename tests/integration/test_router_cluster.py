@@ -19,7 +19,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -40,8 +39,8 @@ from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.store.server import RedisServer
 from router.workers.registry import WorkerRecord
+from tests.support.paths import REPO_ROOT as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(240)
 BLOCK = 16
 

@@ -31,8 +31,8 @@ from events.publisher import PublisherConfig
 from events.recorder import LOG_MAGIC
 from router.cluster.runner import ProcessGroup, wait_healthy
 from router.store.server import RedisServer, free_port
+from tests.support.paths import REPO_ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("pool", "events", "router", "benchmarks", "examples")
 TIMEOUT_S = 60.0
 PICKLE_USE = re.compile(

@@ -18,9 +18,9 @@ import pytest
 from events.auth import BearerKey
 from pool.worker.cli import build_parser, config_from_args, exposure_warning, main
 from pool.worker.guards import AccessKeys
-from tests.pool.test_worker_http import TIMEOUT_S, RunningWorker, _config, _start_worker
+from tests.pool.worker.test_worker_http import TIMEOUT_S, RunningWorker, _config, _start_worker
+from tests.support.paths import REPO_ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[2]
 ADMIN = "admin-0123456789abcdef"
 API = "api-fedcba9876543210"
 COMPLETION = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()

@@ -22,8 +22,8 @@ from router.routing.policies import POLICY_NAMES, make_policy
 from router.sim.engine import RequestOutcome, SimConfig, simulate
 from router.sim.report import summarize
 from router.sim.trace import SimError, SimRequest, ideal_hits, load_trace, to_requests
+from tests.support.paths import REPO_ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[2]
 needs_mooncake = pytest.mark.skipif(
     not DEFAULT_TRACE_PATH.is_file(), reason="optional Mooncake trace absent"
 )

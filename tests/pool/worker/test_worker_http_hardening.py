@@ -24,7 +24,7 @@ import torch
 
 from events.tokenizer import ByteTokenizer
 from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
-from tests.pool.test_worker_http import (
+from tests.pool.worker.test_worker_http import (
     JSON_HEADERS,
     TIMEOUT_S,
     RunningWorker,
@@ -33,8 +33,8 @@ from tests.pool.test_worker_http import (
     _post,
     _start_worker,
 )
+from tests.support.paths import REPO_ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[2]
 NUM_BLOCKS = 40  # 39 usable blocks of 4 tokens
 VOCAB = 258
 

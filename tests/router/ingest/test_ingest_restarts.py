@@ -22,6 +22,7 @@ import pytest
 from aiohttp import web
 
 from router.workers.registry import WorkerRecord
+from tests.router.ingest.test_ingest_lifetime import BY_HAND, LifetimeWorker, stream_count
 from tests.router.live_relay import EverySeq, LiveRelay
 from tests.router.test_ingest_helpers import (
     FakeWorker,
@@ -35,7 +36,6 @@ from tests.router.test_ingest_helpers import (
     stack,
     stored,
 )
-from tests.router.test_ingest_lifetime import BY_HAND, LifetimeWorker, stream_count
 
 Kind = Literal["kvroute", "vllm"]
 

@@ -17,7 +17,15 @@ from pool.worker.engine import Engine, EngineClosedError, InvalidRequestError, S
 from pool.worker.model import DecoderModel, ForwardItem, ModelConfig, greedy_reference
 from pool.worker.outputs import RequestFailure, RequestOutput
 from pool.worker.paged_cache import PagedKVCache
-from tests.pool.test_engine import BLOCK_SIZE, GREEDY, ListSink, Outputs, _engine, _prompt, _run
+from tests.pool.worker.test_engine import (
+    BLOCK_SIZE,
+    GREEDY,
+    ListSink,
+    Outputs,
+    _engine,
+    _prompt,
+    _run,
+)
 
 VOCAB = 258
 TIMEOUT_S = 60.0

@@ -23,7 +23,8 @@ from router.front.config import RouterConfig
 from router.front.service import RouterService
 from router.store.connection import connect
 from router.store.server import RedisServer
-from tests.router.test_block_sizes import sample, streams_up
+from tests.router.ingest.test_ingest_lifetime import LifetimeWorker
+from tests.router.routing.test_block_sizes import sample, streams_up
 from tests.router.test_ingest_helpers import (
     divergent,
     eventually,
@@ -32,7 +33,6 @@ from tests.router.test_ingest_helpers import (
     match,
     stored,
 )
-from tests.router.test_ingest_lifetime import LifetimeWorker
 
 FULL_FOR_S = 4.0
 """How long batches keep coming at the full Redis."""

@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from events.identity import WorkerId
+from tests.router.ingest.test_ingest_lifetime import stream_count
 from tests.router.test_ingest_helpers import (
     FakeWorker,
     divergent,
@@ -26,7 +27,6 @@ from tests.router.test_ingest_helpers import (
     stack,
     stored,
 )
-from tests.router.test_ingest_lifetime import stream_count
 
 LEASE_TTL_MS = 1_500
 TRICKLE_S = 0.2

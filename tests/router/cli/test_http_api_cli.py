@@ -26,8 +26,7 @@ from router.front.config import RouterConfig
 from router.front.proxy import ProxyConfig
 from router.routing.cost import CostWeights
 from router.workers.registry import WorkerRecord
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO_ROOT as ROOT
 
 
 def test_worker_flag_maps_onto_a_record() -> None:

@@ -17,6 +17,7 @@ import msgspec
 from router.cli.index import check_workers
 from router.front.config import RouterConfig
 from router.front.service import RouterService
+from tests.router.ingest.test_ingest_lifetime import LifetimeWorker
 from tests.router.test_ingest_helpers import (
     FakeWorker,
     eventually,
@@ -27,7 +28,6 @@ from tests.router.test_ingest_helpers import (
     stored,
     tokens,
 )
-from tests.router.test_ingest_lifetime import LifetimeWorker
 
 HUGE = 4096  # the largest a registration accepts: longer than every prompt here
 

@@ -39,6 +39,7 @@ from events.tokenizer import ByteTokenizer
 from pool.snapshot import CachedChains
 from pool.worker.cli import WorkerConfig, build_parser, config_from_args, serve
 from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
+from tests.support.paths import REPO_ROOT
 
 BLOCK_SIZE = 4
 TIMEOUT_S = 60.0
@@ -367,7 +368,7 @@ def test_bad_requests_get_a_clear_4xx_and_the_worker_keeps_serving(
 
 
 def test_cli_worker_drains_on_sigterm(tmp_path: Path, model: DecoderModel) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     args = [sys.executable, "-m", "router.cli.main", "worker", "--port", "0", "--events", "none"]
     args += ["--num-blocks", "64", "--block-size", "4", "--seed", "5", "--id", "cli-w"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

@@ -20,13 +20,12 @@ from router.cli.router import build_parser as router_parser
 from router.cli.router import config_from_args
 from router.store.server import RedisServer
 from router.workers.registry import WorkerRecord
+from tests.support.paths import REPO_ROOT as ROOT
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_version_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
