@@ -2,11 +2,13 @@
 
 Code, comments, tests, benchmarks and docs cite only files inside the repository, and no
 tracker numbers; the one thing that may sit beside a checkout is the optional Mooncake
-trace under ``../shared/data/``. Every ``docs/`` page the README names exists.
+trace under ``../shared/data/``. Every ``docs/`` page the README names exists. Test
+modules share helpers through ``tests/support/`` only, never by importing one another.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -51,3 +53,26 @@ def test_the_docs_the_readme_names_exist() -> None:
     for page in (ROOT / "docs").glob("*.md"):
         for other in re.findall(r"`(docs/[\w.-]+\.md)`", page.read_text()):
             assert (ROOT / other).is_file(), f"{page.name} names {other}"
+
+
+def test_no_test_module_imports_another_test_module() -> None:
+    """Shared helpers live in ``tests.support``; a test module or conftest imported by name
+    (``tests.router...``, or bare through pytest's sys.path entries) is refused."""
+    tests = ROOT / "tests"
+    support = tests / "support"
+    modules = sorted(tests.rglob("*.py"))
+    local = {p.stem for p in modules if support not in p.parents}
+    found = []
+    for path in modules:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = ["." * node.level + (node.module or "")]
+            else:
+                continue
+            for name in names:
+                top, shared = name.split(".")[0], f"{name}.".startswith("tests.support.")
+                if name.startswith(".") or top in local or (top == "tests" and not shared):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {name}")
+    assert found == []

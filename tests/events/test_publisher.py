@@ -6,7 +6,6 @@ import time
 
 import pytest
 import zmq
-from test_subscriber_helpers import batch, loopback_publisher
 
 from events.endpoints import (
     Endpoint,
@@ -18,6 +17,7 @@ from events.endpoints import (
 from events.framing import END_OF_REPLAY_SEQ, pack_seq
 from events.publisher import EventPublisher, PublisherClosedError, PublisherConfig
 from events.schema import encode_batch
+from tests.support.event_streams import batch, loopback_publisher
 
 POLL_MS = 30_000
 

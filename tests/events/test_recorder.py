@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_subscriber_helpers import DEADLINE_S, RecordingSink, batch, handshake, loopback_publisher
 
 from events.cli.events import main as events_main
 from events.cli.record import main as record_main
@@ -28,6 +27,13 @@ from events.recorder import (
 )
 from events.schema import encode_batch
 from events.subscriber import EventSubscriber, ReceivedBatch, WorkerStream
+from tests.support.event_streams import (
+    DEADLINE_S,
+    RecordingSink,
+    batch,
+    handshake,
+    loopback_publisher,
+)
 from tests.support.paths import REPO_ROOT as REPO
 
 records_strategy = st.lists(

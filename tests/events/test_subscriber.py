@@ -11,14 +11,6 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from test_subscriber_helpers import (
-    DEADLINE_S,
-    RecordingSink,
-    batch,
-    batch_id,
-    handshake,
-    loopback_publisher,
-)
 
 from events.endpoints import Endpoint
 from events.framing import make_message
@@ -30,6 +22,14 @@ from events.subscriber import (
     SubscriberConfig,
     SubscriberError,
     WorkerStream,
+)
+from tests.support.event_streams import (
+    DEADLINE_S,
+    RecordingSink,
+    batch,
+    batch_id,
+    handshake,
+    loopback_publisher,
 )
 
 

@@ -6,9 +6,15 @@ import asyncio
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_subscriber_helpers import RecordingSink, batch, batch_id, handshake, loopback_publisher
 
 from events.subscriber import EventSubscriber, WorkerStream
+from tests.support.event_streams import (
+    RecordingSink,
+    batch,
+    batch_id,
+    handshake,
+    loopback_publisher,
+)
 
 # Per round: which batches the PUB socket loses (True = lost, still buffered for replay).
 rounds_strategy = st.lists(st.lists(st.booleans(), min_size=1, max_size=12), min_size=1, max_size=4)

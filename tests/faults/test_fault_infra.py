@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Final
 
 import pytest
-from fault_helpers import (
+
+from router.workers.registry import owner_of
+from tests.support.faults import (
     Cluster,
     Load,
     get_json,
@@ -22,8 +24,6 @@ from fault_helpers import (
     scrape,
     wait_converged,
 )
-
-from router.workers.registry import owner_of
 
 pytest.importorskip("torch")
 

@@ -19,7 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import zmq
-from fault_helpers import (
+
+from events.framing import make_message
+from events.schema import KVEventBatch, decode_batch, encode_batch
+from tests.support.faults import (
     BLOCK_SIZE,
     HOST,
     Cluster,
@@ -29,9 +32,6 @@ from fault_helpers import (
     scrape,
     wait_converged,
 )
-
-from events.framing import make_message
-from events.schema import KVEventBatch, decode_batch, encode_batch
 
 BOUND_S = 60.0
 """Resyncs from the snapshot and ``index check`` runs on a loaded 2-core machine."""

@@ -26,7 +26,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from fault_helpers import (
+
+from router.cluster.runner import wait_healthy
+from tests.support.faults import (
     HOST,
     REQUEST_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -37,8 +39,6 @@ from fault_helpers import (
     metric,
     scrape,
 )
-
-from router.cluster.runner import wait_healthy
 
 pytest.importorskip("torch")
 

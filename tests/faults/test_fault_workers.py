@@ -13,7 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_helpers import (
+
+from events.identity import WorkerId
+from router.index.redis_index import RedisPrefixIndex
+from router.store.connection import connect
+from router.store.layout import KeyLayout
+from tests.support.faults import (
     Cluster,
     Load,
     complete,
@@ -24,11 +29,6 @@ from fault_helpers import (
     scrape,
     wait_converged,
 )
-
-from events.identity import WorkerId
-from router.index.redis_index import RedisPrefixIndex
-from router.store.connection import connect
-from router.store.layout import KeyLayout
 
 pytest.importorskip("torch")
 

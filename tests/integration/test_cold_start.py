@@ -17,7 +17,7 @@ import pytest
 
 from router.cluster.processes import ProcessGroup
 from router.store.server import free_port
-from tests.faults.fault_helpers import WORKER_ARGS, python_m
+from tests.support.faults import WORKER_ARGS, python_m
 from tests.support.paths import REPO_ROOT as ROOT
 
 pytestmark = pytest.mark.slow

@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import pytest
 import redis
 
-from events.identity import WorkerId
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
-from router.store.connection import RedisClient, connect
+from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRegistry
+from tests.support.index_env import IndexEnv, OpenIndex, drop_namespace
 
 _SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
 
@@ -63,36 +62,6 @@ def redis_cluster_url() -> Iterator[str]:
     finally:
         for server in servers:
             server.stop()
-
-
-@dataclass
-class IndexEnv:
-    """An index under test and how to make it writable for a worker."""
-
-    index: MemoryPrefixIndex | RedisPrefixIndex
-    registry: WorkerRegistry | None = None
-
-    async def prepare(self, worker_id: str) -> None:
-        """Take the worker's lease (Redis) so the index accepts its writes."""
-        if self.registry is None or not isinstance(self.index, RedisPrefixIndex):
-            return
-        lease = await self.registry.acquire(WorkerId(worker_id))
-        assert lease is not None
-        self.index.use_lease(WorkerId(worker_id), lease.token)
-
-    async def settle(self) -> None:
-        """Wait for queued writes (group commit) so reads see every applied batch."""
-        if isinstance(self.index, RedisPrefixIndex):
-            await self.index.flush()
-
-
-OpenIndex = Callable[[], AbstractAsyncContextManager[IndexEnv]]
-
-
-async def drop_namespace(client: RedisClient, layout: KeyLayout) -> None:
-    """Delete every key of a test namespace (tests never flush a shared server)."""
-    async for key in client.scan_iter(match=layout.prefix + "*", count=1000):
-        await client.delete(key)
 
 
 def _opener(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:

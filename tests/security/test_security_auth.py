@@ -21,7 +21,7 @@ from router.front.app import guards
 from router.front.config import RouterConfig
 from router.front.proxy import ProxyConfig
 from router.front.service import RouterService
-from tests.router.front.test_http_api import JSON, EchoWorker, post, run, saved_ids
+from tests.support.router_app import JSON, EchoWorker, post, run, saved_ids
 
 ADMIN = "admin-7f3a9c"
 API = "api-51be02"

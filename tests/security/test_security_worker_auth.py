@@ -18,8 +18,10 @@ import pytest
 from events.auth import BearerKey
 from pool.worker.cli import build_parser, config_from_args, exposure_warning, main
 from pool.worker.guards import AccessKeys
-from tests.pool.worker.test_worker_http import TIMEOUT_S, RunningWorker, _config, _start_worker
 from tests.support.paths import REPO_ROOT as REPO
+from tests.support.workers import TIMEOUT_S, RunningWorker
+from tests.support.workers import start_worker as _start_worker
+from tests.support.workers import worker_config as _config
 
 ADMIN = "admin-0123456789abcdef"
 API = "api-fedcba9876543210"

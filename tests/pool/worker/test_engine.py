@@ -8,84 +8,26 @@ from collections.abc import Iterator
 import pytest
 
 from events.hashing import hash_blocks_sha256_cbor, wire_hash
-from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.snapshot import CachedChains
 from pool.worker.engine import (
     Engine,
     EngineClosedError,
-    EngineConfig,
     InvalidRequestError,
     SamplingParams,
 )
 from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
 from pool.worker.outputs import RequestOutput
-
-BLOCK_SIZE = 4
-GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-class ListSink:
-    """Collects the engine's event batches (the publisher's role, without a socket)."""
-
-    def __init__(self, accept: bool = True) -> None:
-        self.batches: list[KVEventBatch] = []
-        self.accept = accept
-
-    def publish(self, batch: KVEventBatch) -> bool:
-        self.batches.append(batch)
-        return self.accept
-
-    @property
-    def events(self) -> list[object]:
-        return [e for b in self.batches for e in b.events]
+from tests.support.engine import BLOCK_SIZE, GREEDY, ListSink, Outputs
+from tests.support.engine import make_engine as _engine
+from tests.support.engine import run_until_idle as _run
+from tests.support.engine import salted_prompt as _prompt
 
 
 @pytest.fixture(scope="module")
 def model() -> DecoderModel:
     return DecoderModel(ModelConfig(seed=3))
-
-
-def _engine(
-    model: DecoderModel, num_blocks: int, sink: ListSink | None = None, **config: int | bool
-) -> Engine:
-    kv = KVCacheManager(KVCacheConfig(num_blocks, BLOCK_SIZE, enable_kv_cache_events=True))
-    return Engine(
-        model,
-        model.make_cache(num_blocks, BLOCK_SIZE),
-        kv,
-        EngineConfig(**config),
-        event_sink=sink,
-        eos_token_id=256,
-    )
-
-
-class Outputs:
-    def __init__(self) -> None:
-        self.by_id: dict[str, list[RequestOutput]] = {}
-
-    def __call__(self, out: RequestOutput) -> None:
-        self.by_id.setdefault(out.request_id, []).append(out)
-
-    def tokens(self, request_id: str) -> list[int]:
-        return [t for out in self.by_id[request_id] for t in out.new_token_ids]
-
-    def last(self, request_id: str) -> RequestOutput:
-        return self.by_id[request_id][-1]
-
-
-def _run(engine: Engine) -> int:
-    engine.run_inbox(block=False)
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-        assert steps < 10_000
-    return steps
-
-
-def _prompt(length: int, salt: int) -> list[int]:
-    return [(13 * i + 29 * salt + 1) % 256 for i in range(length)]
 
 
 def test_outputs_equal_the_no_cache_reference_under_memory_pressure(model: DecoderModel) -> None:

@@ -17,15 +17,10 @@ from pool.worker.engine import Engine, EngineClosedError, InvalidRequestError, S
 from pool.worker.model import DecoderModel, ForwardItem, ModelConfig, greedy_reference
 from pool.worker.outputs import RequestFailure, RequestOutput
 from pool.worker.paged_cache import PagedKVCache
-from tests.pool.worker.test_engine import (
-    BLOCK_SIZE,
-    GREEDY,
-    ListSink,
-    Outputs,
-    _engine,
-    _prompt,
-    _run,
-)
+from tests.support.engine import BLOCK_SIZE, GREEDY, ListSink, Outputs
+from tests.support.engine import make_engine as _engine
+from tests.support.engine import run_until_idle as _run
+from tests.support.engine import salted_prompt as _prompt
 
 VOCAB = 258
 TIMEOUT_S = 60.0

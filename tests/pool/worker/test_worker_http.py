@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import http.client
 import json
 import os
-import queue
 import re
 import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,69 +31,17 @@ from events.hashing import hash_blocks_sha256_cbor, wire_hash
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from events.tokenizer import ByteTokenizer
 from pool.snapshot import CachedChains
-from pool.worker.cli import WorkerConfig, build_parser, config_from_args, serve
+from pool.worker.cli import build_parser, config_from_args
 from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
 from tests.support.paths import REPO_ROOT
+from tests.support.workers import BLOCK_SIZE, JSON_HEADERS, TIMEOUT_S, RunningWorker
+from tests.support.workers import get_body as _get
+from tests.support.workers import post_json as _post
+from tests.support.workers import start_worker as _start_worker
+from tests.support.workers import worker_config as _config
 
-BLOCK_SIZE = 4
-TIMEOUT_S = 60.0
-JSON_HEADERS = {"Content-Type": "application/json"}
 # vLLM 0.33's consumers decode with a typed msgspec decoder: the strictest reading.
 STRICT = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-@dataclass
-class RunningWorker:
-    http: str
-    events: str
-    replay: str
-    thread: threading.Thread
-    loop: asyncio.AbstractEventLoop
-    stop_event: asyncio.Event
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.stop_event.set)
-        self.thread.join(TIMEOUT_S)
-        assert not self.thread.is_alive()
-
-
-def _start_worker(config: WorkerConfig) -> RunningWorker:
-    ready: queue.Queue[dict[str, Any] | BaseException] = queue.Queue()
-    loop = asyncio.new_event_loop()
-    holder: list[asyncio.Event] = []
-
-    async def main() -> None:
-        holder.append(asyncio.Event())
-        await serve(config, holder[0], ready.put)
-
-    def run() -> None:
-        try:
-            loop.run_until_complete(main())
-        except BaseException as exc:
-            ready.put(exc)
-        finally:
-            loop.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    info = ready.get(timeout=TIMEOUT_S)
-    assert isinstance(info, dict), info
-    return RunningWorker(info["http"], info["events"], info["replay"], thread, loop, holder[0])
-
-
-def _config(num_blocks: int, **overrides: Any) -> WorkerConfig:
-    base = {
-        "worker_id": "w-test",
-        "port": 0,
-        "events": "tcp://127.0.0.1:*",
-        "replay": "tcp://127.0.0.1:*",
-        "topic": "kv",
-        "num_blocks": num_blocks,
-        "block_size": BLOCK_SIZE,
-        "seed": 5,
-    }
-    base.update(overrides)
-    return WorkerConfig(**base)
 
 
 @pytest.fixture
@@ -112,24 +54,6 @@ def worker(tmp_path: Path) -> Iterator[RunningWorker]:
 @pytest.fixture(scope="module")
 def model() -> DecoderModel:
     return DecoderModel(ModelConfig(seed=5))
-
-
-def _post(url: str, body: object, raw: bytes | None = None) -> tuple[int, Any]:
-    data = raw if raw is not None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="POST", headers=JSON_HEADERS)
-    try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
-def _get(url: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
 
 
 def _complete(worker: RunningWorker, prompt: object, max_tokens: int = 4) -> dict[str, Any]:

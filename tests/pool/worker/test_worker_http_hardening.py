@@ -24,16 +24,12 @@ import torch
 
 from events.tokenizer import ByteTokenizer
 from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
-from tests.pool.worker.test_worker_http import (
-    JSON_HEADERS,
-    TIMEOUT_S,
-    RunningWorker,
-    _config,
-    _get,
-    _post,
-    _start_worker,
-)
 from tests.support.paths import REPO_ROOT as REPO
+from tests.support.workers import JSON_HEADERS, TIMEOUT_S, RunningWorker
+from tests.support.workers import get_body as _get
+from tests.support.workers import post_json as _post
+from tests.support.workers import start_worker as _start_worker
+from tests.support.workers import worker_config as _config
 
 NUM_BLOCKS = 40  # 39 usable blocks of 4 tokens
 VOCAB = 258

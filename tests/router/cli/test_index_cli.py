@@ -12,7 +12,7 @@ from router.cli.main import main as kvroute_main
 from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRegistry
-from tests.router.test_ingest_helpers import (
+from tests.support.ingest import (
     FakeWorker,
     eventually,
     fake_workers,

@@ -4,135 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import tempfile
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import aiohttp
 import msgspec
 import pytest
-from aiohttp import web
 
 from events.curve import CurveKeyPair
 from events.identity import WorkerId
 from events.subscriber import SubscriberError
-from router.front.config import RequestLimits, RouterConfig
+from router.front.config import RequestLimits
 from router.front.service import RouterService
 from router.offline.explain import read_decisions
 from router.routing.policies import POLICY_NAMES
 from router.store.server import RedisServer
 from router.workers.registry import WorkerRecord
-
-
-@dataclass
-class EchoWorker:
-    """A stand-in kvroute worker: echoes prompts (recording them and the request headers,
-    header names lowercased), reports load, serves an empty snapshot."""
-
-    worker_id: str
-    prompts: list[Any] = field(default_factory=list)
-    headers: list[dict[str, str]] = field(default_factory=list)
-    url: str = ""
-
-    async def completions(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.prompts.append(body["prompt"])
-        self.headers.append({k.lower(): v for k, v in request.headers.items()})
-        text = f"{self.worker_id}:{len(self.prompts)}"
-        return web.json_response(
-            {
-                "object": "text_completion",
-                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0},
-            }
-        )
-
-    async def health(self, _: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "running": 0, "waiting": 0})
-
-    async def snapshot(self, _: web.Request) -> web.Response:
-        return web.json_response({"block_size": 16, "runs": [], "next_seq": 0})
-
-    def record(self) -> WorkerRecord:
-        return WorkerRecord(
-            worker_id=self.worker_id,
-            # Nobody binds it (a free TCP port could be taken by another process meanwhile).
-            events_endpoint=f"ipc://{tempfile.gettempdir()}/kvroute-{uuid.uuid4().hex}",
-            http_url=self.url,
-        )
-
-
-@asynccontextmanager
-async def echo_workers(
-    n: int, kind: type[EchoWorker] = EchoWorker
-) -> AsyncIterator[list[EchoWorker]]:
-    workers = [kind(f"w{i}") for i in range(n)]
-    runners = []
-    for w in workers:
-        app = web.Application()
-        app.router.add_post("/v1/completions", w.completions)
-        app.router.add_get("/health", w.health)
-        app.router.add_get("/v1/snapshot", w.snapshot)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        w.url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        runners.append(runner)
-    try:
-        yield workers
-    finally:
-        for runner in runners:
-            await runner.cleanup()
-
-
-@asynccontextmanager
-async def running_router(
-    redis_url: str, namespace: str, workers: list[EchoWorker], **overrides: Any
-) -> AsyncIterator[tuple[RouterService, aiohttp.ClientSession]]:
-    config = RouterConfig(
-        redis_url=redis_url,
-        namespace=namespace,
-        port=0,
-        workers=tuple(w.record() for w in workers),
-    )
-    service = RouterService(replace(config, **overrides))
-    await service.start()
-    try:
-        async with aiohttp.ClientSession(base_url=service.url) as client:
-            yield service, client
-    finally:
-        await service.close()
-
-
-JSON: Final = {"Content-Type": "application/json"}
-
-
-async def post(
-    client: aiohttp.ClientSession, path: str, body: Any, headers: dict[str, str] | None = None
-) -> tuple[int, Any]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with client.post(path, data=data, headers={**JSON, **(headers or {})}) as resp:
-        return resp.status, await resp.json()
-
-
-Scenario = Callable[[RouterService, aiohttp.ClientSession, list[EchoWorker]], Awaitable[None]]
-
-
-def run(redis_url: str, namespace: str, scenario: Scenario, n: int = 2, **overrides: Any) -> None:
-    async def main() -> None:
-        async with (
-            echo_workers(n) as workers,
-            running_router(redis_url, namespace, workers, **overrides) as (svc, client),
-        ):
-            await scenario(svc, client, workers)
-
-    asyncio.run(main())
-
+from tests.support.router_app import EchoWorker, post, run, saved_ids
 
 BAD_BODIES = [
     (b"{not json", 400, "request body is not valid JSON"),
@@ -467,12 +356,6 @@ def test_every_policy_routes_and_proxies(redis_url: str, namespace: str, policy:
             assert len(set(chosen)) == 3
 
     run(redis_url, namespace, scenario, n=3, policy=policy)
-
-
-async def saved_ids(svc: RouterService) -> list[str]:
-    """Worker ids of the registrations saved in Redis (usable or not)."""
-    raw = await svc.registry.client.hkeys(svc.registry.layout.registry)
-    return sorted(k.decode() for k in raw)
 
 
 def test_bad_registrations_are_refused_whole_and_leave_nothing_behind(

@@ -20,13 +20,13 @@ import pytest
 import redis
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
-from test_http_api import EchoWorker, echo_workers, post, run, running_router
 
 from router.front.breaker import BreakerConfig
 from router.front.config import RequestLimits
 from router.front.service import RouterService
 from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRecord
+from tests.support.router_app import EchoWorker, echo_workers, post, run, running_router
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 BOUND_S = 30.0

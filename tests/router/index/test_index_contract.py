@@ -15,7 +15,7 @@ from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from router.errors import OrphanParentError
 from router.index.base import IndexStats, PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
-from tests.router.conftest import IndexEnv, OpenIndex
+from tests.support.index_env import IndexEnv, OpenIndex
 
 BS = 4
 KEYER = RouterKeyer()

@@ -15,7 +15,7 @@ from router.index.redis_index import RedisPrefixIndex
 from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRegistry
-from tests.router.conftest import drop_namespace
+from tests.support.index_env import drop_namespace
 
 BS = 4
 KEYER = RouterKeyer()

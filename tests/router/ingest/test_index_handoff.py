@@ -19,7 +19,7 @@ from router.index.changes import Changes
 from router.ingest._native.words import BridgeState
 from router.ingest.bridge import WorkerBridge, fold_batch
 from router.ingest.handoff import HandoffError, decode_handoff, encode_handoff
-from tests.router.index.test_index_property import KEYER, event_st
+from tests.support.prefix_tree import KEYER, event_st
 
 
 async def fold(bridge: WorkerBridge, event: Any) -> list[object]:

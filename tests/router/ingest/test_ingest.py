@@ -8,7 +8,7 @@ import time
 import pytest
 
 from events.identity import WorkerId
-from tests.router.test_ingest_helpers import (
+from tests.support.ingest import (
     FakeWorker,
     divergent,
     eventually,

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from events.identity import WorkerId
 from router.workers.registry import owner_of
-from tests.router.test_ingest_helpers import (
+from tests.support.ingest import (
     FakeWorker,
     Stack,
     divergent,

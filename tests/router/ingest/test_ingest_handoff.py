@@ -21,7 +21,7 @@ from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.store.server import RedisServer
 from router.workers.registry import WorkerRegistry, owner_of
-from tests.router.test_ingest_helpers import (
+from tests.support.ingest import (
     FakeWorker,
     Stack,
     divergent,

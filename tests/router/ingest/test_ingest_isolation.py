@@ -16,8 +16,7 @@ import zmq
 import zmq.asyncio
 
 from events.identity import WorkerId
-from tests.router.ingest.test_ingest_lifetime import stream_count
-from tests.router.test_ingest_helpers import (
+from tests.support.ingest import (
     FakeWorker,
     divergent,
     eventually,
@@ -26,6 +25,7 @@ from tests.router.test_ingest_helpers import (
     match,
     stack,
     stored,
+    stream_count,
 )
 
 LEASE_TTL_MS = 1_500

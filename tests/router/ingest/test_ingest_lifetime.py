@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Literal
+from typing import Literal
 
 import pytest
-from aiohttp import web
 
 from events.identity import WorkerId
-from pool.snapshot import new_lifetime_id
-from tests.router.test_ingest_helpers import (
+from tests.support.ingest import (
+    BY_HAND,
     FakeWorker,
+    LifetimeWorker,
     Stack,
     divergent,
     eventually,
@@ -28,60 +28,10 @@ from tests.router.test_ingest_helpers import (
     match,
     stack,
     stored,
+    stream_count,
 )
 
 LIFETIME_TIMEOUT_S = 0.5
-BY_HAND = {"maintain_interval_s": 3600.0, "lease_ttl_ms": 600_000}
-"""No maintenance pass after the start: its lifetime check would find a restart first."""
-
-
-class LifetimeWorker(FakeWorker):
-    """A :class:`FakeWorker` that also serves ``GET /health`` with its lifetime id.
-
-    Args:
-        worker_id: Its id.
-        health: ``"ok"`` answers with the id; ``"silent"`` never answers.
-        kwargs: As for :class:`FakeWorker`.
-    """
-
-    def __init__(
-        self, worker_id: str, *, health: Literal["ok", "silent"] = "ok", **kwargs: Any
-    ) -> None:
-        super().__init__(worker_id, **kwargs)
-        self.lifetime_id = new_lifetime_id()
-        self.health = health
-        self._released = asyncio.Event()
-
-    async def start(self) -> LifetimeWorker:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/snapshot", self._snapshot)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
-        self.http_url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
-        return self
-
-    async def _health(self, _: web.Request) -> web.Response:
-        if self.health == "silent":
-            await self._released.wait()  # the client times out first; close() releases
-        return web.json_response(
-            {"status": "ok", "worker_id": self.worker_id, "lifetime_id": self.lifetime_id}
-        )
-
-    def restart_publisher(self) -> None:
-        super().restart_publisher()
-        self.lifetime_id = new_lifetime_id()
-
-    async def close(self) -> None:
-        self._released.set()  # or the server's cleanup waits for the silent handlers
-        await super().close()
-
-
-def stream_count(s: Stack, name: str, worker: str) -> float:
-    """A ``kvroute_stream_*`` counter of the subscriber (0 when never incremented)."""
-    value = s.metrics.registry.get_sample_value(f"kvroute_stream_{name}_total", {"worker": worker})
-    return 0.0 if value is None else value
 
 
 async def started(s: Stack, *workers: FakeWorker) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from events.identity import WorkerId
 from router.store.server import RedisServer
-from tests.router.test_ingest_helpers import (
+from tests.support.ingest import (
     FakeWorker,
     Stack,
     divergent,

@@ -23,15 +23,16 @@ from router.front.config import RouterConfig
 from router.front.service import RouterService
 from router.store.connection import connect
 from router.store.server import RedisServer
-from tests.router.ingest.test_ingest_lifetime import LifetimeWorker
-from tests.router.routing.test_block_sizes import sample, streams_up
-from tests.router.test_ingest_helpers import (
+from tests.support.ingest import (
+    LifetimeWorker,
     divergent,
     eventually,
     fake_workers,
     lookup_is,
     match,
+    sample,
     stored,
+    streams_up,
 )
 
 FULL_FOR_S = 4.0

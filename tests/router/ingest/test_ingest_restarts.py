@@ -22,10 +22,10 @@ import pytest
 from aiohttp import web
 
 from router.workers.registry import WorkerRecord
-from tests.router.ingest.test_ingest_lifetime import BY_HAND, LifetimeWorker, stream_count
-from tests.router.live_relay import EverySeq, LiveRelay
-from tests.router.test_ingest_helpers import (
+from tests.support.ingest import (
+    BY_HAND,
     FakeWorker,
+    LifetimeWorker,
     Stack,
     divergent,
     eventually,
@@ -35,7 +35,9 @@ from tests.router.test_ingest_helpers import (
     match,
     stack,
     stored,
+    stream_count,
 )
+from tests.support.live_relay import EverySeq, LiveRelay
 
 Kind = Literal["kvroute", "vllm"]
 

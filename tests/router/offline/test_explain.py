@@ -21,7 +21,7 @@ from router.offline.explain import (
 )
 from router.offline.replay import ReplayError, replay_log
 from router.routing.cost import CostWeights
-from tests.router.offline.test_replay import BS, SCENARIO, TOKENS, write_log
+from tests.support.replay_log import BS, SCENARIO, TOKENS, write_log
 
 W0, W1 = WorkerId("w0"), WorkerId("w1")
 PROMPT = TOKENS[:22]  # five full blocks of four, and two tokens more

@@ -5,17 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.hashing import RouterKeyer, hash_blocks_sha256_cbor, wire_hash
+from events.hashing import RouterKeyer
 from events.identity import WorkerId
-from events.recorder import EventLogWriter, LogRecord
-from events.schema import BlockRemoved, BlockStored, KVCacheEvent, KVEventBatch, encode_batch
+from events.recorder import LogRecord
 from router.cli.replay import main as replay_main
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
@@ -23,55 +21,9 @@ from router.offline.replay import REPLAY_LEASE_TTL_MS, ReplayError, redis_lease_
 from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRegistry
+from tests.support.replay_log import BS, SCENARIO, TOKENS, batch, removed, stored, write_log
 
-BS = 4
-TOKENS = list(range(100, 124))  # six blocks of four
-HASHES: list[int | bytes] = [wire_hash(h) for h in hash_blocks_sha256_cbor(TOKENS, BS)]
 KEYS = RouterKeyer().keys(TOKENS, BS)
-
-
-def stored(first: int, last: int, medium: str = "GPU") -> BlockStored:
-    """Blocks ``first..last-1`` of TOKENS as one event."""
-    return BlockStored(
-        block_hashes=HASHES[first:last],
-        parent_block_hash=HASHES[first - 1] if first else None,
-        token_ids=TOKENS[first * BS : last * BS],
-        block_size=BS,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-    )
-
-
-def removed(*blocks: int) -> BlockRemoved:
-    return BlockRemoved(block_hashes=[HASHES[b] for b in blocks], medium="GPU")
-
-
-def batch(ts: float, worker: str, seq: int, *events: KVCacheEvent) -> LogRecord:
-    payload = encode_batch(KVEventBatch(ts=ts, events=list(events)))  # type: ignore[arg-type]
-    return LogRecord(ts, worker, "batch", seq, payload)
-
-
-def write_log(path: Path, records: Sequence[LogRecord]) -> Path:
-    with EventLogWriter(path) as writer:
-        for record in records:
-            writer.write(record)
-    return path
-
-
-SCENARIO = [
-    batch(100.0, "w0", 0, stored(0, 3)),
-    batch(100.5, "w1", 0, stored(0, 2)),
-    batch(101.0, "w0", 1, stored(3, 4)),
-    batch(102.0, "w0", 2, removed(3), stored(3, 5)),
-    LogRecord(103.0, "w1", "reset", 0),
-    batch(103.5, "w1", 0, stored(0, 1)),
-    LogRecord(104.0, "w0", "resync", None, reason="replay_failed"),
-    # Blocks 1-2 after the resync: their parent (block 0) is gone for the index, so they
-    # are orphans, stored detached and never claimed.
-    batch(105.0, "w0", 7, stored(1, 3)),
-    batch(106.0, "w0", 8, stored(0, 1)),
-]
 
 
 async def matched(index: MemoryPrefixIndex | RedisPrefixIndex) -> dict[str, int]:

@@ -17,38 +17,20 @@ import msgspec
 from router.cli.index import check_workers
 from router.front.config import RouterConfig
 from router.front.service import RouterService
-from tests.router.ingest.test_ingest_lifetime import LifetimeWorker
-from tests.router.test_ingest_helpers import (
-    FakeWorker,
+from tests.support.ingest import (
+    LifetimeWorker,
     eventually,
     fake_workers,
     keys,
     lookup_is,
     match,
+    sample,
     stored,
+    streams_up,
     tokens,
 )
 
 HUGE = 4096  # the largest a registration accepts: longer than every prompt here
-
-
-def sample(svc: RouterService, name: str, **labels: str) -> float:
-    value = svc.metrics.registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value
-
-
-async def streams_up(svc: RouterService, *workers: FakeWorker) -> None:
-    """Publish empty batches until the ingest applied one of each worker (slow joiner)."""
-    for worker in workers:
-
-        async def applied(worker: FakeWorker = worker) -> bool:
-            labels = {"worker": worker.worker_id, "outcome": "applied"}
-            if sample(svc, "kvroute_ingest_batches_total", **labels) > 0:
-                return True
-            worker.publish()
-            return False
-
-        await eventually(applied, what=f"{worker.worker_id}'s stream")
 
 
 async def route(client: aiohttp.ClientSession, prompt: list[int]) -> dict[str, Any]:

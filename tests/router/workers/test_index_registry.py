@@ -29,7 +29,7 @@ from router.workers.registry import (
     owner_of,
     parse_worker_spec,
 )
-from tests.router.conftest import drop_namespace
+from tests.support.index_env import drop_namespace
 
 W = WorkerId("w1")
 TOKENS = list(range(16))

@@ -1,4 +1,4 @@
-"""A blocking POST of raw bytes to a loopback HTTP server, shared by the HTTP fuzz tests."""
+"""A blocking POST of raw bytes to a loopback HTTP server (the HTTP fuzz tests)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,9 @@
-"""Helpers of the ingest tests: a fake worker (real publisher + snapshot HTTP), an ingest stack.
+"""An ingest under test: fake workers (real publisher + snapshot HTTP), an ingest stack.
 
-No tests live here; the ingest test modules import it by name.
+Shared by the ingest, routing and CLI tests: :class:`FakeWorker` and :class:`LifetimeWorker`
+(which also answers ``GET /health`` with its publisher lifetime id), :class:`Stack` (one
+router replica's ingest), the prompts' events and keys, and reads of a router service's
+counters.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from events.hashing import RouterKeyer
 from events.identity import WorkerId
 from events.publisher import EventPublisher, PublisherConfig
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
-from pool.snapshot import CachedChains
+from pool.snapshot import CachedChains, new_lifetime_id
 from router.cli.index import check_workers
+from router.front.service import RouterService
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.metrics import IngestMetrics
@@ -287,3 +291,76 @@ def lookup_is(
         }
 
     return check
+
+
+BY_HAND = {"maintain_interval_s": 3600.0, "lease_ttl_ms": 600_000}
+"""No maintenance pass after the start: its lifetime check would find a restart first."""
+
+
+class LifetimeWorker(FakeWorker):
+    """A :class:`FakeWorker` that also serves ``GET /health`` with its lifetime id.
+
+    Args:
+        worker_id: Its id.
+        health: ``"ok"`` answers with the id; ``"silent"`` never answers.
+        kwargs: As for :class:`FakeWorker`.
+    """
+
+    def __init__(
+        self, worker_id: str, *, health: Literal["ok", "silent"] = "ok", **kwargs: Any
+    ) -> None:
+        super().__init__(worker_id, **kwargs)
+        self.lifetime_id = new_lifetime_id()
+        self.health = health
+        self._released = asyncio.Event()
+
+    async def start(self) -> LifetimeWorker:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/snapshot", self._snapshot)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.http_url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def _health(self, _: web.Request) -> web.Response:
+        if self.health == "silent":
+            await self._released.wait()  # the client times out first; close() releases
+        return web.json_response(
+            {"status": "ok", "worker_id": self.worker_id, "lifetime_id": self.lifetime_id}
+        )
+
+    def restart_publisher(self) -> None:
+        super().restart_publisher()
+        self.lifetime_id = new_lifetime_id()
+
+    async def close(self) -> None:
+        self._released.set()  # or the server's cleanup waits for the silent handlers
+        await super().close()
+
+
+def stream_count(s: Stack, name: str, worker: str) -> float:
+    """A ``kvroute_stream_*`` counter of the subscriber (0 when never incremented)."""
+    value = s.metrics.registry.get_sample_value(f"kvroute_stream_{name}_total", {"worker": worker})
+    return 0.0 if value is None else value
+
+
+def sample(svc: RouterService, name: str, **labels: str) -> float:
+    """A sample of the router service's metrics (0 when never set)."""
+    value = svc.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def streams_up(svc: RouterService, *workers: FakeWorker) -> None:
+    """Publish empty batches until the ingest applied one of each worker (slow joiner)."""
+    for worker in workers:
+
+        async def applied(worker: FakeWorker = worker) -> bool:
+            labels = {"worker": worker.worker_id, "outcome": "applied"}
+            if sample(svc, "kvroute_ingest_batches_total", **labels) > 0:
+                return True
+            worker.publish()
+            return False
+
+        await eventually(applied, what=f"{worker.worker_id}'s stream")

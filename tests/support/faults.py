@@ -1,6 +1,6 @@
-"""Helpers of the fault tests: processes to kill, a synthetic worker, checks and load.
+"""A cluster of real processes to break: processes to kill, a synthetic worker, checks, load.
 
-No tests live here; the fault test modules import it by name.
+Shared by the fault and integration tests.
 
 * :class:`Cluster`: a private Redis, kvroute workers and routers as real processes on
   fixed loopback ports, each one killable (SIGKILL), freezable (SIGSTOP) and restartable
@@ -467,3 +467,30 @@ class SyntheticWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# -- streams ------------------------------------------------------------------------------
+
+
+def unique_prompts(seed: int, num_blocks: int = 16) -> Iterator[list[int]]:
+    """Random prompts of ``num_blocks`` full blocks, reproducible from ``seed``."""
+    rng = random.Random(seed)
+    while True:
+        yield [rng.randrange(256) for _ in range(num_blocks * BLOCK_SIZE)]
+
+
+def handshake(
+    cluster: Cluster, router: str, worker: SyntheticWorker, prompts: Iterator[list[int]]
+) -> None:
+    """Wait until the router owns the worker and receives its live batches (slow joiner)."""
+    wid = worker.ports.worker_id
+    deadline = time.monotonic() + 60
+    while True:
+        samples = scrape(router)
+        if metric(samples, "kvroute_stream_batches_total", worker=wid) >= 1:
+            return
+        cluster.group.check_alive()
+        assert time.monotonic() < deadline, "the router never received the worker's events"
+        if metric(samples, "kvroute_ingest_snapshots_total", worker=wid, outcome="ok") >= 1:
+            worker.step(next(prompts))  # a probe, once the router has loaded the snapshot
+        time.sleep(0.1)  # polling another process's metrics

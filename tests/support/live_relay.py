@@ -1,11 +1,10 @@
 """A worker's live stream sent by the test through its own XPUB socket.
 
-No tests live here. The worker's publisher keeps every batch for replay but sends none
-live (:class:`EverySeq` as its ``skip_live_seqs``); the test relays the batches it wants
-delivered through a :class:`LiveRelay` bound where the router subscribes. An XPUB socket
-sees the subscriber's subscription arrive, so the test knows the router is connected
-before it sends: which batches reach the router is decided by the test, never by a slow
-joiner.
+The worker's publisher keeps every batch for replay but sends none live (:class:`EverySeq`
+as its ``skip_live_seqs``); the test relays the batches it wants delivered through a
+:class:`LiveRelay` bound where the router subscribes. An XPUB socket sees the subscriber's
+subscription arrive, so the test knows the router is connected before it sends: which
+batches reach the router is decided by the test, never by a slow joiner.
 """
 
 from __future__ import annotations

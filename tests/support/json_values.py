@@ -1,4 +1,4 @@
-"""Hypothesis strategies for arbitrary JSON values, shared by the HTTP fuzz tests."""
+"""Hypothesis strategies for arbitrary JSON values (the HTTP fuzz tests)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Helpers shared by the event streaming tests: a recording sink, batches, handshakes.
+"""Event streams under test: a recording sink, recognisable batches, handshakes.
 
-No tests live here; the streaming test modules import it by name.
+Shared by the publisher, subscriber, recorder and CURVE tests.
 """
 
 from __future__ import annotations
