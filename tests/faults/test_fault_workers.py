@@ -29,6 +29,7 @@ from tests.support.faults import (
     scrape,
     wait_converged,
 )
+from tests.support.polling import wait_until
 
 pytest.importorskip("torch")
 
@@ -136,8 +137,17 @@ def test_a_worker_that_comes_up_after_being_dropped_is_served(tmp_path: Path) ->
 
 def _wait_workers(cluster: Cluster, router: str, expected: list[str]) -> None:
     """Poll the router's worker list until it is ``expected`` (within CONVERGE_BOUND_S)."""
-    deadline = time.monotonic() + CONVERGE_BOUND_S
-    while (listed := [w["worker_id"] for w in _workers(router)]) != expected:
+    listed: list[str] = []
+
+    def lists_expected() -> bool:
+        listed[:] = [w["worker_id"] for w in _workers(router)]
+        if listed == expected:
+            return True
         cluster.group.check_alive()
-        assert time.monotonic() < deadline, f"router lists {listed}, expected {expected}"
-        time.sleep(0.1)  # polling another process's registry, with a deadline
+        return False
+
+    wait_until(
+        lists_expected,
+        lambda: f"the router to list {expected} (it lists {listed})",
+        timeout_s=CONVERGE_BOUND_S,
+    )

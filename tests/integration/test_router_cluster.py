@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,9 +40,12 @@ from router.store.layout import KeyLayout
 from router.store.server import RedisServer
 from router.workers.registry import WorkerRecord
 from tests.support.paths import REPO_ROOT as ROOT
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.timeout(240)
 BLOCK = 16
+BOUND_S = 60.0
+"""Longest wait for the cluster to reach a state (a loaded 2-core machine, torch workers)."""
 
 
 @dataclass
@@ -138,13 +141,6 @@ async def router(
         await service.close()
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)  # polling a condition with a deadline
-
-
 async def complete(
     session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 4
 ) -> tuple[str, dict[str, Any]]:
@@ -185,8 +181,10 @@ def test_prefix_affinity_then_spreading_under_load(
             aiohttp.ClientSession() as s,
         ):
             first, usage0 = await complete(s, svc.url, prefix + "Q0")
-            await until(
-                lambda: _holds(s, svc.url, prefix + "Q1", first, 256), "the prefix in the index"
+            await eventually(
+                lambda: _holds(s, svc.url, prefix + "Q1", first, 256),
+                "the prefix in the index",
+                timeout_s=BOUND_S,
             )
             for i in range(1, 4):
                 served, usage = await complete(s, svc.url, prefix + f"Q{i}")
@@ -238,7 +236,11 @@ def test_two_replicas_share_index_and_load(
         ):
             # The index is shared: what one replica's ingest wrote, the other reads.
             first, _ = await complete(s, one.url, prefix + "x")
-            await until(lambda: _holds(s, two.url, prefix + "y", first, 192), "the index via two")
+            await eventually(
+                lambda: _holds(s, two.url, prefix + "y", first, 192),
+                "the index via two",
+                timeout_s=BOUND_S,
+            )
             served, usage = await complete(s, two.url, prefix + "y")
             assert (served, usage["cached_tokens"]) == (first, 192)
             # The load is shared: decisions alternate between replicas, each one seeing
@@ -248,9 +250,10 @@ def test_two_replicas_share_index_and_load(
                 async with s.post(f"{replica.url}/v1/route", json={"prompt": f"{i}" * 64}) as resp:
                     chosen.append((await resp.json())["worker_id"])
                 other_url = (two if replica is one else one).url
-                await until(
+                await eventually(
                     lambda u=other_url: _sees_load(s, u, chosen),  # type: ignore[misc]
                     "the other replica's view",
+                    timeout_s=BOUND_S,
                 )
             assert sorted(chosen) == ["a", "b", "c"]
 
@@ -285,7 +288,11 @@ def test_streamed_chat_through_real_workers_reuses_the_system_prompt(
                 [ChatMessage(**system), ChatMessage(role="user", content="Why is grass green?")]
             )
             shared = len(prompt.encode()) // BLOCK * BLOCK
-            await until(lambda: _holds(s, svc.url, prompt, first, 256), "the system prompt indexed")
+            await eventually(
+                lambda: _holds(s, svc.url, prompt, first, 256),
+                "the system prompt indexed",
+                timeout_s=BOUND_S,
+            )
             again, chunks = await chat(s, svc.url, "Why is grass green?")
             usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
             assert again == first
@@ -308,15 +315,21 @@ def test_redis_restart_degrades_then_rebuilds_the_index(
             aiohttp.ClientSession() as s,
         ):
             first, _ = await complete(s, svc.url, prefix + "a")
-            await until(lambda: _holds(s, svc.url, prefix + "b", first, 304), "the prefix indexed")
+            await eventually(
+                lambda: _holds(s, svc.url, prefix + "b", first, 304),
+                "the prefix indexed",
+                timeout_s=BOUND_S,
+            )
             private_redis.stop()
             for i in range(3):  # served on load alone, never a 5xx
                 await complete(s, svc.url, f"{i} unrelated prompt while Redis is down")
             async with s.get(f"{svc.url}/health") as resp:
                 assert (await resp.json())["index"] == "degraded"
             private_redis.start()  # empty: the ingest re-registers and reloads snapshots
-            await until(
-                lambda: _holds(s, svc.url, prefix + "c", first, 304), "the index rebuilt", 90
+            await eventually(
+                lambda: _holds(s, svc.url, prefix + "c", first, 304),
+                "the index rebuilt",
+                timeout_s=90,
             )
             served, usage = await complete(s, svc.url, prefix + "c")
             assert (served, usage["cached_tokens"]) == (first, 304)
@@ -407,7 +420,9 @@ def test_foreign_publishers_in_map_and_legacy_array_shapes(redis_url: str, names
                         matched(r).get(n) == 64 for n, r in zip(prompts, routes, strict=True)
                     )
 
-                await until(published_and_indexed, "both foreign streams in the index")
+                await eventually(
+                    published_and_indexed, "both foreign streams in the index", timeout_s=BOUND_S
+                )
                 async with s.get(f"{svc.url}/metrics") as resp:
                     metrics = await resp.text()
                 for name in prompts:  # every batch the ingest applied is counted per worker
@@ -460,13 +475,21 @@ def test_killed_worker_requests_retried_and_entries_leave(
         ):
             doomed, _ = await complete(s, svc.url, prefix + "0")
             victim = next(w for w in pair if w.worker_id == doomed)
-            await until(lambda: _holds(s, svc.url, prefix + "1", doomed, 256), "the prefix indexed")
+            await eventually(
+                lambda: _holds(s, svc.url, prefix + "1", doomed, 256),
+                "the prefix indexed",
+                timeout_s=BOUND_S,
+            )
             # In flight on the doomed worker (its prefix attracts them), then it dies.
             inflight = [
                 asyncio.ensure_future(complete(s, svc.url, prefix + f"r{i}", LONG))
                 for i in range(3)
             ]
-            await until(lambda: _running(s, victim.http), "requests running on the victim")
+            await eventually(
+                lambda: _running(s, victim.http),
+                "requests running on the victim",
+                timeout_s=BOUND_S,
+            )
             victim.kill()
             results = await asyncio.gather(*inflight)
             survivor = next(w.worker_id for w in pair if w is not victim)
@@ -474,7 +497,9 @@ def test_killed_worker_requests_retried_and_entries_leave(
             # Its entries leave the index within its lease (plus a maintenance pass).
             index = RedisPrefixIndex(await connect(redis_url), KeyLayout(namespace))
             killed_at = time.monotonic()
-            await until(lambda: _no_entries(index, doomed), "the dead worker's entries gone", 30)
+            await eventually(
+                lambda: _no_entries(index, doomed), "the dead worker's entries gone", timeout_s=30
+            )
             assert time.monotonic() - killed_at < 2.0 * 3
             route = await dry_route(s, svc.url, prefix + "2")
             assert doomed not in [c["worker_id"] for c in route["candidates"]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
@@ -16,13 +15,13 @@ from router.store.layout import KeyLayout
 from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRegistry
 from tests.support.index_env import IndexEnv, OpenIndex, drop_namespace
+from tests.support.polling import wait_until
 
 _SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
 
 
 def _wait_cluster_ok(clients: list[redis.Redis], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def converged() -> bool:
         infos = [c.cluster("INFO") for c in clients]
         states = [
             i
@@ -30,13 +29,12 @@ def _wait_cluster_ok(clients: list[redis.Redis], timeout_s: float) -> None:
             else dict(line.split(":", 1) for line in i.decode().split() if ":" in line)
             for i in infos
         ]
-        if all(
+        return all(
             str(s.get("cluster_state")) == "ok" and int(s.get("cluster_known_nodes", 0)) == 3
             for s in states
-        ):
-            return
-        time.sleep(0.05)  # polling cluster convergence with a deadline; no event to wait on
-    raise TimeoutError(f"Redis Cluster did not converge within {timeout_s}s")
+        )
+
+    wait_until(converged, "the Redis Cluster to converge", timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="session")

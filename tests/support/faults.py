@@ -44,6 +44,7 @@ from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.snapshot import CachedChains, new_lifetime_id
 from router.cluster.runner import ProcessGroup, wait_healthy
 from router.store.server import RedisServer, free_port
+from tests.support.polling import wait_until
 
 HOST = "127.0.0.1"
 BLOCK_SIZE = 4
@@ -201,18 +202,25 @@ def wait_converged(
     bound_s: float,
     poke: Callable[[], object] = lambda: None,
 ) -> float:
-    """Poll ``kvroute index check`` until every worker has 0 divergent entries.
+    """Poll ``kvroute index check`` until every worker has 0 divergent entries, calling
+    ``poke`` after each check that finds some.
 
     Returns:
         Seconds it took. Fails when ``bound_s`` passes first.
     """
-    start = time.monotonic()
-    while True:
-        divergent = index_check(cluster, workers)
-        if not any(divergent.values()):
-            return time.monotonic() - start
-        assert time.monotonic() - start < bound_s, f"not converged in {bound_s} s: {divergent}"
-        poke()
+    divergent: dict[str, int] = {}
+
+    def converged() -> bool:
+        divergent.clear()
+        divergent.update(index_check(cluster, workers))
+        return not any(divergent.values())
+
+    return wait_until(
+        converged,
+        lambda: f"the index to converge (divergent entries: {divergent})",
+        timeout_s=bound_s,
+        poke=poke,
+    )
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -310,10 +318,11 @@ class Load:
     def wait_for(self, num_ok: int, timeout_s: float = START_TIMEOUT_S) -> None:
         """Wait until ``num_ok`` more requests than now have succeeded."""
         target = self.outcomes["200"] + num_ok
-        deadline = time.monotonic() + timeout_s
-        while self.outcomes["200"] < target:
-            assert time.monotonic() < deadline, f"load stalled: {dict(self.outcomes)}"
-            time.sleep(0.05)  # polling a counter another thread advances
+        wait_until(
+            lambda: self.outcomes["200"] >= target,
+            lambda: f"{num_ok} more answered requests; load stalled: {dict(self.outcomes)}",
+            timeout_s=timeout_s,
+        )
 
     async def _run(self) -> None:
         prompts = family_prompts(self.seed, 32)
@@ -484,13 +493,14 @@ def handshake(
 ) -> None:
     """Wait until the router owns the worker and receives its live batches (slow joiner)."""
     wid = worker.ports.worker_id
-    deadline = time.monotonic() + 60
-    while True:
+
+    def receiving() -> bool:
         samples = scrape(router)
         if metric(samples, "kvroute_stream_batches_total", worker=wid) >= 1:
-            return
+            return True
         cluster.group.check_alive()
-        assert time.monotonic() < deadline, "the router never received the worker's events"
         if metric(samples, "kvroute_ingest_snapshots_total", worker=wid, outcome="ok") >= 1:
             worker.step(next(prompts))  # a probe, once the router has loaded the snapshot
-        time.sleep(0.1)  # polling another process's metrics
+        return False
+
+    wait_until(receiving, "the router to receive the worker's events", timeout_s=60)

@@ -32,11 +32,10 @@ from router.ingest.service import IndexIngest, IngestConfig
 from router.store.connection import RedisClient, connect
 from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRecord, WorkerRegistry
+from tests.support.polling import eventually
 
 BS = 4
 BLOCKS_PER_PROMPT = 12
-DEADLINE_S = 30.0
-"""Upper bound of every wait: generous, as tests share a loaded 2-core machine."""
 KEYER = RouterKeyer()
 
 
@@ -261,16 +260,6 @@ async def stack(
     finally:
         await s.ingest.close()
         await client.aclose()
-
-
-async def eventually(
-    predicate: Callable[[], Awaitable[bool]], *, timeout_s: float = DEADLINE_S, what: str = ""
-) -> None:
-    """Poll ``predicate`` until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, f"not reached within {timeout_s} s: {what}"
-        await asyncio.sleep(0.02)  # polling an asynchronous pipeline with a deadline
 
 
 async def divergent(index: RedisPrefixIndex, *workers: FakeWorker) -> int:

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from events.tokenizer import ByteTokenizer
 from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
 from tests.support.paths import REPO_ROOT as REPO
+from tests.support.polling import wait_until
 from tests.support.workers import JSON_HEADERS, TIMEOUT_S, RunningWorker
 from tests.support.workers import get_body as _get
 from tests.support.workers import post_json as _post
@@ -81,13 +81,6 @@ def _metric(worker: Target, sample: str) -> float:
         if name == sample:
             return float(value)
     raise AssertionError(f"no sample {sample}")
-
-
-def _wait_for(predicate: Any, what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)  # polling another thread's state over HTTP; nothing to wait on
 
 
 def assert_serving(worker: RunningWorker) -> None:
@@ -345,7 +338,11 @@ def test_a_client_that_closes_mid_body_is_a_debug_line_and_a_client_abort(
             b'Content-Length: 1000\r\n\r\n{"prompt": "half a bo'
         )
     sample = 'kvroute_worker_client_aborts_total{stage="request_body"}'
-    _wait_for(lambda: _metric(worker, sample) == 1.0, "the client abort to be counted")
+    wait_until(
+        lambda: _metric(worker, sample) == 1.0,
+        "the client abort to be counted",
+        timeout_s=TIMEOUT_S,
+    )
     assert _metric(worker, 'kvroute_worker_client_aborts_total{stage="response"}') == 0.0
     assert _metric(worker, 'kvroute_worker_request_failures_total{reason="handler"}') == 0.0
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
@@ -363,8 +360,16 @@ def test_a_client_that_leaves_mid_stream_is_aborted_and_its_blocks_freed(
     assert response.readline().startswith(b"data: ")
     conn.close()  # mid-stream: the worker notices at its next write and aborts
     sample = 'kvroute_worker_client_aborts_total{stage="response"}'
-    _wait_for(lambda: _metric(worker, sample) == 1.0, "the client abort to be counted")
-    _wait_for(lambda: json.loads(_get(_url(worker, "/health"))[1])["running"] == 0, "the abort")
+    wait_until(
+        lambda: _metric(worker, sample) == 1.0,
+        "the client abort to be counted",
+        timeout_s=TIMEOUT_S,
+    )
+    wait_until(
+        lambda: json.loads(_get(_url(worker, "/health"))[1])["running"] == 0,
+        "the abort",
+        timeout_s=TIMEOUT_S,
+    )
     assert 'kvroute_worker_requests_total{finish_reason="abort"} 1.0' in _metrics(worker)
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
     assert_serving(worker)

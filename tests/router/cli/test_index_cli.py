@@ -14,13 +14,13 @@ from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRegistry
 from tests.support.ingest import (
     FakeWorker,
-    eventually,
     fake_workers,
     lookup_is,
     match,
     stack,
     stored,
 )
+from tests.support.polling import eventually
 
 
 def test_check_and_stats(

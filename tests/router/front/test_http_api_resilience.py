@@ -12,7 +12,6 @@ import logging
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -26,6 +25,7 @@ from router.front.config import RequestLimits
 from router.front.service import RouterService
 from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRecord
+from tests.support.polling import eventually
 from tests.support.router_app import EchoWorker, echo_workers, post, run, running_router
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -45,14 +45,6 @@ async def scrape(client: aiohttp.ClientSession) -> Samples:
 
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Poll ``check`` until it holds (within :data:`BOUND_S`)."""
-    deadline = time.monotonic() + BOUND_S
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)  # polling state another task changes
 
 
 class PatientWorker(EchoWorker):
@@ -109,13 +101,13 @@ def test_clients_that_leave_are_counted_never_errors(
             samples = await scrape(client)
             return value(samples, "kvroute_router_client_aborts_total", stage=stage) == count
 
-        await until(lambda: counted("body", 1), "the mid-body abort")
+        await eventually(lambda: counted("body", 1), "the mid-body abort", timeout_s=BOUND_S)
         # Mid-stream: the first event arrives, then the client leaves.
         resp = await client.post("/v1/completions", json={"prompt": "s", "stream": True})
         assert (await resp.content.readline()).startswith(b"data: ")
         resp.close()
         await asyncio.wait_for(worker.hung_up.wait(), BOUND_S)
-        await until(lambda: counted("answer", 1), "the mid-stream abort")
+        await eventually(lambda: counted("answer", 1), "the mid-stream abort", timeout_s=BOUND_S)
         # Waiting for a buffered answer that the worker is still computing.
         worker.hung_up.clear()
         request = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "b"}))
@@ -123,10 +115,10 @@ def test_clients_that_leave_are_counted_never_errors(
         async def reached() -> bool:
             return len(worker.prompts) == 2
 
-        await until(reached, "the buffered request to reach the worker")
+        await eventually(reached, "the buffered request to reach the worker", timeout_s=BOUND_S)
         request.cancel()  # the client gives up and closes its connection
         await asyncio.wait_for(worker.hung_up.wait(), BOUND_S)
-        await until(lambda: counted("answer", 2), "the abort while waiting")
+        await eventually(lambda: counted("answer", 2), "the abort while waiting", timeout_s=BOUND_S)
         samples = await scrape(client)
         statuses = {
             dict(labels)["status"]: v
@@ -281,7 +273,7 @@ def test_ready_needs_a_routable_worker_and_health_stays_live(
             async def not_ready() -> bool:
                 return (await get(client, "/ready"))[0] == 503
 
-            await until(not_ready, "/ready to see the worker is down")
+            await eventually(not_ready, "/ready to see the worker is down", timeout_s=BOUND_S)
             _, ready = await get(client, "/ready")
             assert ready["reasons"] == ["no routable worker: gone gives no answer to GET /health"]
             status, health = await get(client, "/health")
@@ -359,7 +351,7 @@ def test_redis_refusing_writes_degrades_routing_explicitly(private_redis: RedisS
             async def unwritable() -> bool:
                 return (await health())["index_writable"] is False
 
-            await until(unwritable, "the router to see its writes refused")
+            await eventually(unwritable, "the router to see its writes refused", timeout_s=BOUND_S)
             assert (await health())["index"] == "degraded"
             async with client.get("/ready") as resp:
                 ready = await resp.json()
@@ -374,7 +366,7 @@ def test_redis_refusing_writes_degrades_routing_explicitly(private_redis: RedisS
         async def writable() -> bool:
             return (await health())["index_writable"] is True
 
-        await until(writable, "the router to write again")
+        await eventually(writable, "the router to write again", timeout_s=BOUND_S)
         assert value(await scrape(client), "kvroute_router_index_writable") == 1
 
     run(private_redis.url, "refusing", scenario, n=1, lease_ttl_s=0.6)

@@ -11,7 +11,6 @@ from events.identity import WorkerId
 from tests.support.ingest import (
     FakeWorker,
     divergent,
-    eventually,
     fake_workers,
     keys,
     lookup_is,
@@ -20,6 +19,7 @@ from tests.support.ingest import (
     stack,
     stored,
 )
+from tests.support.polling import eventually
 
 
 @pytest.fixture(params=["redis", "cluster"])

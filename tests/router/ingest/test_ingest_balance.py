@@ -13,11 +13,11 @@ from tests.support.ingest import (
     FakeWorker,
     Stack,
     divergent,
-    eventually,
     fake_workers,
     stack,
     stored,
 )
+from tests.support.polling import eventually
 
 IDS = [f"k{i}" for i in range(6)]
 

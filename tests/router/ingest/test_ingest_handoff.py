@@ -25,13 +25,13 @@ from tests.support.ingest import (
     FakeWorker,
     Stack,
     divergent,
-    eventually,
     fake_workers,
     lookup_is,
     match,
     stack,
     stored,
 )
+from tests.support.polling import eventually
 
 IDS = [f"v{i}" for i in range(6)]
 

@@ -19,7 +19,6 @@ from events.identity import WorkerId
 from tests.support.ingest import (
     FakeWorker,
     divergent,
-    eventually,
     fake_workers,
     lookup_is,
     match,
@@ -27,6 +26,7 @@ from tests.support.ingest import (
     stored,
     stream_count,
 )
+from tests.support.polling import eventually
 
 LEASE_TTL_MS = 1_500
 TRICKLE_S = 0.2

@@ -21,7 +21,6 @@ from tests.support.ingest import (
     LifetimeWorker,
     Stack,
     divergent,
-    eventually,
     fake_workers,
     keys,
     lookup_is,
@@ -30,6 +29,7 @@ from tests.support.ingest import (
     stored,
     stream_count,
 )
+from tests.support.polling import eventually
 
 LIFETIME_TIMEOUT_S = 0.5
 

@@ -13,7 +13,6 @@ from tests.support.ingest import (
     FakeWorker,
     Stack,
     divergent,
-    eventually,
     fake_workers,
     keys,
     lookup_is,
@@ -21,6 +20,7 @@ from tests.support.ingest import (
     stack,
     stored,
 )
+from tests.support.polling import eventually
 
 
 def test_redis_restarted_empty_is_rebuilt(private_redis: RedisServer, namespace: str) -> None:

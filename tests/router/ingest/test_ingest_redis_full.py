@@ -26,7 +26,6 @@ from router.store.server import RedisServer
 from tests.support.ingest import (
     LifetimeWorker,
     divergent,
-    eventually,
     fake_workers,
     lookup_is,
     match,
@@ -34,6 +33,7 @@ from tests.support.ingest import (
     stored,
     streams_up,
 )
+from tests.support.polling import eventually
 
 FULL_FOR_S = 4.0
 """How long batches keep coming at the full Redis."""

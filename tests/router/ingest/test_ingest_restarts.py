@@ -28,7 +28,6 @@ from tests.support.ingest import (
     LifetimeWorker,
     Stack,
     divergent,
-    eventually,
     fake_workers,
     keys,
     lookup_is,
@@ -38,6 +37,7 @@ from tests.support.ingest import (
     stream_count,
 )
 from tests.support.live_relay import EverySeq, LiveRelay
+from tests.support.polling import eventually
 
 Kind = Literal["kvroute", "vllm"]
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -22,19 +21,15 @@ from router.workers.reports import (
     parse_health_load,
     parse_vllm_metrics_load,
 )
+from tests.support.polling import eventually
 
 W1, W2 = WorkerId("w1"), WorkerId("w2")
+BOUND_S = 15.0
+"""Longest wait for a write or an expiry to show in another replica's view."""
 
 
 def _client(url: str) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5)
-
-
-async def _until(check: Callable[[], Awaitable[bool]], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.02)  # polling with a deadline
 
 
 def test_replicas_see_each_others_load(redis_url: str, namespace: str) -> None:
@@ -88,7 +83,7 @@ def test_add_nowait_changes_local_load_at_once_and_reaches_redis(
             await b.refresh()
             return await b.snapshot([W1, W2]) == {W1: WorkerLoad(1, 40, 4), W2: WorkerLoad(0, 7, 0)}
 
-        await _until(b_sees_it)
+        await eventually(b_sees_it, "b to see the coalesced write", timeout_s=BOUND_S)
         a.add_nowait(W1, finished(4))
         await a.close()  # waits for the increment in flight, then withdraws
         await b.refresh()
@@ -140,7 +135,7 @@ def test_crashed_replica_load_expires(redis_url: str, namespace: str) -> None:
             await alive.refresh()
             return (await alive.snapshot([W1]))[W1] == WorkerLoad()
 
-        await _until(gone)
+        await eventually(gone, "the crashed replica's load to expire", timeout_s=BOUND_S)
         assert time.monotonic() - started < 5.0
         await alive.close()
 
@@ -161,7 +156,7 @@ def test_redis_outage_keeps_local_load_and_recovers(private_redis: RedisServer) 
         await a.refresh()
         assert not a.is_shared
         private_redis.start()  # same port, empty
-        await _until(lambda: _refreshed(a))
+        await eventually(lambda: _refreshed(a), "a to share its load again", timeout_s=BOUND_S)
         b = RedisLoadTracker(_client(private_redis.url), SharedLoadConfig("ns", "b"))
         await b.start()
         await b.refresh()
@@ -214,7 +209,7 @@ def test_shared_view_is_the_sum_of_replicas(
                 await r.refresh()
             return all([await r.snapshot([W1, W2]) == expected for r in replicas])
 
-        await _until(all_agree)
+        await eventually(all_agree, "both replicas to see the sum", timeout_s=BOUND_S)
         for r in replicas:
             await r.close()
 

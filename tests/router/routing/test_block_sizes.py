@@ -19,7 +19,6 @@ from router.front.config import RouterConfig
 from router.front.service import RouterService
 from tests.support.ingest import (
     LifetimeWorker,
-    eventually,
     fake_workers,
     keys,
     lookup_is,
@@ -29,6 +28,7 @@ from tests.support.ingest import (
     streams_up,
     tokens,
 )
+from tests.support.polling import eventually
 
 HUGE = 4096  # the largest a registration accepts: longer than every prompt here
 

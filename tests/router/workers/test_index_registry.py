@@ -30,6 +30,7 @@ from router.workers.registry import (
     parse_worker_spec,
 )
 from tests.support.index_env import drop_namespace
+from tests.support.polling import eventually
 
 W = WorkerId("w1")
 TOKENS = list(range(16))
@@ -70,10 +71,10 @@ def run(url: str, namespace: str, body: Body) -> None:
 
 
 async def wait_lapsed(registry: WorkerRegistry, worker: WorkerId, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while await registry.holder(worker) is not None:
-        assert time.monotonic() < deadline, "lease did not lapse"
-        await asyncio.sleep(0.02)  # polling a TTL expiry with a deadline
+    async def lapsed() -> bool:
+        return await registry.holder(worker) is None
+
+    await eventually(lapsed, f"{worker}'s lease to lapse", timeout_s=timeout_s)
 
 
 def test_lease_is_exclusive_and_epochs_grow(redis_target: str, namespace: str) -> None:
