@@ -150,6 +150,7 @@ def test_an_unencodable_batch_is_dropped_and_its_seq_never_sent() -> None:
         assert pub.publish(batch(3)) is True
 
 
+@pytest.mark.slow
 def test_a_full_buffer_replays_untruncated_to_a_slow_reader() -> None:
     # The reader holds one message at a time: the publisher's replay HWM of
     # 2 * (buffer_steps + 1) must absorb the whole buffer, or replies are lost.

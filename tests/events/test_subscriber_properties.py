@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +21,7 @@ from tests.support.event_streams import (
 rounds_strategy = st.lists(st.lists(st.booleans(), min_size=1, max_size=12), min_size=1, max_size=4)
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(rounds=rounds_strategy)
 def test_applied_sequence_equals_published_under_any_loss(rounds: list[list[bool]]) -> None:

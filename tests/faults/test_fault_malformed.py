@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import zmq
 
 from events.framing import make_message
@@ -32,6 +33,8 @@ from tests.support.faults import (
     scrape,
     wait_converged,
 )
+
+pytestmark = pytest.mark.slow
 
 BOUND_S = 60.0
 """Resyncs from the snapshot and ``index check`` runs on a loaded 2-core machine."""

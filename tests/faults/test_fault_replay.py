@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import zmq
 
 from events.schema import BlockStored, KVEventBatch
@@ -31,6 +32,8 @@ from tests.support.faults import (
     unique_prompts,
     wait_converged,
 )
+
+pytestmark = pytest.mark.slow
 
 LEASE_TTL_S = 3.0
 REPLAY_TIMEOUT_S = 1.0

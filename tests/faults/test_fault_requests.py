@@ -41,6 +41,8 @@ from tests.support.faults import (
 )
 from tests.support.polling import wait_until
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torch")
 
 FIRST_BYTE_TIMEOUT_S = 2.0

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import zmq
 
 from events.framing import unpack_seq
@@ -33,6 +34,8 @@ from tests.support.faults import (
     wait_converged,
 )
 from tests.support.live_relay import EverySeq, LiveRelay
+
+pytestmark = pytest.mark.slow
 
 STALL_BOUND_S = 60.0
 """Replaying some thousands of batches and applying them, plus ``index check`` runs."""

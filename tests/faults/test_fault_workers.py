@@ -31,6 +31,8 @@ from tests.support.faults import (
 )
 from tests.support.polling import wait_until
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torch")
 
 LEASE_TTL_S = 2.0

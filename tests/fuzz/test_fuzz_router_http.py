@@ -28,6 +28,8 @@ from router.store.server import RedisServer, free_port
 from tests.support.json_values import json_values
 from tests.support.raw_http import REPLY_TIMEOUT_S, post
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torch")
 
 MAX_BODY_BYTES = 64 * 1024

@@ -27,6 +27,8 @@ from router.store.server import free_port
 from tests.support.json_values import json_values
 from tests.support.raw_http import REPLY_TIMEOUT_S, post
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("torch")
 
 NUM_BLOCKS = 32

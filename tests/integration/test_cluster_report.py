@@ -26,6 +26,8 @@ from router.cluster.trace_generator import BUILTIN_TRACE_NAME
 from router.cluster.workload import Workload, WorkloadError
 from tests.support.paths import REPO_ROOT
 
+pytestmark = pytest.mark.slow
+
 
 def _run(policy: str, cached: list[int], served: list[tuple[int, int, int]]) -> PolicyRun:
     results = tuple(

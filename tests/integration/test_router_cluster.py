@@ -42,7 +42,7 @@ from router.workers.registry import WorkerRecord
 from tests.support.paths import REPO_ROOT as ROOT
 from tests.support.polling import eventually
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 BLOCK = 16
 BOUND_S = 60.0
 """Longest wait for the cluster to reach a state (a loaded 2-core machine, torch workers)."""

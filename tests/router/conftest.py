@@ -1,4 +1,8 @@
-"""Router test fixtures: a local three-master Redis Cluster on free loopback ports."""
+"""Router test fixtures: a local three-master Redis Cluster on free loopback ports.
+
+The Redis Cluster variants of parametrized tests are in the slow tier (``-m slow``): the
+fast tier runs the same tests in memory and on a single Redis node.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from tests.support.index_env import IndexEnv, OpenIndex, drop_namespace
 from tests.support.polling import wait_until
 
 _SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+_CLUSTER = pytest.param("cluster", marks=pytest.mark.slow)
 
 
 def _wait_cluster_ok(clients: list[redis.Redis], timeout_s: float) -> None:
@@ -88,13 +93,13 @@ def _opener(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
     return factory
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
+@pytest.fixture(params=["memory", "redis", _CLUSTER])
 def open_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
     """Opens the index kind under test: in memory, Redis single node, Redis Cluster."""
     return _opener(request, namespace)
 
 
-@pytest.fixture(params=["memory", "redis", "cluster", "redis-group-commit"])
+@pytest.fixture(params=["memory", "redis", _CLUSTER, "redis-group-commit"])
 def open_any_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
     """Like ``open_index``, plus Redis with group commit (call ``IndexEnv.settle``)."""
     return _opener(request, namespace)

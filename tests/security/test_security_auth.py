@@ -89,6 +89,7 @@ def test_without_the_admin_key_workers_cannot_be_added_removed_or_listed(
     run(redis_url, namespace, scenario, n=1, admin_key=ADMIN_KEY)
 
 
+@pytest.mark.slow
 def test_the_api_key_guards_inference_and_opens_nothing_else(
     redis_url: str, namespace: str
 ) -> None:

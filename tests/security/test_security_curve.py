@@ -33,6 +33,8 @@ from router.cluster.runner import ProcessGroup, wait_healthy
 from router.store.server import free_port
 from tests.support.polling import wait_until
 
+pytestmark = pytest.mark.slow
+
 TIMEOUT_S = 60.0
 NUM_BATCHES = 20
 

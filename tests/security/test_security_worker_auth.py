@@ -172,6 +172,7 @@ def test_an_unkeyed_api_beyond_loopback_is_warned_about(
     assert exposure_warning(host, keys) == words
 
 
+@pytest.mark.slow
 def test_the_cli_worker_takes_its_keys_and_never_logs_them(tmp_path: Path) -> None:
     (tmp_path / "admin.key").write_text(ADMIN + "\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVROUTE_API_KEY": API}

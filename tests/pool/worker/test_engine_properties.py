@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,6 +13,8 @@ from pool.snapshot import CachedChains
 from pool.worker.engine import Engine, EngineConfig, SamplingParams
 from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
 from pool.worker.outputs import RequestOutput
+
+pytestmark = pytest.mark.slow
 
 BLOCK_SIZE = 2
 VOCAB = 24

@@ -48,6 +48,7 @@ def test_write_lands_in_the_addressed_block_and_nowhere_else() -> None:
     assert torch.equal(read_v, -key)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     table=st.lists(st.integers(0, 7), min_size=1, max_size=8, unique=True),

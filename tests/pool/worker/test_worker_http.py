@@ -203,6 +203,7 @@ def test_pressure_evicts_reset_clears_and_snapshot_matches_events(
     assert again["usage"]["cached_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_concurrent_requests_under_pressure_equal_no_cache_reference(
     worker: RunningWorker, model: DecoderModel
 ) -> None:
@@ -291,6 +292,7 @@ def test_bad_requests_get_a_clear_4xx_and_the_worker_keeps_serving(
     assert _complete(worker, "still here", max_tokens=1)["usage"]["completion_tokens"] == 1
 
 
+@pytest.mark.slow
 def test_cli_worker_drains_on_sigterm(tmp_path: Path, model: DecoderModel) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     args = [sys.executable, "-m", "router.cli.main", "worker", "--port", "0", "--events", "none"]

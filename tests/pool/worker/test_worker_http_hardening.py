@@ -219,6 +219,7 @@ def _read_stream(response: http.client.HTTPResponse) -> list[Any]:
     return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_request_that_fails_in_the_engine_gets_a_json_500_and_the_others_go_on(
     poisoned_worker: RunningWorker, poisoned_weights: tuple[Path, int], temperature: float
@@ -274,6 +275,7 @@ MEMORY_MARGIN_BYTES = 128 * 2**20
 of what one attention chunk of an 8,192-token prefill allocates."""
 
 
+@pytest.mark.slow
 def test_a_request_that_exhausts_memory_fails_alone_while_another_streams(
     tmp_path: Path,
 ) -> None:

@@ -131,6 +131,7 @@ def test_a_dead_engine_loop_turns_health_and_ready_503_and_fails_requests_fast(
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_reset_while_requests_hold_blocks_is_a_409_with_an_openai_error(
     model: DecoderModel,
 ) -> None:

@@ -81,6 +81,7 @@ def test_old_config_file_keys_still_work(tmp_path: Path) -> None:
     assert config.policy_config.predicted_ttl_s == 9.0
 
 
+@pytest.mark.slow
 def test_benchmark_duration_flags_carry_their_unit() -> None:
     bench_throughput = importlib.import_module("benchmarks.bench_throughput")
     bench_soak = importlib.import_module("benchmarks.bench_soak")
@@ -133,6 +134,7 @@ _COMMANDS_WITH_FLAGS = (
 )  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [c.split() for c in _COMMANDS_WITH_FLAGS])
 def test_help_states_each_default_once_in_one_form(argv: list[str]) -> None:
     proc = subprocess.run(

@@ -201,6 +201,7 @@ def test_unreachable_redis_is_a_clear_nonzero_exit(caplog: pytest.LogCaptureFixt
     assert "cannot reach Redis at redis://127.0.0.1:1/0" in caplog.text
 
 
+@pytest.mark.slow
 def test_router_process_serves_and_stops_on_sigterm(redis_url: str, namespace: str) -> None:
     proc = subprocess.Popen(
         [

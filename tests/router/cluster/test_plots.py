@@ -23,6 +23,8 @@ from router.sim.report import build_figure as sim_figure
 from router.sim.report import plot_results
 from router.sim.trace import to_requests
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("matplotlib")
 
 

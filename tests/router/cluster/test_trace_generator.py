@@ -46,6 +46,7 @@ def test_ids_are_chained_an_id_names_its_whole_prefix() -> None:
             previous = hash_id
 
 
+@pytest.mark.slow
 def test_turns_extend_the_conversation_and_families_share_a_prefix() -> None:
     records = generate_trace(2000)
     full_prefixes = {tuple(r.hash_ids[: r.input_length // TRACE_BLOCK_TOKENS]) for r in records}
@@ -64,6 +65,7 @@ def test_turns_extend_the_conversation_and_families_share_a_prefix() -> None:
     assert first_blocks.most_common(1)[0][1] > 100
 
 
+@pytest.mark.slow
 def test_default_statistics_are_the_documented_ones() -> None:
     """docs/workload.md, "What the default gives": the figures of generate_trace(6000)."""
     records = generate_trace(BUILTIN_NUM_REQUESTS)
@@ -114,6 +116,7 @@ def test_the_choice_of_trace(tmp_path: Path) -> None:
     assert builtin.records(300, seed=2) == generate_trace(300, seed=2)
 
 
+@pytest.mark.slow
 def test_the_cluster_slice_of_the_built_in_trace() -> None:
     builtin = choose_trace(None, Path("/nonexistent/trace.jsonl"))
     work = trace_workload(builtin, num_requests=40, num_families=12)

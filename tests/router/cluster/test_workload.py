@@ -61,6 +61,7 @@ def test_trace_requests_reject_non_positive_scale() -> None:
         trace_requests([_record(0, [1])], block_scale=0, max_output_tokens=4)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     a=st.lists(st.integers(0, 40), min_size=1, max_size=8, unique=True),

@@ -286,6 +286,7 @@ def test_no_workers_is_a_clear_503(redis_url: str, namespace: str) -> None:
     run(redis_url, namespace, scenario, n=0)
 
 
+@pytest.mark.slow
 def test_redis_outage_degrades_to_load_routing_and_recovers(private_redis: RedisServer) -> None:
     async def scenario(
         svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
@@ -319,6 +320,7 @@ def test_redis_outage_degrades_to_load_routing_and_recovers(private_redis: Redis
     run(private_redis.url, "degraded", scenario, probe_interval_s=0.2)
 
 
+@pytest.mark.slow
 def test_router_runs_on_a_redis_cluster(redis_cluster_url: str, namespace: str) -> None:
     async def scenario(
         svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
@@ -336,6 +338,7 @@ def test_router_runs_on_a_redis_cluster(redis_cluster_url: str, namespace: str) 
     run(redis_cluster_url, namespace, scenario)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_every_policy_routes_and_proxies(redis_url: str, namespace: str, policy: str) -> None:
     async def scenario(

@@ -146,6 +146,7 @@ def test_clients_that_leave_are_counted_never_errors(
     assert errors == []
 
 
+@pytest.mark.slow
 def test_a_body_sent_too_slowly_gets_a_408_and_the_connection_closes(
     redis_url: str, namespace: str
 ) -> None:
@@ -331,6 +332,7 @@ def test_a_failing_worker_is_skipped_once_its_circuit_opens(redis_url: str, name
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_redis_refusing_writes_degrades_routing_explicitly(private_redis: RedisServer) -> None:
     """Redis refuses every write (a primary that lost the replicas it must write to) while
     reads still work: the router says the index is not writable and degraded (no longer

@@ -474,6 +474,7 @@ FAILOVER_BOUND_S = FAST.first_byte_timeout_s + FAST.connect_timeout_s + 3.0
 """Silence window + liveness probe, with room for a loaded machine."""
 
 
+@pytest.mark.slow
 def test_a_frozen_worker_is_failed_over_and_a_slow_live_one_waited_on() -> None:
     async def slow(request: web.Request) -> web.Response:
         await asyncio.sleep(3 * FAST.first_byte_timeout_s)  # silent, but /health answers
@@ -507,6 +508,7 @@ def test_a_frozen_worker_is_failed_over_and_a_slow_live_one_waited_on() -> None:
     asyncio.run(asyncio.wait_for(scenario(), 60))
 
 
+@pytest.mark.slow
 def test_the_silence_limit_holds_on_a_pooled_connection() -> None:
     """The worker answers once over a keep-alive connection, then freezes: the next
     request, sent over the same pooled connection, fails over just as fast."""
@@ -579,6 +581,7 @@ def test_an_open_circuit_skips_the_worker_without_an_attempt() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_the_total_timeout_and_mid_stream_silence_end_a_request() -> None:
     hung_up = asyncio.Event()
 

@@ -143,6 +143,7 @@ def test_all_blocks_cleared_and_clear_worker(open_index: OpenIndex) -> None:
     run(open_index, body)
 
 
+@pytest.mark.slow
 def test_a_worker_of_thousands_of_families_is_cleared(open_index: OpenIndex) -> None:
     """A clear fans out over the worker's families (per shard on a cluster): bounded, so a
     worker holding far more families than a connection pool has connections is cleared."""

@@ -59,6 +59,7 @@ steps = st.lists(
 )
 
 
+@pytest.mark.slow
 @given(history=steps)
 @example(history=[(0, 0, [1], 1), (0, 0, [1], 0)])  # noted in the batch that added it
 @example(history=[(0, 0, [1], 1), (0, 0, [1, 2], 2)])  # a tier move after it

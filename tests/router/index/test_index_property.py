@@ -24,6 +24,8 @@ from router.index.base import PrefixMatch
 from tests.support.index_env import IndexEnv, OpenIndex
 from tests.support.prefix_tree import KEY, PARENT, TIERS, event_st, path
 
+pytestmark = pytest.mark.slow
+
 WORKERS = [WorkerId("a"), WorkerId("b"), WorkerId("c")]
 
 

@@ -35,6 +35,7 @@ def prompt(first: int, num_blocks: int, base: int) -> BlockStored:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group_commit", [False, True])
 def test_write_split_over_calls_equals_one_call(
     redis_url: str, namespace: str, monkeypatch: pytest.MonkeyPatch, group_commit: bool

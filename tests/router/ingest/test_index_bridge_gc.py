@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from events.hashing import RouterKeyer
 from events.schema import BlockRemoved, BlockStored
 from router.index.changes import Changes
@@ -63,6 +65,7 @@ def test_folding_every_kind_of_event_leaves_the_maps_untracked() -> None:
     assert untracked(bridge)
 
 
+@pytest.mark.slow
 def test_a_large_bridge_survives_collections_untracked() -> None:
     bridge = WorkerBridge(RouterKeyer())
     tokens = list(range(4_096))

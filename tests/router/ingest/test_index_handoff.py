@@ -39,6 +39,7 @@ async def fold(bridge: WorkerBridge, event: Any) -> list[object]:
     return written
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     before=st.lists(event_st, max_size=14),

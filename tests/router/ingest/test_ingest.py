@@ -22,7 +22,7 @@ from tests.support.ingest import (
 from tests.support.polling import eventually
 
 
-@pytest.fixture(params=["redis", "cluster"])
+@pytest.fixture(params=["redis", pytest.param("cluster", marks=pytest.mark.slow)])
 def any_redis(request: pytest.FixtureRequest) -> str:
     """A single Redis node or the three-master cluster."""
     fixture = "redis_url" if request.param == "redis" else "redis_cluster_url"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import pytest
+
 from events.identity import WorkerId
 from router.workers.registry import owner_of
 from tests.support.ingest import (
@@ -18,6 +20,8 @@ from tests.support.ingest import (
     stored,
 )
 from tests.support.polling import eventually
+
+pytestmark = pytest.mark.slow
 
 IDS = [f"k{i}" for i in range(6)]
 

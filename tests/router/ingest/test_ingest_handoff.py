@@ -33,6 +33,8 @@ from tests.support.ingest import (
 )
 from tests.support.polling import eventually
 
+pytestmark = pytest.mark.slow
+
 IDS = [f"v{i}" for i in range(6)]
 
 

@@ -12,6 +12,7 @@ import contextlib
 import time
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -27,6 +28,8 @@ from tests.support.ingest import (
     stream_count,
 )
 from tests.support.polling import eventually
+
+pytestmark = pytest.mark.slow
 
 LEASE_TTL_MS = 1_500
 TRICKLE_S = 0.2

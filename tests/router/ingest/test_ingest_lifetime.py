@@ -54,6 +54,7 @@ async def seen_live(s: Stack, worker: FakeWorker, batches: float) -> None:
     await eventually(more, what=f"a batch from {wid} after {batches}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("health", ["ok", "none", "silent"])
 def test_gap_is_replayed_and_entries_kept(
     redis_url: str, namespace: str, health: Literal["ok", "none", "silent"]

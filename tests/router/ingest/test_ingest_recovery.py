@@ -93,6 +93,7 @@ def test_second_replica_takes_over_and_restarted_router_resumes(
     asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_stale_router_cannot_write_after_its_lease_lapsed(redis_url: str, namespace: str) -> None:
     async def main() -> None:
         async with (

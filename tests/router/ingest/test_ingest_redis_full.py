@@ -35,6 +35,8 @@ from tests.support.ingest import (
 )
 from tests.support.polling import eventually
 
+pytestmark = pytest.mark.slow
+
 FULL_FOR_S = 4.0
 """How long batches keep coming at the full Redis."""
 MAX_WARNINGS = 4

@@ -139,6 +139,7 @@ def test_a_restart_that_looks_continuous_is_a_reset(
     asyncio.run(main())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["kvroute", "vllm"])
 def test_a_quiet_restart_is_found_by_the_periodic_check(
     redis_url: str, namespace: str, kind: Kind

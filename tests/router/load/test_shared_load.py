@@ -118,6 +118,7 @@ def test_a_replica_with_a_skewed_clock_is_still_seen(
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_crashed_replica_load_expires(redis_url: str, namespace: str) -> None:
     async def scenario() -> None:
         crashed = RedisLoadTracker(_client(redis_url), SharedLoadConfig(namespace, "x", ttl_s=0.6))
@@ -142,6 +143,7 @@ def test_crashed_replica_load_expires(redis_url: str, namespace: str) -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_redis_outage_keeps_local_load_and_recovers(private_redis: RedisServer) -> None:
     async def scenario() -> None:
         a = RedisLoadTracker(_client(private_redis.url), SharedLoadConfig("ns", "a"))
@@ -180,6 +182,7 @@ _deltas = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -292,6 +295,7 @@ def test_poller_reads_health_and_vllm_metrics() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_replicas_share_load_on_a_redis_cluster(redis_cluster_url: str) -> None:
     async def scenario() -> None:
         clients = [await connect(redis_cluster_url) for _ in range(2)]

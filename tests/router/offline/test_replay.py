@@ -82,6 +82,7 @@ def test_undecodable_payload_is_counted_and_skipped(tmp_path: Path) -> None:
     assert asyncio.run(matched(index)) == {"w0": 1}
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(
@@ -119,6 +120,7 @@ def test_replay_matches_a_reference_model(ops: list[tuple[str, str, int]]) -> No
     assert asyncio.run(matched(index)) == {w: d for w, d in sorted(depth.items()) if d}
 
 
+@pytest.mark.slow
 def test_redis_replay_equals_memory_and_refuses_a_live_namespace(
     tmp_path: Path, redis_url: str, namespace: str
 ) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import pytest
 
 from router.cli.index import check_workers
 from router.front.config import RouterConfig
@@ -29,6 +30,8 @@ from tests.support.ingest import (
     tokens,
 )
 from tests.support.polling import eventually
+
+pytestmark = pytest.mark.slow
 
 HUGE = 4096  # the largest a registration accepts: longer than every prompt here
 

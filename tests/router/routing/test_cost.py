@@ -47,6 +47,7 @@ def test_cached_prefix_is_worth_exactly_its_tokens_no_cliff() -> None:
         assert a - b == queued - 4096
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     prompt=st.integers(0, 100_000),

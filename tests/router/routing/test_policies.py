@@ -203,6 +203,7 @@ def test_candidate_defaults() -> None:
     assert BlockKey(1) == 1
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     in_flight=st.lists(st.integers(0, 20), min_size=1, max_size=8),

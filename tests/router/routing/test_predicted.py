@@ -95,6 +95,7 @@ def chain(path: list[int]) -> list[BlockKey]:
     return [BlockKey(hash(tuple(path[: i + 1])) % 2**64) for i in range(len(path))]
 
 
+@pytest.mark.slow
 @settings(max_examples=80, deadline=None)
 @given(ops=_ops, probe=st.lists(st.integers(0, 5), max_size=6))
 def test_matches_a_naive_model_when_unbounded(

@@ -24,6 +24,8 @@ from router.sim.report import summarize
 from router.sim.trace import SimError, SimRequest, ideal_hits, load_trace, to_requests
 from tests.support.paths import REPO_ROOT as REPO
 
+pytestmark = pytest.mark.slow
+
 needs_mooncake = pytest.mark.skipif(
     not DEFAULT_TRACE_PATH.is_file(), reason="optional Mooncake trace absent"
 )

@@ -87,6 +87,7 @@ def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+@pytest.mark.slow
 def test_tls_url(tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     tls_port = free_port()
@@ -123,6 +124,7 @@ def test_tls_url(tmp_path: Path) -> None:
         server.stop()
 
 
+@pytest.mark.slow
 def test_single_node_writes_send_their_keys_packed_in_c(
     redis_url: str, redis_cluster_url: str, namespace: str
 ) -> None:

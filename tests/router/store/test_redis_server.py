@@ -21,6 +21,7 @@ def test_private_server_starts_answers_and_stops() -> None:
     assert not ping(server.host, server.port)
 
 
+@pytest.mark.slow
 def test_extra_args_are_passed_through() -> None:
     with RedisServer(extra_args=["--requirepass", "s3cret"]) as server:
         with pytest.raises(redis.AuthenticationError):

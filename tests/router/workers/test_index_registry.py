@@ -45,7 +45,7 @@ def stored(hashes: list[int], parent: int | None, first_block: int) -> KVEventBa
 Body = Callable[[RedisClient, KeyLayout], Awaitable[None]]
 
 
-@pytest.fixture(params=["redis", "cluster"])
+@pytest.fixture(params=["redis", pytest.param("cluster", marks=pytest.mark.slow)])
 def redis_target(request: pytest.FixtureRequest) -> str:
     fixture = "redis_url" if request.param == "redis" else "redis_cluster_url"
     return str(request.getfixturevalue(fixture))
@@ -125,6 +125,7 @@ def test_a_handed_off_lease_stays_taken_for_its_next_owner(
     run(redis_target, namespace, body)
 
 
+@pytest.mark.slow
 def test_stale_epoch_cannot_write(redis_target: str, namespace: str) -> None:
     async def body(client: RedisClient, layout: KeyLayout) -> None:
         a = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=300)
@@ -165,6 +166,7 @@ def test_writing_without_a_lease_is_refused(redis_target: str, namespace: str) -
     run(redis_target, namespace, body)
 
 
+@pytest.mark.slow
 def test_lapsed_worker_is_reaped_by_another_replica(redis_target: str, namespace: str) -> None:
     async def body(client: RedisClient, layout: KeyLayout) -> None:
         silent = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=1500)
@@ -246,6 +248,7 @@ def test_stats_of_an_empty_namespace(redis_target: str, namespace: str) -> None:
     run(redis_target, namespace, body)
 
 
+@pytest.mark.slow
 def test_router_heartbeats_track_live_replicas(redis_target: str, namespace: str) -> None:
     async def body(client: RedisClient, layout: KeyLayout) -> None:
         a = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=60_000)
