@@ -15,6 +15,9 @@ import pytest
 
 from router.store.server import RedisServer, ping
 
+# Asserts in the shared helpers report their operands as the tests' own asserts do.
+pytest.register_assert_rewrite("tests.support")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from router.cli.main import COMMANDS
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT as ROOT
 
 
 def run_example(name: str, *args: str, tmp: Path, timeout_s: float = 240.0) -> str:

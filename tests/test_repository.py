@@ -2,15 +2,20 @@
 
 Code, comments, tests, benchmarks and docs cite only files inside the repository, and no
 tracker numbers; the one thing that may sit beside a checkout is the optional Mooncake
-trace under ``../shared/data/``. Every ``docs/`` page the README names exists.
+trace under ``../shared/data/``. Every ``docs/`` page the README names exists. Test
+modules share helpers through ``tests/support/`` only, never by importing one another.
 """
 
 from __future__ import annotations
 
+import ast
 import re
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO_ROOT as ROOT
+
 _SOURCES = ("events", "pool", "router", "benchmarks", "tests", "examples", "docs")
 _OUTSIDE_NOTES = re.compile(r"VLLM_WIRE\.md|DESIGN\.md|STYLE\.md")
 _SHARED_NOT_DATA = re.compile(r"\.\./shared/(?!data/)")
@@ -50,3 +55,41 @@ def test_the_docs_the_readme_names_exist() -> None:
     for page in (ROOT / "docs").glob("*.md"):
         for other in re.findall(r"`(docs/[\w.-]+\.md)`", page.read_text()):
             assert (ROOT / other).is_file(), f"{page.name} names {other}"
+
+
+_IMPORT = re.compile(r"^[ \t]*(?:import|from)[ \t][^\n]*", re.MULTILINE)
+
+
+def _imports(text: str) -> Iterator[tuple[int, str]]:
+    """``(line, module)`` of each import statement (``.x`` for a relative one).
+
+    Statements are found by their first word, then parsed with ast (a parenthesized one
+    runs to its closing parenthesis); parsing whole modules would cost the fast tier a
+    second."""
+    for match in _IMPORT.finditer(text):
+        end = text.index(")", match.start()) + 1 if "(" in match.group() else match.end()
+        try:
+            statement = ast.parse(textwrap.dedent(text[match.start() : end])).body[0]
+        except SyntaxError:
+            continue  # a line of prose that starts with "from" or "import"
+        line = text.count("\n", 0, match.start()) + 1
+        if isinstance(statement, ast.Import):
+            yield from ((line, alias.name) for alias in statement.names)
+        elif isinstance(statement, ast.ImportFrom):
+            yield line, "." * statement.level + (statement.module or "")
+
+
+def test_no_test_module_imports_another_test_module() -> None:
+    """Shared helpers live in ``tests.support``; a test module or conftest imported by name
+    (``tests.router...``, or bare through pytest's sys.path entries) is refused."""
+    tests = ROOT / "tests"
+    support = tests / "support"
+    modules = sorted(tests.rglob("*.py"))
+    local = {p.stem for p in modules if support not in p.parents}
+    found = []
+    for path in modules:
+        for line, name in _imports(path.read_text()):
+            top, shared = name.split(".")[0], f"{name}.".startswith("tests.support.")
+            if name.startswith(".") or top in local or (top == "tests" and not shared):
+                found.append(f"{path.relative_to(ROOT)}:{line}: imports {name}")
+    assert found == []

@@ -7,7 +7,6 @@ import stat
 from pathlib import Path
 
 import pytest
-from test_subscriber_helpers import RecordingSink, batch, handshake, loopback_publisher
 
 from events.cli.keys import main as keys_main
 from events.curve import (
@@ -20,6 +19,7 @@ from events.curve import (
 )
 from events.publisher import EventPublisher
 from events.subscriber import EventSubscriber, WorkerStream
+from tests.support.event_streams import RecordingSink, batch, handshake, loopback_publisher
 
 SERVER = CurveKeyPair.generate()
 ROUTER = CurveKeyPair.generate()

@@ -79,6 +79,7 @@ def test_pythonhashseed_becomes_the_seed(monkeypatch: pytest.MonkeyPatch) -> Non
     assert none_hash() == none_hash("42") != none_hash("vllm-none-hash")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [None, "", "0", "123"])
 def test_none_hash_in_a_process_started_with_pythonhashseed(seed: str | None) -> None:
     """vLLM 0.33 seeds NONE_HASH with PYTHONHASHSEED whenever it is set, "" included."""
@@ -239,6 +240,7 @@ def test_router_keys_reject_tokens_outside_uint32(bad: list[int]) -> None:
         router_block_keys(bad * 16, 16, 0)
 
 
+@pytest.mark.slow
 @given(
     tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
     block_size=st.integers(1, 32),
@@ -254,6 +256,7 @@ def test_router_keys_split_invariant(tokens: list[int], block_size: int, split: 
     assert head + router_block_keys(tokens[cut:], block_size, parent) == whole
 
 
+@pytest.mark.slow
 @given(
     parent=st.binary(min_size=32, max_size=32) | st.binary(max_size=40),
     tokens=st.lists(st.integers(0, 2**40), max_size=40),

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import zmq
-from test_subscriber_helpers import batch, loopback_publisher
 
 from events.endpoints import (
     Endpoint,
@@ -18,6 +17,7 @@ from events.endpoints import (
 from events.framing import END_OF_REPLAY_SEQ, pack_seq
 from events.publisher import EventPublisher, PublisherClosedError, PublisherConfig
 from events.schema import encode_batch
+from tests.support.event_streams import batch, loopback_publisher
 
 POLL_MS = 30_000
 
@@ -150,6 +150,7 @@ def test_an_unencodable_batch_is_dropped_and_its_seq_never_sent() -> None:
         assert pub.publish(batch(3)) is True
 
 
+@pytest.mark.slow
 def test_a_full_buffer_replays_untruncated_to_a_slow_reader() -> None:
     # The reader holds one message at a time: the publisher's replay HWM of
     # 2 * (buffer_steps + 1) must absorb the whole buffer, or replies are lost.

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_subscriber_helpers import DEADLINE_S, RecordingSink, batch, handshake, loopback_publisher
 
 from events.cli.events import main as events_main
 from events.cli.record import main as record_main
@@ -28,8 +27,14 @@ from events.recorder import (
 )
 from events.schema import encode_batch
 from events.subscriber import EventSubscriber, ReceivedBatch, WorkerStream
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.event_streams import (
+    DEADLINE_S,
+    RecordingSink,
+    batch,
+    handshake,
+    loopback_publisher,
+)
+from tests.support.paths import REPO_ROOT as REPO
 
 records_strategy = st.lists(
     st.builds(
@@ -69,6 +74,7 @@ def test_round_trip_and_append(tmp_path: Path) -> None:
     assert path.read_bytes().startswith(LOG_MAGIC)
 
 
+@pytest.mark.slow
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -252,6 +258,7 @@ def intact_records(path: Path) -> list[LogRecord]:
     return list(read_log(path)) if path.exists() and path.stat().st_size else []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_record_command_runs_until_signalled(tmp_path: Path, signum: int) -> None:
     path = tmp_path / "events.log"
@@ -282,6 +289,7 @@ def test_record_command_runs_until_signalled(tmp_path: Path, signum: int) -> Non
     assert "gap of 1 batches" in stderr
 
 
+@pytest.mark.slow
 def test_tail_command_prints_live_events() -> None:
     with loopback_publisher() as pub:
         proc = kvroute(

@@ -11,14 +11,6 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from test_subscriber_helpers import (
-    DEADLINE_S,
-    RecordingSink,
-    batch,
-    batch_id,
-    handshake,
-    loopback_publisher,
-)
 
 from events.endpoints import Endpoint
 from events.framing import make_message
@@ -30,6 +22,14 @@ from events.subscriber import (
     SubscriberConfig,
     SubscriberError,
     WorkerStream,
+)
+from tests.support.event_streams import (
+    DEADLINE_S,
+    RecordingSink,
+    batch,
+    batch_id,
+    handshake,
+    loopback_publisher,
 )
 
 
@@ -133,6 +133,7 @@ def test_publisher_restart_signals_reset_then_replays_new_lifetime(tmp_path: Pat
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_replay_endpoint_down_resyncs_after_bounded_timeout_without_stalling_others(
     tmp_path: Path,
 ) -> None:
@@ -502,6 +503,7 @@ def test_a_failed_reader_restarts_says_so_and_reads_on(caplog: pytest.LogCapture
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_trickling_replay_endpoint_is_cut_off_at_the_deadline() -> None:
     """Malformed replies every 0.1 s keep a replay under its silence timeout forever; the
     overall deadline ends it (a resync), and the live stream goes on."""

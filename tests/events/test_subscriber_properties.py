@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_subscriber_helpers import RecordingSink, batch, batch_id, handshake, loopback_publisher
 
 from events.subscriber import EventSubscriber, WorkerStream
+from tests.support.event_streams import (
+    RecordingSink,
+    batch,
+    batch_id,
+    handshake,
+    loopback_publisher,
+)
 
 # Per round: which batches the PUB socket loses (True = lost, still buffered for replay).
 rounds_strategy = st.lists(st.lists(st.booleans(), min_size=1, max_size=12), min_size=1, max_size=4)
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(rounds=rounds_strategy)
 def test_applied_sequence_equals_published_under_any_loss(rounds: list[list[bool]]) -> None:

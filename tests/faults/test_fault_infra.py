@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import pytest
-from fault_helpers import (
+
+from router.workers.registry import owner_of
+from tests.support.faults import (
     Cluster,
     Load,
     get_json,
@@ -22,8 +24,9 @@ from fault_helpers import (
     scrape,
     wait_converged,
 )
+from tests.support.polling import wait_until
 
-from router.workers.registry import owner_of
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("torch")
 
@@ -38,20 +41,22 @@ rebuilds the workers from their snapshots."""
 
 def wait_owned(router: str, count: int, bound_s: float = REPLICA_BOUND_S) -> None:
     """Poll a router's metrics until it holds the leases of ``count`` workers."""
-    start = time.monotonic()
-    while metric(scrape(router), "kvroute_ingest_owned_workers") != count:
-        assert time.monotonic() - start < bound_s, f"{router} does not hold {count} workers"
-        time.sleep(0.2)  # polling another process's metrics
+    wait_until(
+        lambda: metric(scrape(router), "kvroute_ingest_owned_workers") == count,
+        f"{router} to hold {count} workers",
+        timeout_s=bound_s,
+    )
 
 
 def wait_health(router: str, index: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    last: list[Any] = []
+
+    def says() -> bool:
         status, body = get_json(f"{router}/health")
-        if status == 200 and body.get("index") == index:
-            return
-        assert time.monotonic() < deadline, f"/health never said index={index}: {body}"
-        time.sleep(0.1)  # polling another process's state
+        last[:] = [body]
+        return status == 200 and body.get("index") == index
+
+    wait_until(says, lambda: f"/health to say index={index}: {last}", timeout_s=timeout_s)
 
 
 def test_redis_stopped_and_restarted_empty(tmp_path: Path) -> None:

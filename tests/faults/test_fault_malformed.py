@@ -18,8 +18,12 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import zmq
-from fault_helpers import (
+
+from events.framing import make_message
+from events.schema import KVEventBatch, decode_batch, encode_batch
+from tests.support.faults import (
     BLOCK_SIZE,
     HOST,
     Cluster,
@@ -30,8 +34,7 @@ from fault_helpers import (
     wait_converged,
 )
 
-from events.framing import make_message
-from events.schema import KVEventBatch, decode_batch, encode_batch
+pytestmark = pytest.mark.slow
 
 BOUND_S = 60.0
 """Resyncs from the snapshot and ``index check`` runs on a loaded 2-core machine."""

@@ -16,20 +16,24 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import zmq
-from fault_helpers import (
+
+from events.schema import BlockStored, KVEventBatch
+from tests.support.faults import (
     BLOCK_SIZE,
     HOST,
     Cluster,
     SyntheticWorker,
+    handshake,
     index_check,
     metric,
     scrape,
+    unique_prompts,
     wait_converged,
 )
-from test_fault_streams import handshake, unique_prompts
 
-from events.schema import BlockStored, KVEventBatch
+pytestmark = pytest.mark.slow
 
 LEASE_TTL_S = 3.0
 REPLAY_TIMEOUT_S = 1.0

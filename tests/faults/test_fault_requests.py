@@ -26,7 +26,9 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from fault_helpers import (
+
+from router.cluster.runner import wait_healthy
+from tests.support.faults import (
     HOST,
     REQUEST_TIMEOUT_S,
     START_TIMEOUT_S,
@@ -37,8 +39,9 @@ from fault_helpers import (
     metric,
     scrape,
 )
+from tests.support.polling import wait_until
 
-from router.cluster.runner import wait_healthy
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("torch")
 
@@ -48,13 +51,6 @@ FAILOVER_BOUND_S = FIRST_BYTE_TIMEOUT_S + CONNECT_TIMEOUT_S + 10.0
 """Silence window + liveness probe + the request on the healthy worker, with room for a
 loaded 2-core machine running torch workers."""
 POLL_BOUND_S = 30.0
-
-
-def poll(check: Any, what: str) -> None:
-    deadline = time.monotonic() + POLL_BOUND_S
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)  # polling another process's metrics
 
 
 def test_a_frozen_worker_is_failed_over_in_seconds_and_then_avoided(tmp_path: Path) -> None:
@@ -223,20 +219,23 @@ def test_clients_that_leave_are_counted_and_their_worker_request_aborted(
         def aborted(url: str, name: str, **labels: str) -> float:
             return metric(scrape(url), name, **labels)
 
-        poll(
+        wait_until(
             lambda: aborted(router, "kvroute_router_client_aborts_total", stage="answer") == 1,
             "the router to count the client that left mid-stream",
+            timeout_s=POLL_BOUND_S,
         )
-        poll(
+        wait_until(
             lambda: (
                 aborted(worker.url, "kvroute_worker_requests_total", finish_reason="abort") == 1
             ),
             "the worker to abort the request the router closed",
+            timeout_s=POLL_BOUND_S,
         )
         asyncio.run(leave_mid_body(router))
-        poll(
+        wait_until(
             lambda: aborted(router, "kvroute_router_client_aborts_total", stage="body") == 1,
             "the router to count the client that left mid-body",
+            timeout_s=POLL_BOUND_S,
         )
         samples = scrape(router)
         log = cluster.group.log_tail("router", 100_000)

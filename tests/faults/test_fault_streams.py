@@ -12,27 +12,30 @@ shows in ``/metrics``.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import zmq
-from fault_helpers import (
+
+from events.framing import unpack_seq
+from tests.support.faults import (
     BLOCK_SIZE,
     HOST,
     Cluster,
     SyntheticWorker,
+    handshake,
     index_check,
     metric,
     scrape,
+    unique_prompts,
     wait_converged,
 )
+from tests.support.live_relay import EverySeq, LiveRelay
 
-from events.framing import unpack_seq
-from tests.router.live_relay import EverySeq, LiveRelay
+pytestmark = pytest.mark.slow
 
 STALL_BOUND_S = 60.0
 """Replaying some thousands of batches and applying them, plus ``index check`` runs."""
@@ -43,29 +46,6 @@ RESTART_BOUND_S = 10.0
 """A lifetime check, a reset, a replay from seq 0 and ``index check`` runs."""
 BY_PROBE_ONLY = ("--lease-ttl-s", "600")
 """A maintenance pass every 200 s: only the subscriber's restart probe can see a restart."""
-
-
-def unique_prompts(seed: int, num_blocks: int = 16) -> Iterator[list[int]]:
-    rng = random.Random(seed)
-    while True:
-        yield [rng.randrange(256) for _ in range(num_blocks * BLOCK_SIZE)]
-
-
-def handshake(
-    cluster: Cluster, router: str, worker: SyntheticWorker, prompts: Iterator[list[int]]
-) -> None:
-    """Wait until the router owns the worker and receives its live batches (slow joiner)."""
-    wid = worker.ports.worker_id
-    deadline = time.monotonic() + 60
-    while True:
-        samples = scrape(router)
-        if metric(samples, "kvroute_stream_batches_total", worker=wid) >= 1:
-            return
-        cluster.group.check_alive()
-        assert time.monotonic() < deadline, "the router never received the worker's events"
-        if metric(samples, "kvroute_ingest_snapshots_total", worker=wid, outcome="ok") >= 1:
-            worker.step(next(prompts))  # a probe, once the router has loaded the snapshot
-        time.sleep(0.1)  # polling another process's metrics
 
 
 def test_stalled_consumer_makes_pub_drop_then_replay_converges(tmp_path: Path) -> None:

@@ -13,7 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_helpers import (
+
+from events.identity import WorkerId
+from router.index.redis_index import RedisPrefixIndex
+from router.store.connection import connect
+from router.store.layout import KeyLayout
+from tests.support.faults import (
     Cluster,
     Load,
     complete,
@@ -24,11 +29,9 @@ from fault_helpers import (
     scrape,
     wait_converged,
 )
+from tests.support.polling import wait_until
 
-from events.identity import WorkerId
-from router.index.redis_index import RedisPrefixIndex
-from router.store.connection import connect
-from router.store.layout import KeyLayout
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("torch")
 
@@ -136,8 +139,17 @@ def test_a_worker_that_comes_up_after_being_dropped_is_served(tmp_path: Path) ->
 
 def _wait_workers(cluster: Cluster, router: str, expected: list[str]) -> None:
     """Poll the router's worker list until it is ``expected`` (within CONVERGE_BOUND_S)."""
-    deadline = time.monotonic() + CONVERGE_BOUND_S
-    while (listed := [w["worker_id"] for w in _workers(router)]) != expected:
+    listed: list[str] = []
+
+    def lists_expected() -> bool:
+        listed[:] = [w["worker_id"] for w in _workers(router)]
+        if listed == expected:
+            return True
         cluster.group.check_alive()
-        assert time.monotonic() < deadline, f"router lists {listed}, expected {expected}"
-        time.sleep(0.1)  # polling another process's registry, with a deadline
+        return False
+
+    wait_until(
+        lists_expected,
+        lambda: f"the router to list {expected} (it lists {listed})",
+        timeout_s=CONVERGE_BOUND_S,
+    )

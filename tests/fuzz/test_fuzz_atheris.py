@@ -17,11 +17,13 @@ import msgspec
 import pytest
 
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from tests.support.paths import REPO_ROOT as REPO
+
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("atheris")
 
 HARNESS = Path(__file__).with_name("atheris_events.py")
-REPO = Path(__file__).resolve().parents[2]
 NUM_RUNS = 20_000
 
 

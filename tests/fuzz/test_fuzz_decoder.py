@@ -21,6 +21,7 @@ import asyncio
 from typing import Any
 
 import msgspec
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,6 +39,8 @@ from events.schema import (
 from router.errors import OrphanParentError
 from router.index.changes import CPU_MASK, GPU_MASK
 from router.index.memory import MemoryPrefixIndex
+
+pytestmark = pytest.mark.slow
 
 REASONS = frozenset({"msgpack", "unknown_tag", "bad_field", "bad_batch", "bad_event", "too_large"})
 FUZZ = settings(

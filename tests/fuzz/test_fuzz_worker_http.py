@@ -19,13 +19,15 @@ from typing import Any
 
 import aiohttp
 import pytest
-from http_post import REPLY_TIMEOUT_S, post
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from json_strategies import json_values
 
 from router.cluster.runner import ProcessGroup, wait_healthy
 from router.store.server import free_port
+from tests.support.json_values import json_values
+from tests.support.raw_http import REPLY_TIMEOUT_S, post
+
+pytestmark = pytest.mark.slow
 
 pytest.importorskip("torch")
 

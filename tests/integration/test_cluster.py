@@ -14,8 +14,8 @@ import pytest
 
 from router.cli.cluster import build_parser, build_workload, workload_source
 from router.cli.main import COMMANDS
+from tests.support.paths import REPO_ROOT as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif("router" not in COMMANDS, reason="`kvroute router` is not registered yet"),

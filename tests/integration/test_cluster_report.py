@@ -24,6 +24,9 @@ from router.cluster.report import (
 from router.cluster.runner import ClusterConfig, ClusterError
 from router.cluster.trace_generator import BUILTIN_TRACE_NAME
 from router.cluster.workload import Workload, WorkloadError
+from tests.support.paths import REPO_ROOT
+
+pytestmark = pytest.mark.slow
 
 
 def _run(policy: str, cached: list[int], served: list[tuple[int, int, int]]) -> PolicyRun:
@@ -146,7 +149,7 @@ def test_children_die_when_the_parent_is_killed(tmp_path: Path) -> None:
         "print(child.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
-    root = Path(__file__).resolve().parents[2]
+    root = REPO_ROOT
     parent = subprocess.Popen(
         [sys.executable, "-c", parent_code],
         stdout=subprocess.PIPE,

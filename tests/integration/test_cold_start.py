@@ -10,26 +10,28 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from router.cluster.processes import ProcessGroup
 from router.store.server import free_port
-from tests.faults.fault_helpers import WORKER_ARGS, python_m
+from tests.support.faults import WORKER_ARGS, python_m
+from tests.support.paths import REPO_ROOT as ROOT
+from tests.support.polling import wait_until
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 _TIMEOUT_S = 120.0
 
 
 def _wait_for_line(log: Path, text: str, group: ProcessGroup) -> None:
-    deadline = time.monotonic() + _TIMEOUT_S
-    while text not in (log.read_text(errors="replace") if log.exists() else ""):
+    def logged() -> bool:
+        if text in (log.read_text(errors="replace") if log.exists() else ""):
+            return True
         group.check_alive()
-        assert time.monotonic() < deadline, f"{log.name} never logged {text!r}"
-        time.sleep(0.1)  # polling a log file of a process we started
+        return False
+
+    wait_until(logged, f"{log.name} to log {text!r}", timeout_s=_TIMEOUT_S)
 
 
 def test_a_cold_start_logs_no_warning(tmp_path: Path, redis_url: str, namespace: str) -> None:

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.front.accuracy import AccuracyConfig
-from tests.integration.test_router_cluster import WorkerProc, complete, router, start_workers
+from tests.support.router_cluster import WorkerProc, complete, router, start_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "examples" / "grafana" / "kvroute-dashboard.json"

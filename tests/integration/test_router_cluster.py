@@ -9,17 +9,10 @@ its legacy array shape, beside an aiohttp stand-in for its HTTP API.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -31,8 +24,6 @@ from aiohttp import web
 from events.framing import make_message
 from events.identity import WorkerId
 from router.front.chat import ChatMessage
-from router.front.config import RouterConfig
-from router.front.service import RouterService
 from router.index.redis_index import RedisPrefixIndex
 from router.routing.cost import CostWeights
 from router.routing.policies import PolicyConfig
@@ -40,81 +31,14 @@ from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.store.server import RedisServer
 from router.workers.registry import WorkerRecord
+from tests.support.polling import eventually
+from tests.support.router_cluster import BLOCK, BOUND_S, WorkerProc, complete, router, start_workers
 
-ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(240)
-BLOCK = 16
-
-
-@dataclass
-class WorkerProc:
-    """A running ``kvroute worker`` subprocess and the endpoints it announced."""
-
-    worker_id: str
-    proc: subprocess.Popen[str]
-    http: str
-    events: str
-    replay: str
-
-    def record(self) -> WorkerRecord:
-        return WorkerRecord(
-            worker_id=self.worker_id,
-            events_endpoint=self.events,
-            replay_endpoint=self.replay,
-            http_url=self.http,
-            block_size=BLOCK,
-        )
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
-def start_workers(ids: list[str], num_blocks: int = 512) -> list[WorkerProc]:
-    """Start workers in parallel and wait for each one's ready line (stdout JSON)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "router",
-                "worker",
-                "--id",
-                wid,
-                "--port",
-                "0",
-                "--events",
-                "tcp://127.0.0.1:*",
-                "--replay",
-                "tcp://127.0.0.1:*",
-                "--num-blocks",
-                str(num_blocks),
-                "--block-size",
-                str(BLOCK),
-                "--torch-threads",
-                "1",
-                "--log-level",
-                "WARNING",
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for wid in ids
-    ]
-    workers = []
-    for wid, proc in zip(ids, procs, strict=True):
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # the worker prints it once listening (or dies)
-        if not line:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"worker {wid} exited before it was ready")
-        ready = json.loads(line)
-        workers.append(WorkerProc(wid, proc, ready["http"], ready["events"], ready["replay"]))
-    return workers
+
+
 
 
 @pytest.fixture(scope="module")
@@ -126,33 +50,8 @@ def workers() -> Iterator[list[WorkerProc]]:
         w.kill()
 
 
-@asynccontextmanager
-async def router(
-    redis_url: str, namespace: str, records: list[WorkerRecord], **kw: Any
-) -> AsyncIterator[RouterService]:
-    config = RouterConfig(redis_url=redis_url, namespace=namespace, port=0, workers=tuple(records))
-    service = await RouterService.open(replace(config, **kw))
-    try:
-        yield service
-    finally:
-        await service.close()
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)  # polling a condition with a deadline
-
-
-async def complete(
-    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 4
-) -> tuple[str, dict[str, Any]]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        answer = await resp.json()
-        assert resp.status == 200, answer
-        return resp.headers["X-Kvroute-Worker"], answer["usage"]
 
 
 async def dry_route(session: aiohttp.ClientSession, url: str, prompt: str) -> dict[str, Any]:
@@ -185,8 +84,10 @@ def test_prefix_affinity_then_spreading_under_load(
             aiohttp.ClientSession() as s,
         ):
             first, usage0 = await complete(s, svc.url, prefix + "Q0")
-            await until(
-                lambda: _holds(s, svc.url, prefix + "Q1", first, 256), "the prefix in the index"
+            await eventually(
+                lambda: _holds(s, svc.url, prefix + "Q1", first, 256),
+                "the prefix in the index",
+                timeout_s=BOUND_S,
             )
             for i in range(1, 4):
                 served, usage = await complete(s, svc.url, prefix + f"Q{i}")
@@ -238,7 +139,11 @@ def test_two_replicas_share_index_and_load(
         ):
             # The index is shared: what one replica's ingest wrote, the other reads.
             first, _ = await complete(s, one.url, prefix + "x")
-            await until(lambda: _holds(s, two.url, prefix + "y", first, 192), "the index via two")
+            await eventually(
+                lambda: _holds(s, two.url, prefix + "y", first, 192),
+                "the index via two",
+                timeout_s=BOUND_S,
+            )
             served, usage = await complete(s, two.url, prefix + "y")
             assert (served, usage["cached_tokens"]) == (first, 192)
             # The load is shared: decisions alternate between replicas, each one seeing
@@ -248,9 +153,10 @@ def test_two_replicas_share_index_and_load(
                 async with s.post(f"{replica.url}/v1/route", json={"prompt": f"{i}" * 64}) as resp:
                     chosen.append((await resp.json())["worker_id"])
                 other_url = (two if replica is one else one).url
-                await until(
+                await eventually(
                     lambda u=other_url: _sees_load(s, u, chosen),  # type: ignore[misc]
                     "the other replica's view",
+                    timeout_s=BOUND_S,
                 )
             assert sorted(chosen) == ["a", "b", "c"]
 
@@ -285,7 +191,11 @@ def test_streamed_chat_through_real_workers_reuses_the_system_prompt(
                 [ChatMessage(**system), ChatMessage(role="user", content="Why is grass green?")]
             )
             shared = len(prompt.encode()) // BLOCK * BLOCK
-            await until(lambda: _holds(s, svc.url, prompt, first, 256), "the system prompt indexed")
+            await eventually(
+                lambda: _holds(s, svc.url, prompt, first, 256),
+                "the system prompt indexed",
+                timeout_s=BOUND_S,
+            )
             again, chunks = await chat(s, svc.url, "Why is grass green?")
             usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
             assert again == first
@@ -308,15 +218,21 @@ def test_redis_restart_degrades_then_rebuilds_the_index(
             aiohttp.ClientSession() as s,
         ):
             first, _ = await complete(s, svc.url, prefix + "a")
-            await until(lambda: _holds(s, svc.url, prefix + "b", first, 304), "the prefix indexed")
+            await eventually(
+                lambda: _holds(s, svc.url, prefix + "b", first, 304),
+                "the prefix indexed",
+                timeout_s=BOUND_S,
+            )
             private_redis.stop()
             for i in range(3):  # served on load alone, never a 5xx
                 await complete(s, svc.url, f"{i} unrelated prompt while Redis is down")
             async with s.get(f"{svc.url}/health") as resp:
                 assert (await resp.json())["index"] == "degraded"
             private_redis.start()  # empty: the ingest re-registers and reloads snapshots
-            await until(
-                lambda: _holds(s, svc.url, prefix + "c", first, 304), "the index rebuilt", 90
+            await eventually(
+                lambda: _holds(s, svc.url, prefix + "c", first, 304),
+                "the index rebuilt",
+                timeout_s=90,
             )
             served, usage = await complete(s, svc.url, prefix + "c")
             assert (served, usage["cached_tokens"]) == (first, 304)
@@ -407,7 +323,9 @@ def test_foreign_publishers_in_map_and_legacy_array_shapes(redis_url: str, names
                         matched(r).get(n) == 64 for n, r in zip(prompts, routes, strict=True)
                     )
 
-                await until(published_and_indexed, "both foreign streams in the index")
+                await eventually(
+                    published_and_indexed, "both foreign streams in the index", timeout_s=BOUND_S
+                )
                 async with s.get(f"{svc.url}/metrics") as resp:
                     metrics = await resp.text()
                 for name in prompts:  # every batch the ingest applied is counted per worker
@@ -460,13 +378,21 @@ def test_killed_worker_requests_retried_and_entries_leave(
         ):
             doomed, _ = await complete(s, svc.url, prefix + "0")
             victim = next(w for w in pair if w.worker_id == doomed)
-            await until(lambda: _holds(s, svc.url, prefix + "1", doomed, 256), "the prefix indexed")
+            await eventually(
+                lambda: _holds(s, svc.url, prefix + "1", doomed, 256),
+                "the prefix indexed",
+                timeout_s=BOUND_S,
+            )
             # In flight on the doomed worker (its prefix attracts them), then it dies.
             inflight = [
                 asyncio.ensure_future(complete(s, svc.url, prefix + f"r{i}", LONG))
                 for i in range(3)
             ]
-            await until(lambda: _running(s, victim.http), "requests running on the victim")
+            await eventually(
+                lambda: _running(s, victim.http),
+                "requests running on the victim",
+                timeout_s=BOUND_S,
+            )
             victim.kill()
             results = await asyncio.gather(*inflight)
             survivor = next(w.worker_id for w in pair if w is not victim)
@@ -474,7 +400,9 @@ def test_killed_worker_requests_retried_and_entries_leave(
             # Its entries leave the index within its lease (plus a maintenance pass).
             index = RedisPrefixIndex(await connect(redis_url), KeyLayout(namespace))
             killed_at = time.monotonic()
-            await until(lambda: _no_entries(index, doomed), "the dead worker's entries gone", 30)
+            await eventually(
+                lambda: _no_entries(index, doomed), "the dead worker's entries gone", timeout_s=30
+            )
             assert time.monotonic() - killed_at < 2.0 * 3
             route = await dry_route(s, svc.url, prefix + "2")
             assert doomed not in [c["worker_id"] for c in route["candidates"]]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from router.cluster.trace_generator import BUILTIN_TRACE_NAME
+from tests.support.paths import REPO_ROOT as ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO_ROOT as ROOT
+
 pytestmark = pytest.mark.slow
 
 

@@ -58,6 +58,7 @@ def test_the_c_modules_are_built_and_used_where_a_compiler_exists() -> None:
     assert (not PURE_PYTHON, not PURE_PYTHON) == (NATIVE_KEYS, NATIVE_RUNS)
 
 
+@pytest.mark.slow
 def test_kvroute_pure_python_runs_the_references() -> None:
     code = (
         "from events.hashing import NATIVE_KEYS; "
@@ -79,6 +80,7 @@ def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
 # ---- router keys -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=400, deadline=None)
 @given(
@@ -144,6 +146,7 @@ def maps_and_runs(draw: st.DrawFn) -> tuple[Maps, tuple[Any, ...]]:
     return (copies, keys, children), (hashes, run_keys, tag, parent, tier, draw(st.booleans()))
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=500, deadline=None)
 @given(case=maps_and_runs())
@@ -252,6 +255,7 @@ def fold(events_: list[Any], monkeypatch: pytest.MonkeyPatch, *native: Any) -> A
     return trace, state.copies, state.keys, bridge.counters, dict(bridge._children)
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=600, deadline=None)
 @given(history=st.lists(events(), max_size=24))
@@ -277,6 +281,7 @@ other_arg = st.one_of(
 )
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=400, deadline=None)
 @given(args=st.lists(simple_arg, max_size=40))
@@ -287,6 +292,7 @@ def test_pack_command_equals_hiredis(args: list[Any]) -> None:
     assert pack_command(tuple(args)) == hiredis.pack_command(tuple(args))
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=300, deadline=None)
 @given(
@@ -323,6 +329,7 @@ def test_pack_args_refuses_what_is_not_a_list_of_64_bit_ints() -> None:
         PackedArgs()  # only pack_args makes them
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=200, deadline=None)
 @given(args=st.lists(simple_arg, max_size=5), other=other_arg, at=st.integers(0, 5))
@@ -355,6 +362,7 @@ map_op = st.one_of(
 )
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=300, deadline=None)
 @given(lanes=st.integers(1, 4), ops=st.lists(map_op, max_size=120))
@@ -390,6 +398,7 @@ def test_wordmap_behaves_as_a_dict(lanes: int, ops: list[tuple[str, Any, Any]]) 
         mine[1] = mine  # not an int: refused (a cycle the collector would never see)
 
 
+@pytest.mark.slow
 @needs_native
 @settings(max_examples=500, deadline=None)
 @given(case=maps_and_runs(), ghosts=st.lists(st.integers(-12, 30), max_size=24))

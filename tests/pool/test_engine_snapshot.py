@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,6 +80,7 @@ def _histories(draw: st.DrawFn) -> list[KVCacheEvent]:
     return events
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(_histories())
 def test_replaying_the_runs_rebuilds_the_same_cache(events: list[KVCacheEvent]) -> None:

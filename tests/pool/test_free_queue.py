@@ -80,6 +80,7 @@ OPS = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(OPS)
 def test_matches_a_list_model(ops: list[tuple[str, int]]) -> None:

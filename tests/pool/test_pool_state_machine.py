@@ -25,6 +25,8 @@ from pool.errors import NoFreeBlocksError
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.request import Request
 
+pytestmark = pytest.mark.slow
+
 NUM_BLOCKS = 13
 BS = 2
 TOKENS = st.integers(0, 3)

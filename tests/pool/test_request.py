@@ -105,6 +105,7 @@ def test_block_size_must_be_positive() -> None:
         BlockHasher(0)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     prompt=st.lists(st.integers(0, 50_000), max_size=40),

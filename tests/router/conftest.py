@@ -1,29 +1,32 @@
-"""Router test fixtures: a local three-master Redis Cluster on free loopback ports."""
+"""Router test fixtures: a local three-master Redis Cluster on free loopback ports.
+
+The Redis Cluster variants of parametrized tests are in the slow tier (``-m slow``): the
+fast tier runs the same tests in memory and on a single Redis node.
+"""
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 
 import pytest
 import redis
 
-from events.identity import WorkerId
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
-from router.store.connection import RedisClient, connect
+from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRegistry
+from tests.support.index_env import IndexEnv, OpenIndex, drop_namespace
+from tests.support.polling import wait_until
 
 _SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+_CLUSTER = pytest.param("cluster", marks=pytest.mark.slow)
 
 
 def _wait_cluster_ok(clients: list[redis.Redis], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def converged() -> bool:
         infos = [c.cluster("INFO") for c in clients]
         states = [
             i
@@ -31,13 +34,12 @@ def _wait_cluster_ok(clients: list[redis.Redis], timeout_s: float) -> None:
             else dict(line.split(":", 1) for line in i.decode().split() if ":" in line)
             for i in infos
         ]
-        if all(
+        return all(
             str(s.get("cluster_state")) == "ok" and int(s.get("cluster_known_nodes", 0)) == 3
             for s in states
-        ):
-            return
-        time.sleep(0.05)  # polling cluster convergence with a deadline; no event to wait on
-    raise TimeoutError(f"Redis Cluster did not converge within {timeout_s}s")
+        )
+
+    wait_until(converged, "the Redis Cluster to converge", timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="session")
@@ -68,37 +70,7 @@ def redis_cluster_url() -> Iterator[str]:
 CONTRACT_LEASE_TTL_MS = 300_000
 """The contract tests' leases are never renewed: long enough for a loaded machine (a 10 s
 lease lapsed while a test of thousands of families ran under load), while the lease tests
-(test_index_registry) use their own."""
-
-
-@dataclass
-class IndexEnv:
-    """An index under test and how to make it writable for a worker."""
-
-    index: MemoryPrefixIndex | RedisPrefixIndex
-    registry: WorkerRegistry | None = None
-
-    async def prepare(self, worker_id: str) -> None:
-        """Take the worker's lease (Redis) so the index accepts its writes."""
-        if self.registry is None or not isinstance(self.index, RedisPrefixIndex):
-            return
-        lease = await self.registry.acquire(WorkerId(worker_id))
-        assert lease is not None
-        self.index.use_lease(WorkerId(worker_id), lease.token)
-
-    async def settle(self) -> None:
-        """Wait for queued writes (group commit) so reads see every applied batch."""
-        if isinstance(self.index, RedisPrefixIndex):
-            await self.index.flush()
-
-
-OpenIndex = Callable[[], AbstractAsyncContextManager[IndexEnv]]
-
-
-async def drop_namespace(client: RedisClient, layout: KeyLayout) -> None:
-    """Delete every key of a test namespace (tests never flush a shared server)."""
-    async for key in client.scan_iter(match=layout.prefix + "*", count=1000):
-        await client.delete(key)
+(tests/router/workers/test_index_registry.py) use their own."""
 
 
 def _opener(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
@@ -128,13 +100,13 @@ def _opener(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
     return factory
 
 
-@pytest.fixture(params=["memory", "redis", "cluster"])
+@pytest.fixture(params=["memory", "redis", _CLUSTER])
 def open_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
     """Opens the index kind under test: in memory, Redis single node, Redis Cluster."""
     return _opener(request, namespace)
 
 
-@pytest.fixture(params=["memory", "redis", "cluster", "redis-group-commit"])
+@pytest.fixture(params=["memory", "redis", _CLUSTER, "redis-group-commit"])
 def open_any_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
     """Like ``open_index``, plus Redis with group commit (call ``IndexEnv.settle``)."""
     return _opener(request, namespace)

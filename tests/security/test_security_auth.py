@@ -21,7 +21,7 @@ from router.front.app import guards
 from router.front.config import RouterConfig
 from router.front.proxy import ProxyConfig
 from router.front.service import RouterService
-from tests.router.test_http_api import JSON, EchoWorker, post, run, saved_ids
+from tests.support.router_app import JSON, EchoWorker, post, run, saved_ids
 
 ADMIN = "admin-7f3a9c"
 API = "api-51be02"
@@ -89,6 +89,7 @@ def test_without_the_admin_key_workers_cannot_be_added_removed_or_listed(
     run(redis_url, namespace, scenario, n=1, admin_key=ADMIN_KEY)
 
 
+@pytest.mark.slow
 def test_the_api_key_guards_inference_and_opens_nothing_else(
     redis_url: str, namespace: str
 ) -> None:

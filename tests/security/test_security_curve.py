@@ -18,7 +18,6 @@ import json
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -32,6 +31,9 @@ from events.recorder import LogRecord, read_log
 from events.schema import BlockStored, KVEventBatch
 from router.cluster.runner import ProcessGroup, wait_healthy
 from router.store.server import free_port
+from tests.support.polling import wait_until
+
+pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 60.0
 NUM_BATCHES = 20
@@ -62,15 +64,6 @@ def record_argv(args: list[str], log: Path) -> list[str]:
     """``kvroute record ARGS`` writing to ``log``, flushed often."""
     out = ["--out", str(log), "--flush-interval-s", "0.05"]
     return [sys.executable, "-m", "router", "record", *args, *out]
-
-
-def wait_until(condition: Callable[[], bool], poke: Callable[[], object], what: str) -> None:
-    """Poll ``condition`` with a deadline, calling ``poke`` between polls."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        poke()
-        time.sleep(0.05)  # polling files written by other processes; nothing to wait on
 
 
 def test_only_the_allowed_subscriber_receives_events(tmp_path: Path) -> None:
@@ -107,12 +100,18 @@ def test_only_the_allowed_subscriber_receives_events(tmp_path: Path) -> None:
             # Handshakes: the allowed recorder has a batch, the intruder and the plain one a
             # failed handshake (logged once each is up, with its SIGTERM handler: stopped any
             # earlier, a recorder still starting dies of the signal instead of exiting 0).
-            wait_until(lambda: bool(records(logs["allowed"])), probe, "the allowed recorder")
+            wait_until(
+                lambda: bool(records(logs["allowed"])),
+                "the allowed recorder",
+                poke=probe,
+                timeout_s=TIMEOUT_S,
+            )
             for name in ("intruder", "plain"):
                 wait_until(
                     lambda name=name: "handshake with" in group.log_tail(name, 100_000),
-                    probe,
                     f"the {name} recorder's failed handshake",
+                    poke=probe,
+                    timeout_s=TIMEOUT_S,
                 )
             first = records(logs["allowed"])[0].seq
             assert first is not None
@@ -121,8 +120,8 @@ def test_only_the_allowed_subscriber_receives_events(tmp_path: Path) -> None:
                 publisher.publish(batch(publisher.next_seq))
             wait_until(
                 lambda: (records(logs["allowed"]) or [None])[-1].seq == last,  # type: ignore[union-attr]
-                lambda: None,
                 "every batch at the allowed recorder",
+                timeout_s=TIMEOUT_S,
             )
             for proc in procs.values():  # SIGTERM: each recorder flushes and exits 0
                 proc.terminate()
@@ -189,19 +188,25 @@ def test_worker_cli_curve_flags_end_to_end(tmp_path: Path) -> None:
             group.check_alive()
             complete()
 
-        wait_until(lambda: bool(records(logs["allowed"])), probe, "the allowed recorder")
+        wait_until(
+            lambda: bool(records(logs["allowed"])),
+            "the allowed recorder",
+            poke=probe,
+            timeout_s=TIMEOUT_S,
+        )
         wait_until(
             lambda: "handshake with" in group.log_tail("intruder", 100_000),
-            probe,
             "the intruder's failed handshake",
+            poke=probe,
+            timeout_s=TIMEOUT_S,
         )
         for _ in range(5):
             complete()
         last = next_seq() - 1
         wait_until(
             lambda: records(logs["allowed"])[-1].seq == last,
-            lambda: None,
             "every batch at the allowed recorder",
+            timeout_s=TIMEOUT_S,
         )
         for proc in procs.values():
             proc.terminate()

@@ -64,6 +64,7 @@ def test_index_register_specs_read_the_server_key_file(tmp_path: Path) -> None:
         parse_worker_spec(f"w0=tcp://127.0.0.1:5557,server_key={tmp_path / 'none.key'}")
 
 
+@pytest.mark.slow
 def test_router_with_client_key_indexes_curve_workers_and_an_intruder_routes_by_load(
     tmp_path: Path, redis_url: str, namespace: str
 ) -> None:

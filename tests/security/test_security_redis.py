@@ -168,6 +168,7 @@ def test_no_password_is_refused(tls_redis: TlsRedis) -> None:
     assert "authenticated" in asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_index_stats_cli_over_tls_with_auth(tls_redis: TlsRedis, namespace: str) -> None:
     proc = subprocess.run(
         [
@@ -188,6 +189,7 @@ def test_index_stats_cli_over_tls_with_auth(tls_redis: TlsRedis, namespace: str)
     assert PASSWORD not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_index_stats_cli_with_a_wrong_password_exits_2_and_redacts(tls_redis: TlsRedis) -> None:
     proc = subprocess.run(
         [
@@ -204,6 +206,7 @@ def test_index_stats_cli_with_a_wrong_password_exits_2_and_redacts(tls_redis: Tl
     assert "wrong-one" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_router_over_tls_with_auth(tls_redis: TlsRedis, namespace: str, tmp_path: Path) -> None:
     """``kvroute router --redis rediss://:PASSWORD@...?ssl_ca_certs=CA``: live index, no leak.
 

@@ -31,6 +31,8 @@ from router.store.layout import KeyLayout
 from router.store.server import free_port
 from router.workers.registry import WorkerRecord
 
+pytestmark = pytest.mark.slow
+
 START_TIMEOUT_S = 90.0
 """A router that is going to start does so well within this, even on a loaded machine."""
 EXIT_BOUND_S = 60.0

@@ -31,8 +31,8 @@ from events.publisher import PublisherConfig
 from events.recorder import LOG_MAGIC
 from router.cluster.runner import ProcessGroup, wait_healthy
 from router.store.server import RedisServer, free_port
+from tests.support.paths import REPO_ROOT as REPO
 
-REPO = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("pool", "events", "router", "benchmarks", "examples")
 TIMEOUT_S = 60.0
 PICKLE_USE = re.compile(
@@ -83,6 +83,7 @@ def running_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[i
         yield proc.pid, http, events, replay
 
 
+@pytest.mark.slow
 def test_worker_listens_on_loopback_only(running_worker: tuple[int, int, int, int]) -> None:
     pid, http, events, replay = running_worker
     addresses = listening_addresses(pid)
@@ -90,6 +91,7 @@ def test_worker_listens_on_loopback_only(running_worker: tuple[int, int, int, in
     assert {port for _, port in addresses} == {http, events, replay}
 
 
+@pytest.mark.slow
 def test_router_and_its_embedded_redis_listen_on_loopback_only(tmp_path: Path) -> None:
     """``kvroute router`` with only ``--port`` (no ``--redis``: it starts its own)."""
     port = free_port()
@@ -157,6 +159,7 @@ def pickle_header(data: bytes) -> bool:
     return len(data) >= 2 and data[0] == 0x80 and 2 <= data[1] <= 5
 
 
+@pytest.mark.slow
 def test_wire_and_event_log_are_msgpack(
     running_worker: tuple[int, int, int, int], tmp_path: Path
 ) -> None:

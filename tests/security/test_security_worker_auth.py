@@ -18,9 +18,11 @@ import pytest
 from events.auth import BearerKey
 from pool.worker.cli import build_parser, config_from_args, exposure_warning, main
 from pool.worker.guards import AccessKeys
-from tests.pool.test_worker_http import TIMEOUT_S, RunningWorker, _config, _start_worker
+from tests.support.paths import REPO_ROOT as REPO
+from tests.support.workers import TIMEOUT_S, RunningWorker
+from tests.support.workers import start_worker as _start_worker
+from tests.support.workers import worker_config as _config
 
-REPO = Path(__file__).resolve().parents[2]
 ADMIN = "admin-0123456789abcdef"
 API = "api-fedcba9876543210"
 COMPLETION = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
@@ -170,6 +172,7 @@ def test_an_unkeyed_api_beyond_loopback_is_warned_about(
     assert exposure_warning(host, keys) == words
 
 
+@pytest.mark.slow
 def test_the_cli_worker_takes_its_keys_and_never_logs_them(tmp_path: Path) -> None:
     (tmp_path / "admin.key").write_text(ADMIN + "\n")
     env = {**os.environ, "PYTHONPATH": str(REPO), "KVROUTE_API_KEY": API}

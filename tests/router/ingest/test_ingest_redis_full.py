@@ -1,0 +1,149 @@
+"""Ingest against a Redis that is full (``maxmemory`` with ``noeviction``): it backs off,
+says so once per interval, shows it in ``/health`` and ``/metrics``, and converges with one
+rebuild of each worker once Redis has room again.
+
+A real router service in process, a private ``redis-server``, a real publisher and worker
+HTTP. The log lines are counted while batches keep coming at a full Redis: before, each
+batch cost a failed write, a resync, a snapshot fetch and another failed write, each
+logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from redis.exceptions import OutOfMemoryError
+
+from router.front.config import RouterConfig
+from router.front.service import RouterService
+from router.store.connection import connect
+from router.store.server import RedisServer
+from tests.support.ingest import (
+    LifetimeWorker,
+    divergent,
+    fake_workers,
+    lookup_is,
+    match,
+    sample,
+    stored,
+    streams_up,
+)
+from tests.support.polling import eventually
+
+pytestmark = pytest.mark.slow
+
+FULL_FOR_S = 4.0
+"""How long batches keep coming at the full Redis."""
+MAX_WARNINGS = 4
+"""In those seconds: the index's (once per 10 s interval), shared load's, the heartbeat's."""
+
+
+async def health(client: aiohttp.ClientSession) -> dict[str, Any]:
+    async with client.get("/health") as resp:
+        assert resp.status == 200
+        body: dict[str, Any] = await resp.json()
+        return body
+
+
+def total(svc: RouterService, name: str, **labels: str) -> float:
+    """A counter's sum over the label values not given."""
+    return sum(
+        s.value
+        for family in svc.metrics.registry.collect()
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
+
+
+def test_a_full_redis_is_backed_off_said_once_and_recovered_from(
+    private_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        admin = await connect(private_redis.url)
+        async with fake_workers(LifetimeWorker("k1")) as (k1,):
+            config = RouterConfig(
+                redis_url=private_redis.url,
+                namespace="full",
+                port=0,
+                workers=(k1.record(),),
+                lease_ttl_s=1.5,
+            )
+            svc = await RouterService.open(config)
+            try:
+                async with aiohttp.ClientSession(base_url=svc.url) as client:
+                    await streams_up(svc, k1)
+                    k1.publish(stored(1, 0, 3))
+                    index = svc.ingest.index
+                    await eventually(lookup_is(index, 1, {"k1": match(3)}), what="ingested")
+                    assert (await health(client))["index"] == "live"
+
+                    # Fill Redis (keys outside kvroute's namespace) until it refuses writes.
+                    used = int((await admin.info("memory"))["used_memory"])
+                    await admin.config_set("maxmemory-policy", "noeviction")
+                    await admin.config_set("maxmemory", used + 1_000_000)
+                    with pytest.raises(OutOfMemoryError):
+                        for i in range(10_000):
+                            await admin.set(f"filler:{i}", b"x" * 10_000)
+                    snapshots = total(svc, "kvroute_ingest_snapshots_total", outcome="ok")
+                    resyncs = total(svc, "kvroute_ingest_resyncs_total")
+                    caplog.clear()
+
+                    end, prompt = time.monotonic() + FULL_FOR_S, 10
+                    while time.monotonic() < end:
+                        seen = sample(svc, "kvroute_stream_batches_total", worker="k1")
+                        k1.publish(stored(prompt, 0, 2))
+                        prompt += 1
+
+                        async def received(seen: float = seen) -> bool:
+                            labels = {"worker": "k1"}
+                            return sample(svc, "kvroute_stream_batches_total", **labels) > seen
+
+                        await eventually(received, what="a batch at the full Redis")
+                    warnings = [
+                        r for r in caplog.records
+                        if r.levelno >= logging.WARNING and r.name.startswith(("router", "events"))
+                    ]  # fmt: skip
+                    full = await health(client)
+                    async with client.get("/metrics") as resp:
+                        exposition = await resp.text()
+                    assert total(svc, "kvroute_ingest_resyncs_total") == resyncs
+                    assert total(svc, "kvroute_ingest_snapshots_total", outcome="ok") == snapshots
+                    dropped = sample(
+                        svc, "kvroute_ingest_batches_total", worker="k1", outcome="index_full"
+                    )
+
+                    # Room again: the ingest resumes and rebuilds the worker once.
+                    await admin.config_set("maxmemory", 0)
+
+                    async def converged() -> bool:
+                        k1.publish()
+                        return (await health(client))["index"] == "live" and not await divergent(
+                            index, k1
+                        )
+
+                    await eventually(converged, what="recovered", timeout_s=60)
+                    assert total(svc, "kvroute_ingest_snapshots_total", outcome="ok") == (
+                        snapshots + 1
+                    )
+                    assert total(svc, "kvroute_ingest_resyncs_total") == resyncs + 1
+                    assert sample(svc, "kvroute_index_writable") == 1
+            finally:
+                await svc.close()
+                await admin.aclose()
+        assert len(warnings) <= MAX_WARNINGS, [r.getMessage() for r in warnings]
+        assert any("out of memory" in r.getMessage() for r in warnings)
+        assert (full["status"], full["index"], full["index_writable"]) == (
+            "degraded",
+            "full",
+            False,
+        )
+        assert 'kvroute_index_write_errors_total{reason="oom"}' in exposition
+        assert "kvroute_index_writable 0.0" in exposition
+        assert dropped >= 1
+
+    asyncio.run(main())
