@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.front.accuracy import AccuracyConfig
+from tests.support.paths import REPO_ROOT as ROOT
 from tests.support.router_cluster import WorkerProc, complete, router, start_workers
 
-ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "examples" / "grafana" / "kvroute-dashboard.json"
 pytestmark = pytest.mark.timeout(240)
 # A small window, so a handful of requests fills it; one warning per worker per run.

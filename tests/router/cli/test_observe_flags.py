@@ -20,7 +20,7 @@ def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [n for n in os.environ if n.startswith("OTEL_EXPORTER_")]:
         monkeypatch.delenv(name)
     c = config()
-    assert (c.sessions.bonus_tokens, c.sessions.ttl_s, c.sessions.max_entries) == (16, 600, 100_000)
+    assert (c.sessions.bonus_tokens, c.sessions.ttl_s, c.sessions.max_entries) == (4, 600, 100_000)
     assert (c.accuracy.window_requests, c.accuracy.warn_below_ratio) == (100, 0.5)
     assert (c.accuracy.min_tokens, c.accuracy.warn_interval_s) == (1024, 600)
     assert (c.otel, c.otel_required) == (False, False)

@@ -22,7 +22,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO_ROOT as ROOT
+
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
 
