@@ -99,6 +99,9 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         topic: ZeroMQ topic prefix to subscribe to.
         server_key: The worker's z85 CURVE server public key (40 characters) when its
             event and replay sockets are CURVE servers; ``None``: plain ZeroMQ.
+        served_models: The models the worker serves, when the registration names them
+            (``"models"`` in JSON; else the router learns them from the worker's ``GET
+            /v1/models``); read them through :attr:`models`.
     """
 
     worker_id: str
@@ -109,6 +112,11 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     block_size: int = 16
     topic: str = ""
     server_key: str | None = None
+    # NOTE: UNSET (not named) is left out of the stored JSON, so routers of a release
+    # without this field still read every registration that names no models.
+    served_models: tuple[str, ...] | msgspec.UnsetType = msgspec.field(
+        default=msgspec.UNSET, name="models"
+    )
 
     def __post_init__(self) -> None:
         url = check_fields(
@@ -119,9 +127,17 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             block_size=self.block_size,
             topic=self.topic,
             server_key=self.server_key,
+            models=self.models,
         )
         if url != self.http_url:
             msgspec.structs.force_setattr(self, "http_url", url)  # path and query stripped
+        if self.served_models == ():
+            msgspec.structs.force_setattr(self, "served_models", msgspec.UNSET)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models the registration names (empty: none named)."""
+        return () if self.served_models is msgspec.UNSET else tuple(self.served_models)
 
     @property
     def has_snapshot(self) -> bool:
