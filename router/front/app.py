@@ -2,20 +2,28 @@
 
 Endpoints:
 
-* ``POST /v1/completions``: OpenAI-style body, ``prompt`` as text (tokenized exactly as
-  the workers do) or token ids; routed, then proxied (streams passed through).
-* ``POST /v1/chat/completions``: ``messages`` rendered by the chat template into one
-  prompt, routed and proxied as a completion, answered in ``chat.completion`` shape.
-* ``POST /v1/route``: the decision only, body like ``/v1/completions`` plus optional
-  ``"dry_run": true`` (decide and explain, record nothing). Answer: ``{"worker_id",
-  "url", "matched_tokens", "candidates": [{"worker_id", "matched_tokens",
-  "predicted_tokens", "load", "score"}, ...]}``.
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's, routed among the
+  workers serving the request's ``model`` and forwarded to the same endpoint as the
+  client sent them (byte for byte; a stream is only asked for its usage, which the
+  client gets only if it asked: :mod:`router.front.stream_usage`). A prompt is keyed from
+  the model's exact token ids (:mod:`router.front.tokenization`); a batch prompt is
+  split, each prompt routed on its own prefix, and the answers merged
+  (:mod:`router.front.batch`; not streamed). A model no worker serves gets OpenAI's 404
+  ``{"error": {"message", "type": "invalid_request_error", "param": null, "code":
+  "model_not_found"}}``.
+* ``GET /v1/models``: the union of the workers' models (:mod:`router.workers.models`),
+  in OpenAI's list shape.
+* ``POST /v1/route``: the decision only, body like ``/v1/completions`` (one prompt) plus
+  optional ``"dry_run": true`` (decide and explain, record nothing). Answer:
+  ``{"worker_id", "url", "matched_tokens", "candidates": [{"worker_id",
+  "matched_tokens", "predicted_tokens", "load", "score"}, ...]}``.
 * ``GET /v1/workers`` (each registration plus its ``"circuit": {"state",
   "consecutive_failures", "retry_in_s"}``, and whether its events carry another block
   size than its registration's: ``"block_size_mismatch"``, ``"events_block_size"``);
   ``POST /v1/workers`` (``{"worker_id", "url", "events", "replay", "topic",
-  "block_size"}``, optional ``"kind": "vllm"`` and ``"server_key"``, the worker's z85
-  CURVE public key for CURVE-secured event streams): 201 when registered, 200 when the
+  "block_size"}``, optional ``"kind": "vllm"``, ``"models"`` (the model names it serves;
+  else read from its ``GET /v1/models``) and ``"server_key"``, the worker's z85 CURVE
+  public key for CURVE-secured event streams): 201 when registered, 200 when the
   same registration was already saved, 409 when a different one is; ``PUT
   /v1/workers/{id}`` (same body): registers or replaces, 201 or 200; ``DELETE
   /v1/workers/{id}``. A registration is validated whole
@@ -27,7 +35,7 @@ Endpoints:
 
 Who may call what (bearer keys, JSON-only bodies) is :mod:`router.front.access`. Every
 error is JSON ``{"error": {"message", "type"}}``: 400 for a malformed body, 401 without
-the endpoint's key, 404 for an unknown worker or path, 405 for a wrong method, 408 for a
+the endpoint's key, 404 for an unknown worker, model or path, 405 for a wrong method, 408 for a
 body not received within its timeout, 409 for a conflicting registration, 413 for a body
 above the size limit, 415 for a body not sent as JSON, 502 when no worker could serve,
 503 when no worker is registered or every one is failing, 504 when the request ran out of
@@ -42,8 +50,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 import msgspec
 import zmq
@@ -53,13 +61,17 @@ from redis.exceptions import RedisError
 
 from events.errors import EventsError
 from events.identity import WorkerId
-from events.tokenizer import TokenizerError
 from router.front.access import AccessError, Guard
-from router.front.chat import ChatMessage, ChatRewriter, ChatTemplateError
+from router.front.batch import merge_answers, prompt_body
+from router.front.bodies import CompletionBody, RequestBody, RouteBody
+from router.front.chat import ChatBody, chat_problem
 from router.front.config import RouterConfig
 from router.front.hops import hop_refusal, next_hops
-from router.front.proxy import ResponseRewriter, WorkersUnavailableError
+from router.front.proxy import WORKER_HEADER, ProxyResult, WorkersUnavailableError
 from router.front.service import NoWorkersError, Routed
+from router.front.stream_usage import UsageStripper, ask_for_usage, usage_asked
+from router.front.tokenization import PromptError
+from router.workers.models import ModelNotFoundError, ModelRequiredError
 from router.workers.registration import RegistrationConflict, RegistrationError
 from router.workers.registry import WorkerRecord
 
@@ -70,40 +82,8 @@ __all__ = ["ChatBody", "CompletionBody", "RouteBody", "WorkerBody", "guards", "m
 
 logger = logging.getLogger(__name__)
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
-NonNegative = Annotated[int, msgspec.Meta(ge=0)]
-
 _SERVICE: Final = web.AppKey("service", object)
 _CLIENT_CLOSED: Final = 499  # nginx's "client closed request": no answer was sent
-# Sampling fields of a chat request that carry over to the completion sent to the worker.
-_CHAT_PASSTHROUGH: Final = (
-    "temperature", "top_p", "seed", "stop", "ignore_eos", "stream_options", "model", "n",
-)  # fmt: skip
-
-
-class CompletionBody(msgspec.Struct, kw_only=True):
-    """The fields of a completion the router reads (the rest go to the worker untouched)."""
-
-    prompt: str | list[TokenId]
-    max_tokens: NonNegative = 16
-    stream: bool = False
-    cache_salt: str | None = None
-
-
-class RouteBody(CompletionBody, kw_only=True):
-    """A ``/v1/route`` body: a completion plus ``dry_run``."""
-
-    dry_run: bool = False
-
-
-class ChatBody(msgspec.Struct, kw_only=True):
-    """The fields of a chat completion the router reads."""
-
-    messages: list[ChatMessage]
-    max_tokens: NonNegative | None = None
-    max_completion_tokens: NonNegative | None = None
-    stream: bool = False
-    cache_salt: str | None = None
 
 
 class WorkerBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -117,6 +97,7 @@ class WorkerBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     block_size: int = 16
     kind: Literal["kvroute", "vllm"] = "kvroute"
     server_key: str | None = None
+    models: list[str] | None = None
 
 
 # Record field -> WorkerBody field, where they differ.
@@ -170,6 +151,11 @@ def _decode(raw: bytes, kind: type[Any]) -> Any:
         raise _ApiError(400, f"request body is not valid JSON: {exc}") from exc
 
 
+def _body_of(response: web.Response) -> bytes:
+    body = response.body
+    return body if isinstance(body, bytes) else b""
+
+
 def _worker_view(record: WorkerRecord) -> dict[str, Any]:
     """A worker's registration in the shape of a ``POST /v1/workers`` body."""
     view: dict[str, Any] = msgspec.to_builtins(
@@ -182,6 +168,7 @@ def _worker_view(record: WorkerRecord) -> dict[str, Any]:
             block_size=record.block_size,
             kind=record.kind,
             server_key=record.server_key,
+            models=list(record.models) or None,
         )
     )
     return view
@@ -218,14 +205,7 @@ class _Handlers:
             raise _ApiError(508, refusal, "loop_detected")
         return next_hops(request.headers, replica_id)
 
-    def _tokens(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            try:
-                tokens = self.svc.tokenizer.encode(prompt)
-            except (TokenizerError, UnicodeError) as exc:
-                raise _ApiError(400, f"prompt cannot be tokenized: {exc}") from exc
-        else:
-            tokens = prompt
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
         if not tokens:
             raise _ApiError(400, "prompt is empty: send at least one token")
         if len(tokens) > self.limits.max_prompt_tokens:
@@ -233,27 +213,58 @@ class _Handlers:
                 400,
                 f"prompt has {len(tokens)} tokens; the limit is {self.limits.max_prompt_tokens}",
             )
+
+    async def _prompt_tokens(
+        self,
+        model: str | None,
+        prompt: str | list[int],
+        body: CompletionBody,
+        workers: Sequence[WorkerRecord],
+    ) -> list[int]:
+        """A prompt's token ids; empty when they cannot be known (routed on load alone)."""
+        if isinstance(prompt, list):
+            tokens: list[int] | None = prompt
+        else:
+            try:
+                tokens = await self.svc.tokenizer.prompt_tokens(
+                    model, prompt, body.add_special_tokens, workers
+                )
+            except PromptError as exc:
+                raise _ApiError(400, str(exc)) from exc
+        if tokens is None:
+            return []
+        self._check_tokens(tokens)
         return tokens
 
-    def _check_output(self, max_tokens: int) -> None:
-        if max_tokens > self.limits.max_output_tokens:
+    def _check_output(self, body: RequestBody) -> None:
+        if body.max_tokens is not None and body.max_tokens > self.limits.max_output_tokens:
             raise _ApiError(
-                400, f"max_tokens {max_tokens} exceeds the limit {self.limits.max_output_tokens}"
+                400,
+                f"max_tokens {body.max_tokens} exceeds the limit {self.limits.max_output_tokens}",
             )
 
-    async def _proxy(
+    async def _forward(
         self,
         request: web.Request,
+        path: str,
         routed: Routed,
-        body: bytes,
-        rewriter: ResponseRewriter | None = None,
+        raw: bytes,
+        body: RequestBody,
         *,
         hops: str,
-    ) -> web.StreamResponse:
+    ) -> tuple[web.StreamResponse, ProxyResult]:
+        """Forward the client's body to ``path`` of the routed workers.
+
+        A stream is asked for its usage (the router counts prefix hits from it), which
+        the client gets only when it asked.
+        """
+        rewriter = None
+        if body.streams and not usage_asked(body.stream_options):
+            raw, rewriter = ask_for_usage(raw, body.stream_options), UsageStripper()
         try:
             response, result = await self.svc.proxy.forward(
-                request, "/v1/completions", body, routed.targets, self.svc.accounting(routed),
-                rewriter, hops=hops,
+                request, path, raw, routed.targets, self.svc.accounting(routed), rewriter,
+                hops=hops,
             )  # fmt: skip
         except WorkersUnavailableError as exc:
             if exc.timed_out:
@@ -262,48 +273,121 @@ class _Handlers:
         if result.client_aborted:
             self.svc.metrics.client_aborts.labels("answer").inc()
         self.svc.actual_hits(result.worker_id, result.usage)
-        return response
+        return response, result
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         hops = self._check_hops(request)
         raw = await self._body(request)
         body: CompletionBody = _decode(raw, CompletionBody)
-        self._check_output(body.max_tokens)
-        tokens = self._tokens(body.prompt)
-        routed = await self.svc.decide(tokens, body.max_tokens, cache_salt=body.cache_salt)
-        return await self._proxy(request, routed, raw, hops=hops)
+        self._check_output(body)
+        try:
+            prompts = body.prompts()
+        except ValueError as exc:
+            raise _ApiError(400, str(exc), extra={"param": "prompt", "code": None}) from exc
+        model, workers = self.svc.select_model(body.model)
+        if len(prompts) > 1:
+            return await self._batch(request, raw, body, prompts, (model, workers), hops=hops)
+        tokens = await self._prompt_tokens(model, prompts[0], body, workers)
+        routed = await self.svc.decide(
+            tokens, body.output_tokens, cache_salt=body.cache_salt, model=body.model
+        )
+        response, _ = await self._forward(request, "/v1/completions", routed, raw, body, hops=hops)
+        return response
+
+    async def _batch(
+        self,
+        request: web.Request,
+        raw: bytes,
+        body: CompletionBody,
+        prompts: list[str | list[int]],
+        selected: tuple[str | None, Sequence[WorkerRecord]],
+        *,
+        hops: str,
+    ) -> web.StreamResponse:
+        """A batch prompt: each prompt routed and forwarded on its own, answers merged.
+
+        Args:
+            request: The client's request.
+            raw: Its body.
+            body: Its fields.
+            prompts: The prompts of the batch.
+            selected: The model and its workers (:meth:`RouterService.select_model`).
+            hops: The hop header to forward with.
+        """
+        if body.streams:
+            raise _ApiError(
+                400,
+                f"a batch prompt ({len(prompts)} prompts) cannot be streamed through the "
+                "router: stream one request per prompt, or send the batch without stream",
+                extra={"param": "stream", "code": None},
+            )
+        decoded = msgspec.json.decode(raw)
+        model, workers = selected
+
+        async def one(prompt: str | list[int]) -> tuple[web.StreamResponse, ProxyResult]:
+            tokens = await self._prompt_tokens(model, prompt, body, workers)
+            routed = await self.svc.decide(
+                tokens, body.output_tokens, cache_salt=body.cache_salt, model=body.model
+            )
+            sub = prompt_body(decoded, prompt)
+            return await self._forward(request, "/v1/completions", routed, sub, body, hops=hops)
+
+        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+        try:
+            answers = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+        bodies = []
+        for response, _ in answers:
+            if response.status != 200 or not isinstance(response, web.Response):
+                return response  # the first failure, in prompt order, is the answer
+            bodies.append(msgspec.json.decode(_body_of(response)))
+        merged = merge_answers(bodies, body.n or 1)
+        served = ",".join(result.worker_id for _, result in answers)
+        return web.Response(
+            body=msgspec.json.encode(merged),
+            content_type="application/json",
+            headers={WORKER_HEADER: served},
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         hops = self._check_hops(request)
         raw = await self._body(request)
         body: ChatBody = _decode(raw, ChatBody)
-        if not body.messages:
-            raise _ApiError(400, "messages is empty: send at least one message")
-        if len(body.messages) > self.limits.max_messages:
-            raise _ApiError(
-                400, f"{len(body.messages)} messages; the limit is {self.limits.max_messages}"
-            )
-        max_tokens = body.max_completion_tokens or body.max_tokens or 16
-        self._check_output(max_tokens)
+        problem = chat_problem(body, self.limits.max_messages)
+        if problem is not None:
+            raise _ApiError(400, problem, extra={"param": "messages", "code": None})
+        self._check_output(body)
+        model, workers = self.svc.select_model(body.model)
         try:
-            prompt = self.svc.chat_template.render(body.messages)
-        except ChatTemplateError as exc:
-            raise _ApiError(400, str(exc)) from exc
-        tokens = self._tokens(prompt)
-        extra = msgspec.json.decode(raw)
-        completion: dict[str, Any] = {k: extra[k] for k in _CHAT_PASSTHROUGH if k in extra}
-        completion.update(prompt=prompt, max_tokens=max_tokens, stream=body.stream)
-        routed = await self.svc.decide(tokens, max_tokens, cache_salt=body.cache_salt)
-        completion_body = msgspec.json.encode(completion)
-        return await self._proxy(request, routed, completion_body, ChatRewriter(), hops=hops)
+            tokens = await self.svc.tokenizer.chat_tokens(model, msgspec.json.decode(raw), workers)
+        except PromptError as exc:
+            raise _ApiError(400, str(exc), extra={"param": "messages", "code": None}) from exc
+        if tokens is not None:
+            self._check_tokens(tokens)
+        routed = await self.svc.decide(
+            tokens or [], body.output_tokens, cache_salt=body.cache_salt, model=body.model
+        )
+        path = "/v1/chat/completions"
+        response, _ = await self._forward(request, path, routed, raw, body, hops=hops)
+        return response
 
     async def route(self, request: web.Request) -> web.Response:
         body: RouteBody = _decode(await self._body(request), RouteBody)
-        self._check_output(body.max_tokens)
-        tokens = self._tokens(body.prompt)
+        self._check_output(body)
+        try:
+            prompts = body.prompts()
+        except ValueError as exc:
+            raise _ApiError(400, str(exc)) from exc
+        if len(prompts) != 1:
+            raise _ApiError(400, f"POST /v1/route takes one prompt, got a batch of {len(prompts)}")
+        model, workers = self.svc.select_model(body.model)
+        tokens = await self._prompt_tokens(model, prompts[0], body, workers)
         routed = await self.svc.decide(
-            tokens, body.max_tokens, cache_salt=body.cache_salt, record=not body.dry_run
-        )
+            tokens, body.output_tokens, cache_salt=body.cache_salt, record=not body.dry_run,
+            model=body.model,
+        )  # fmt: skip
         if not body.dry_run:
             await self.svc.hold(routed)
         decision = routed.decision
@@ -314,6 +398,11 @@ class _Handlers:
             "candidates": decision.candidates,
         }
         return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: every model a worker serves, OpenAI's list shape."""
+        listing = {"object": "list", "data": self.svc.models.listing(self.svc.proxied())}
+        return web.Response(body=msgspec.json.encode(listing), content_type="application/json")
 
     async def list_workers(self, request: web.Request) -> web.Response:
         # Each listed with its circuit, and whether its events carry another block size
@@ -361,6 +450,7 @@ class _Handlers:
                 block_size=body.block_size,
                 topic=body.topic,
                 server_key=body.server_key,
+                served_models=tuple(body.models or ()),
             )
         except RegistrationError as exc:
             raise _ApiError(400, f"invalid worker: {exc}") from exc
@@ -481,6 +571,12 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         response = _error(exc.status, str(exc), exc.kind, headers=exc.headers)
     except NoWorkersError as exc:
         response = _error(503, str(exc), "no_workers")
+    except ModelNotFoundError as exc:  # OpenAI's answer, word for word but the message
+        extra = {"param": None, "code": "model_not_found"}
+        response = _error(404, str(exc), "invalid_request_error", extra)
+    except ModelRequiredError as exc:
+        extra = {"param": "model", "code": None}
+        response = _error(400, str(exc), "invalid_request_error", extra)
     except web.HTTPException as exc:
         response = _http_error(request, exc)
     except (_ClientGone, asyncio.CancelledError) as exc:
@@ -524,6 +620,7 @@ def make_app(service: RouterService) -> web.Application:
             web.post("/v1/completions", inference(h.completions)),
             web.post("/v1/chat/completions", inference(h.chat)),
             web.post("/v1/route", inference(h.route)),
+            web.get("/v1/models", inference(h.models)),
             web.get("/v1/workers", admin(h.list_workers)),
             web.post("/v1/workers", admin(_run_to_completion(h.add_worker))),
             web.put("/v1/workers/{worker_id}", admin(_run_to_completion(h.put_worker))),

@@ -32,13 +32,13 @@ from aiohttp import web
 from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
 from events.subscriber import SubscriberConfig
-from events.tokenizer import Tokenizer, load_tokenizer
 from router.errors import RouterError
 from router.front.breaker import CircuitBreakers, CircuitState
-from router.front.chat import ChatTemplate, load_chat_template
 from router.front.config import RouterConfig
+from router.front.engine_tokenizer import EngineTokenizer, TokenCache
 from router.front.metrics import RouterMetrics
 from router.front.proxy import ProxyTarget, WorkerProxy
+from router.front.tokenization import RequestTokenizer
 from router.index.base import PrefixMatch
 from router.index.lookup import INDEX_ERRORS, IndexLookup
 from router.index.redis_index import RedisPrefixIndex
@@ -58,6 +58,7 @@ from router.routing.request_keys import RequestKeys, key_request
 from router.store.connection import RedisClient, RedisOptions, connect, redact_url
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
+from router.workers.models import WorkerModels
 from router.workers.registration import RegistrationError, RegistrationPolicy
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
 from router.workers.reports import WorkerReportPoller
@@ -124,10 +125,10 @@ class RouterService:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer)
-        self.chat_template: ChatTemplate = load_chat_template(config.chat_template)
         self.policy = make_policy(config.policy, config.policy_config)
         self.metrics = RouterMetrics()
+        self.tokenizer = RequestTokenizer(config.tokenizers, self.metrics.registry)
+        self.models = WorkerModels()
         self.breakers = CircuitBreakers(config.breaker, on_open=self._circuit_opened)
         self.metrics.watch_circuits(
             lambda: {r.worker_id: self.breakers.state(WorkerId(r.worker_id)) for r in self.workers}
@@ -179,6 +180,7 @@ class RouterService:
         cfg = self.config
         for record in cfg.workers:  # the operator's own workers: refused means misconfigured
             self.registration.check(record)
+            cfg.tokenizers.check(record)
         layout = KeyLayout(cfg.namespace)
         stack = self._stack
         self._client: RedisClient = await connect(cfg.redis_url)
@@ -227,7 +229,15 @@ class RouterService:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         stack.push_async_callback(self._session.close)
         self.proxy = WorkerProxy(self._session, cfg.proxy, self.breakers)
-        self.poller = WorkerReportPoller(self.load, self._session, cfg.health_poll_s)
+        self.tokenizer.engine = EngineTokenizer(
+            self._session,
+            cfg.tokenizers.timeout_s,
+            TokenCache(cfg.tokenizers.cache_tokens),
+            self.metrics.registry,
+        )
+        self.poller = WorkerReportPoller(
+            self.load, self._session, cfg.health_poll_s, on_models=self.models.learn
+        )
         if cfg.decision_log is not None:
             self._decision_log = stack.enter_context(open(cfg.decision_log, "ab"))  # noqa: SIM115
         stack.push_async_callback(self.load.close)
@@ -331,14 +341,19 @@ class RouterService:
         Returns:
             What happened: ``"created"``, ``"replaced"`` or ``"unchanged"``.
 
+        Its models (unless the registration names them) are read from its ``GET
+        /v1/models`` before this returns, so requests for them route to it at once.
+
         Raises:
-            router.workers.registration.RegistrationError: This router's policy refuses it.
+            router.workers.registration.RegistrationError: This router's policy refuses it,
+                or it is a vLLM worker whose model has no tokenizer.
             router.workers.registration.RegistrationConflict: Another registration is saved
                 and ``replace`` is False.
             redis.exceptions.RedisError: Redis is unreachable; nothing was saved.
             events.errors.EventsError: Its event stream cannot be subscribed to.
         """
         self.registration.check(record)
+        self.config.tokenizers.check(record)
         wid = WorkerId(record.worker_id)
         outcome = await self.ingest.add_worker(record, replace=replace)
         current = self._records.get(wid)
@@ -346,6 +361,7 @@ class RouterService:
             self._drop_worker(wid)
         self._dead.pop(wid, None)
         self._set_worker(record)
+        await self.poller.read_models(wid)
         return outcome
 
     async def remove_worker(self, worker_id: WorkerId) -> bool:
@@ -364,6 +380,7 @@ class RouterService:
     def _drop_worker(self, worker_id: WorkerId) -> None:
         self._records.pop(worker_id, None)
         self.poller.set_worker(worker_id, None)
+        self.models.forget(worker_id)
         self.breakers.forget(worker_id)
         if self._predicted is not None:
             self._predicted.forget(worker_id)
@@ -381,21 +398,37 @@ class RouterService:
 
     # -- routing -------------------------------------------------------------------------
 
-    def _proxied(self) -> list[WorkerRecord]:
+    def proxied(self) -> list[WorkerRecord]:
         """Registered workers with an HTTP URL (events-only ones: nowhere to proxy)."""
         return [r for r in self.workers if r.http_url]
 
-    def _candidates(self) -> list[WorkerRecord]:
-        """Workers a new request may go to.
+    def select_model(self, model: str | None) -> tuple[str | None, list[WorkerRecord]]:
+        """The model a request is for and the workers serving it (see
+        :meth:`router.workers.models.WorkerModels.select`), circuits not considered.
 
         Raises:
-            NoWorkersError: None is registered, or every one's circuit is open.
+            NoWorkersError: No worker with an HTTP URL is registered.
+            router.workers.models.ModelNotFoundError: No worker serves ``model``.
+            router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
+                models are served.
         """
-        records = self._proxied()
+        records = self.proxied()
         if not records:
             raise NoWorkersError(
                 "no worker with an HTTP URL is registered: add one with POST /v1/workers"
             )
+        return self.models.select(records, model)
+
+    def _candidates(self, model: str | None) -> list[WorkerRecord]:
+        """Workers a new request for ``model`` may go to.
+
+        Raises:
+            NoWorkersError: None is registered, or every one's circuit is open.
+            router.workers.models.ModelNotFoundError: No worker serves ``model``.
+            router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
+                models are served.
+        """
+        _, records = self.select_model(model)
         routable = [r for r in records if self.breakers.routable(WorkerId(r.worker_id))]
         if not routable:
             raise NoWorkersError(
@@ -417,24 +450,29 @@ class RouterService:
         *,
         cache_salt: str | None = None,
         record: bool = True,
+        model: str | None = None,
     ) -> Routed:
         """Choose a worker for a prompt.
 
         Args:
-            token_ids: The prompt's token ids.
+            token_ids: The prompt's token ids (empty: route on load alone).
             num_output_tokens: Expected output tokens (``max_tokens``).
             cache_salt: The request's cache salt, if any.
             record: Credit predicted entries, count metrics and log the decision (False
                 for a dry run, which changes nothing).
+            model: The request's ``model``: only workers serving it are candidates.
 
         Returns:
             The decision and the forwarding order.
 
         Raises:
             NoWorkersError: No worker is registered, or every one's circuit is open.
+            router.workers.models.ModelNotFoundError: No worker serves ``model``.
+            router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
+                models are served.
         """
         started = time.perf_counter()
-        records = self._candidates()
+        records = self._candidates(model)
         # Keyed once per block size among the candidates, prefixes counted in blocks of
         # the smallest (see router.routing.request_keys): a worker registered with another block
         # size never changes what the others match.
@@ -509,7 +547,7 @@ class RouterService:
 
     def readiness(self) -> Readiness:
         """Whether this replica can serve requests now, and why not."""
-        records = self._proxied()
+        records = self.proxied()
         if not records:
             return Readiness(False, ("no worker with an HTTP URL is registered",), ())
         routable: list[str] = []

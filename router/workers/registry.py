@@ -148,14 +148,15 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 def parse_worker_spec(spec: str) -> WorkerRecord:
     """Parse ``ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=K][,block_size=N][,topic=T]``.
 
-    A ``server_key=FILE`` option reads the worker's CURVE public key file.
+    A ``server_key=FILE`` option reads the worker's CURVE public key file; ``model=NAME``
+    (repeatable) names a model the worker serves.
 
     Raises:
         PrefixIndexError: The spec is malformed (the message shows the expected shape).
     """
     usage = (
         "expected ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=vllm][,block_size=N]"
-        "[,server_key=FILE]"
+        "[,model=NAME]...[,server_key=FILE]"
     )
     head, _, rest = spec.partition(",")
     worker_id, sep, endpoint = head.partition("=")
@@ -164,11 +165,17 @@ def parse_worker_spec(spec: str) -> WorkerRecord:
     fields: dict[str, object] = {"worker_id": worker_id, "events_endpoint": endpoint}
     names = {"replay": "replay_endpoint", "http": "http_url", "kind": "kind", "topic": "topic",
              "server_key": "server_key"}  # fmt: skip
+    models: list[str] = []
     for item in filter(None, rest.split(",")):
         name, sep, value = item.partition("=")
+        if sep and name == "model":  # repeatable: one per model the worker serves
+            models.append(value)
+            continue
         if not sep or name not in (*names, "block_size"):
             raise PrefixIndexError(f"worker spec {spec!r}: bad option {item!r}; {usage}")
         fields[names.get(name, name)] = value
+    if models:
+        fields["models"] = models
     try:
         if "server_key" in fields:
             fields["server_key"] = load_public_key(str(fields["server_key"])).decode()
@@ -353,6 +360,7 @@ class WorkerRegistry:
             raise RegistrationError(f"it names another worker id, {record.worker_id!r}")
         self.policy.check(record)
         return record
+
     async def flag_block_size(self, worker_id: WorkerId, events_block_size: int | None) -> None:
         """Record that the worker's events carry ``events_block_size``, not its registered
         block size (``None``: they agree, or nothing says otherwise; the flag is dropped)."""

@@ -109,7 +109,7 @@ def test_the_api_key_guards_inference_and_opens_nothing_else(
                 assert "--api-key" in err["error"]["message"]
             for key in (API, ADMIN):  # the admin key opens inference too
                 assert (await post(client, path, body, bearer(key)))[0] == 200
-        assert len(ws[0].prompts) == 4  # two completions, two chats; nothing unauthenticated
+        assert len(ws[0].bodies) == 4  # two completions, two chats; nothing unauthenticated
         status, _ = await post(client, "/v1/workers", rogue(ws), bearer(API))
         assert status == 401  # the API key is not the admin key
         assert await saved_ids(svc) == ["w0"]
