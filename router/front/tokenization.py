@@ -144,22 +144,28 @@ class TokenizerSources:
     def check(self, record: WorkerRecord) -> None:
         """Refuse a vLLM worker whose model has no tokenizer (every key would miss).
 
+        A worker whose registration names no models passes when some model has its own
+        setting (its models are learned from it; one without a setting is then routed
+        on load alone, counted and logged).
+
         Raises:
             RegistrationError: Naming the worker and the two fixes.
         """
         if record.kind != "vllm" or self.source(None) is not None:
             return
-        missing = [m for m in record.models if self.source(m) is None]
-        if record.models and not missing:
+        if record.models:
+            missing = [m for m in record.models if self.source(m) is None]
+            if not missing:
+                return
+            plural = "s" if len(missing) > 1 else ""
+            what = f"no tokenizer for its model{plural} {', '.join(missing)}"
+        elif self.paths or self.via_engine:
             return
-        what = (
-            f"for its model{'s' if len(missing) > 1 else ''} {', '.join(missing)}"
-            if missing
-            else "(its models are not named: name them with model=NAME, or)"
-        )
+        else:
+            what = "no tokenizer"
         raise RegistrationError(
             f"worker {record.worker_id!r} is a vLLM engine (kind=vllm) and the router has "
-            f"no tokenizer {what}: with another tokenizer every prefix key misses; {FIXES}"
+            f"{what}: with any other tokenizer every prefix key misses; {FIXES}"
         )
 
 

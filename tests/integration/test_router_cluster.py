@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -72,8 +72,16 @@ class WorkerProc:
         self.proc.wait(timeout=30)
 
 
-def start_workers(ids: list[str], num_blocks: int = 512) -> list[WorkerProc]:
-    """Start workers in parallel and wait for each one's ready line (stdout JSON)."""
+def start_workers(
+    ids: list[str], num_blocks: int = 512, args: Mapping[str, Sequence[str]] | None = None
+) -> list[WorkerProc]:
+    """Start workers in parallel and wait for each one's ready line (stdout JSON).
+
+    Args:
+        ids: The workers' ids.
+        num_blocks: KV blocks of each.
+        args: More flags of some workers, by id.
+    """
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [
         subprocess.Popen(
@@ -98,6 +106,7 @@ def start_workers(ids: list[str], num_blocks: int = 512) -> list[WorkerProc]:
                 "1",
                 "--log-level",
                 "WARNING",
+                *(args or {}).get(wid, ()),
             ],
             stdout=subprocess.PIPE,
             text=True,
