@@ -248,9 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
         "index and routes each request to the worker that holds most of its prefix without "
         "overloading it. Several replicas may share one Redis and namespace.",
         epilog="Keys: --admin-key guards GET/POST /v1/workers and PUT/DELETE /v1/workers/ID; "
-        "--api-key guards /v1/completions, /v1/chat/completions and /v1/route (the admin key "
-        "works there too). Without a key its endpoints are open: keep the router on loopback "
-        "or set both. /health and /metrics are always open.",
+        "--api-key guards /v1/completions, /v1/chat/completions, /v1/route and GET /v1/models "
+        "(the admin key works there too). Without a key its endpoints are open: keep the "
+        "router on loopback or set both. /health and /metrics are always open.",
     )
     for flag, kind, meaning in _flags():
         add_flag(p, flag, aliases=_ALIASES.get(flag, ()), type=kind, meaning=meaning)

@@ -223,7 +223,8 @@ def test_a_router_beyond_loopback_says_exactly_what_is_open() -> None:
         "register, replace, remove and list workers (GET/POST /v1/workers, PUT/DELETE "
         "/v1/workers/{id}; a worker registered by a stranger receives the prompts routed to "
         "it) [--admin-key]; send requests to the workers (POST /v1/completions, "
-        "/v1/chat/completions, /v1/route) [--api-key]. Set the keys in brackets (or their "
+        "/v1/chat/completions, /v1/route, GET /v1/models) [--api-key]. Set the keys in "
+        "brackets (or their "
         "-file / $KVROUTE_* forms) to require a bearer token"
     )
     only_inference = warning("10.0.0.1", admin_key=ADMIN_KEY)
