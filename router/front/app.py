@@ -2,7 +2,8 @@
 
 Endpoints:
 
-* ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's, routed among the
+* ``POST /v1/completions`` and ``POST /v1/chat/completions`` (handled by
+  :mod:`router.front.openai_api`, as the two below): OpenAI's, routed among the
   workers serving the request's ``model`` and forwarded to the same endpoint as the
   client sent them (byte for byte; a stream is only asked for its usage, which the
   client gets only if it asked: :mod:`router.front.stream_usage`). A prompt is keyed from
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 import msgspec
@@ -62,15 +63,18 @@ from redis.exceptions import RedisError
 from events.errors import EventsError
 from events.identity import WorkerId
 from router.front.access import AccessError, Guard
-from router.front.batch import merge_answers, prompt_body
-from router.front.bodies import CompletionBody, RequestBody, RouteBody
-from router.front.chat import ChatBody, chat_problem
+from router.front.api_requests import (
+    ApiError,
+    ClientGone,
+    decode_body,
+    error_response,
+    read_body,
+)
+from router.front.bodies import CompletionBody, RouteBody
+from router.front.chat import ChatBody
 from router.front.config import RouterConfig
-from router.front.hops import hop_refusal, next_hops
-from router.front.proxy import WORKER_HEADER, ProxyResult, WorkersUnavailableError
-from router.front.service import NoWorkersError, Routed
-from router.front.stream_usage import UsageStripper, ask_for_usage, usage_asked
-from router.front.tokenization import PromptError
+from router.front.openai_api import OpenAIHandlers
+from router.front.service import NoWorkersError
 from router.workers.models import ModelNotFoundError, ModelRequiredError
 from router.workers.registration import RegistrationConflict, RegistrationError
 from router.workers.registry import WorkerRecord
@@ -104,58 +108,6 @@ class WorkerBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 _BODY_NAMES: Final = {"http_url": "url", "events_endpoint": "events", "replay_endpoint": "replay"}
 
 
-class _ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str = "invalid_request_error",
-        extra: dict[str, Any] | None = None,
-        *,
-        close: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-        self.extra = extra or {}
-        self.close = close
-
-
-class _ClientGone(Exception):
-    """The client closed its connection (``stage``: where the request was)."""
-
-    def __init__(self, stage: str) -> None:
-        super().__init__(stage)
-        self.stage = stage
-
-
-def _error(
-    status: int,
-    message: str,
-    kind: str,
-    extra: dict[str, Any] | None = None,
-    headers: dict[str, str] | None = None,
-) -> web.Response:
-    body = {"error": {"message": message, "type": kind, **(extra or {})}}
-    return web.json_response(body, status=status, headers=headers)
-
-
-def _decode(raw: bytes, kind: type[Any]) -> Any:
-    if not raw.strip():
-        raise _ApiError(400, "request body is empty: send a JSON object")
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as exc:
-        raise _ApiError(400, f"invalid request body: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise _ApiError(400, f"request body is not valid JSON: {exc}") from exc
-
-
-def _body_of(response: web.Response) -> bytes:
-    body = response.body
-    return body if isinstance(body, bytes) else b""
-
-
 def _worker_view(record: WorkerRecord) -> dict[str, Any]:
     """A worker's registration in the shape of a ``POST /v1/workers`` body."""
     view: dict[str, Any] = msgspec.to_builtins(
@@ -180,229 +132,6 @@ class _Handlers:
     def __init__(self, service: RouterService) -> None:
         self.svc = service
         self.limits = service.config.limits
-
-    async def _body(self, request: web.Request) -> bytes:
-        timeout_s = self.limits.body_read_timeout_s
-        try:
-            raw = await asyncio.wait_for(request.read(), timeout_s)
-        except web.HTTPRequestEntityTooLarge as exc:
-            raise _ApiError(
-                413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes"
-            ) from exc
-        except asyncio.TimeoutError as exc:
-            raise _ApiError(
-                408, f"request body not received within {timeout_s:g} s", "timeout", close=True
-            ) from exc
-        except ConnectionError as exc:  # the client closed mid-body
-            raise _ClientGone("body") from exc
-        return raw
-
-    def _check_hops(self, request: web.Request) -> str:
-        """The hop header to forward with; 508 for a request that looped back here."""
-        replica_id = self.svc.replica_id
-        refusal = hop_refusal(request.headers, replica_id)
-        if refusal is not None:
-            raise _ApiError(508, refusal, "loop_detected")
-        return next_hops(request.headers, replica_id)
-
-    def _check_tokens(self, tokens: Sequence[int]) -> None:
-        if not tokens:
-            raise _ApiError(400, "prompt is empty: send at least one token")
-        if len(tokens) > self.limits.max_prompt_tokens:
-            raise _ApiError(
-                400,
-                f"prompt has {len(tokens)} tokens; the limit is {self.limits.max_prompt_tokens}",
-            )
-
-    async def _prompt_tokens(
-        self,
-        model: str | None,
-        prompt: str | list[int],
-        body: CompletionBody,
-        workers: Sequence[WorkerRecord],
-    ) -> list[int]:
-        """A prompt's token ids; empty when they cannot be known (routed on load alone)."""
-        if isinstance(prompt, list):
-            tokens: list[int] | None = prompt
-        else:
-            try:
-                tokens = await self.svc.tokenizer.prompt_tokens(
-                    model, prompt, body.add_special_tokens, workers
-                )
-            except PromptError as exc:
-                raise _ApiError(400, str(exc)) from exc
-        if tokens is None:
-            return []
-        self._check_tokens(tokens)
-        return tokens
-
-    def _check_output(self, body: RequestBody) -> None:
-        if body.max_tokens is not None and body.max_tokens > self.limits.max_output_tokens:
-            raise _ApiError(
-                400,
-                f"max_tokens {body.max_tokens} exceeds the limit {self.limits.max_output_tokens}",
-            )
-
-    async def _forward(
-        self,
-        request: web.Request,
-        path: str,
-        routed: Routed,
-        raw: bytes,
-        body: RequestBody,
-        *,
-        hops: str,
-    ) -> tuple[web.StreamResponse, ProxyResult]:
-        """Forward the client's body to ``path`` of the routed workers.
-
-        A stream is asked for its usage (the router counts prefix hits from it), which
-        the client gets only when it asked.
-        """
-        rewriter = None
-        if body.streams and not usage_asked(body.stream_options):
-            raw, rewriter = ask_for_usage(raw, body.stream_options), UsageStripper()
-        try:
-            response, result = await self.svc.proxy.forward(
-                request, path, raw, routed.targets, self.svc.accounting(routed), rewriter,
-                hops=hops,
-            )  # fmt: skip
-        except WorkersUnavailableError as exc:
-            if exc.timed_out:
-                raise _ApiError(504, str(exc), "timeout") from exc
-            raise _ApiError(502, str(exc), "worker_unavailable") from exc
-        if result.client_aborted:
-            self.svc.metrics.client_aborts.labels("answer").inc()
-        self.svc.actual_hits(result.worker_id, result.usage)
-        return response, result
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        hops = self._check_hops(request)
-        raw = await self._body(request)
-        body: CompletionBody = _decode(raw, CompletionBody)
-        self._check_output(body)
-        try:
-            prompts = body.prompts()
-        except ValueError as exc:
-            raise _ApiError(400, str(exc), extra={"param": "prompt", "code": None}) from exc
-        model, workers = self.svc.select_model(body.model)
-        if len(prompts) > 1:
-            return await self._batch(request, raw, body, prompts, (model, workers), hops=hops)
-        tokens = await self._prompt_tokens(model, prompts[0], body, workers)
-        routed = await self.svc.decide(
-            tokens, body.output_tokens, cache_salt=body.cache_salt, model=body.model
-        )
-        response, _ = await self._forward(request, "/v1/completions", routed, raw, body, hops=hops)
-        return response
-
-    async def _batch(
-        self,
-        request: web.Request,
-        raw: bytes,
-        body: CompletionBody,
-        prompts: list[str | list[int]],
-        selected: tuple[str | None, Sequence[WorkerRecord]],
-        *,
-        hops: str,
-    ) -> web.StreamResponse:
-        """A batch prompt: each prompt routed and forwarded on its own, answers merged.
-
-        Args:
-            request: The client's request.
-            raw: Its body.
-            body: Its fields.
-            prompts: The prompts of the batch.
-            selected: The model and its workers (:meth:`RouterService.select_model`).
-            hops: The hop header to forward with.
-        """
-        if body.streams:
-            raise _ApiError(
-                400,
-                f"a batch prompt ({len(prompts)} prompts) cannot be streamed through the "
-                "router: stream one request per prompt, or send the batch without stream",
-                extra={"param": "stream", "code": None},
-            )
-        decoded = msgspec.json.decode(raw)
-        model, workers = selected
-
-        async def one(prompt: str | list[int]) -> tuple[web.StreamResponse, ProxyResult]:
-            tokens = await self._prompt_tokens(model, prompt, body, workers)
-            routed = await self.svc.decide(
-                tokens, body.output_tokens, cache_salt=body.cache_salt, model=body.model
-            )
-            sub = prompt_body(decoded, prompt)
-            return await self._forward(request, "/v1/completions", routed, sub, body, hops=hops)
-
-        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
-        try:
-            answers = await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-        bodies = []
-        for response, _ in answers:
-            if response.status != 200 or not isinstance(response, web.Response):
-                return response  # the first failure, in prompt order, is the answer
-            bodies.append(msgspec.json.decode(_body_of(response)))
-        merged = merge_answers(bodies, body.n or 1)
-        served = ",".join(result.worker_id for _, result in answers)
-        return web.Response(
-            body=msgspec.json.encode(merged),
-            content_type="application/json",
-            headers={WORKER_HEADER: served},
-        )
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        hops = self._check_hops(request)
-        raw = await self._body(request)
-        body: ChatBody = _decode(raw, ChatBody)
-        problem = chat_problem(body, self.limits.max_messages)
-        if problem is not None:
-            raise _ApiError(400, problem, extra={"param": "messages", "code": None})
-        self._check_output(body)
-        model, workers = self.svc.select_model(body.model)
-        try:
-            tokens = await self.svc.tokenizer.chat_tokens(model, msgspec.json.decode(raw), workers)
-        except PromptError as exc:
-            raise _ApiError(400, str(exc), extra={"param": "messages", "code": None}) from exc
-        if tokens is not None:
-            self._check_tokens(tokens)
-        routed = await self.svc.decide(
-            tokens or [], body.output_tokens, cache_salt=body.cache_salt, model=body.model
-        )
-        path = "/v1/chat/completions"
-        response, _ = await self._forward(request, path, routed, raw, body, hops=hops)
-        return response
-
-    async def route(self, request: web.Request) -> web.Response:
-        body: RouteBody = _decode(await self._body(request), RouteBody)
-        self._check_output(body)
-        try:
-            prompts = body.prompts()
-        except ValueError as exc:
-            raise _ApiError(400, str(exc)) from exc
-        if len(prompts) != 1:
-            raise _ApiError(400, f"POST /v1/route takes one prompt, got a batch of {len(prompts)}")
-        model, workers = self.svc.select_model(body.model)
-        tokens = await self._prompt_tokens(model, prompts[0], body, workers)
-        routed = await self.svc.decide(
-            tokens, body.output_tokens, cache_salt=body.cache_salt, record=not body.dry_run,
-            model=body.model,
-        )  # fmt: skip
-        if not body.dry_run:
-            await self.svc.hold(routed)
-        decision = routed.decision
-        answer = {
-            "worker_id": decision.worker_id,
-            "url": routed.targets[0].url,
-            "matched_tokens": decision.chosen.matched_tokens,
-            "candidates": decision.candidates,
-        }
-        return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
-
-    async def models(self, request: web.Request) -> web.Response:
-        """``GET /v1/models``: every model a worker serves, OpenAI's list shape."""
-        listing = {"object": "list", "data": self.svc.models.listing(self.svc.proxied())}
-        return web.Response(body=msgspec.json.encode(listing), content_type="application/json")
 
     async def list_workers(self, request: web.Request) -> web.Response:
         # Each listed with its circuit, and whether its events carry another block size
@@ -431,7 +160,7 @@ class _Handlers:
         """``PUT /v1/workers/{id}``: register a worker, replacing any saved registration."""
         record = await self._worker_record(request)
         if record.worker_id != request.match_info["worker_id"]:
-            raise _ApiError(
+            raise ApiError(
                 400,
                 f"worker_id {record.worker_id!r} in the body differs from "
                 f"{request.match_info['worker_id']!r} in the path",
@@ -439,7 +168,7 @@ class _Handlers:
         return await self._register(record, replace=True)
 
     async def _worker_record(self, request: web.Request) -> WorkerRecord:
-        body: WorkerBody = _decode(await self._body(request), WorkerBody)
+        body: WorkerBody = decode_body(await read_body(request, self.limits), WorkerBody)
         try:
             return WorkerRecord(
                 worker_id=body.worker_id,
@@ -453,13 +182,13 @@ class _Handlers:
                 served_models=tuple(body.models or ()),
             )
         except RegistrationError as exc:
-            raise _ApiError(400, f"invalid worker: {exc}") from exc
+            raise ApiError(400, f"invalid worker: {exc}") from exc
 
     async def _register(self, record: WorkerRecord, *, replace: bool) -> web.Response:
         try:
             outcome = await self.svc.add_worker(record, replace=replace)
         except RegistrationConflict as exc:
-            raise _ApiError(
+            raise ApiError(
                 409,
                 f"{exc}; to replace it send PUT /v1/workers/{record.worker_id} with the "
                 "new registration, or DELETE it first",
@@ -472,13 +201,13 @@ class _Handlers:
                 },
             ) from exc
         except RegistrationError as exc:
-            raise _ApiError(400, f"invalid worker: {exc}") from exc
+            raise ApiError(400, f"invalid worker: {exc}") from exc
         except (RedisError, OSError) as exc:
-            raise _ApiError(
+            raise ApiError(
                 503, f"cannot register now, Redis failed: {exc}; nothing was saved", "unavailable"
             ) from exc
         except (EventsError, zmq.ZMQError) as exc:
-            raise _ApiError(
+            raise ApiError(
                 503,
                 f"cannot subscribe to the worker's events now: {exc}; nothing was saved",
                 "unavailable",
@@ -493,11 +222,11 @@ class _Handlers:
         try:
             known = await self.svc.remove_worker(worker_id)
         except (RedisError, OSError) as exc:
-            raise _ApiError(
+            raise ApiError(
                 503, f"cannot unregister now, Redis failed: {exc}", "unavailable"
             ) from exc
         if not known:
-            raise _ApiError(404, f"worker {worker_id!r} is not registered", "not_found")
+            raise ApiError(404, f"worker {worker_id!r} is not registered", "not_found")
         return web.json_response({"removed": worker_id})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -546,13 +275,13 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
     where = f"{request.method} {request.path}"
     if isinstance(exc, web.HTTPMethodNotAllowed):
         allowed = ", ".join(sorted(exc.allowed_methods))
-        response = _error(405, f"{where}: method not allowed; allowed: {allowed}",
+        response = error_response(405, f"{where}: method not allowed; allowed: {allowed}",
                           "invalid_request_error")  # fmt: skip
         response.headers["Allow"] = allowed
         return response
     if isinstance(exc, web.HTTPNotFound):
-        return _error(404, f"{where}: no such endpoint", "invalid_request_error")
-    return _error(exc.status, f"{where}: {exc.reason}", "invalid_request_error")
+        return error_response(404, f"{where}: no such endpoint", "invalid_request_error")
+    return error_response(exc.status, f"{where}: {exc.reason}", "invalid_request_error")
 
 
 @web.middleware
@@ -563,25 +292,25 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     service: RouterService = request.app[_SERVICE]  # type: ignore[assignment]
     try:
         response = await handler(request)
-    except _ApiError as exc:
-        response = _error(exc.status, str(exc), exc.kind, exc.extra)
+    except ApiError as exc:
+        response = error_response(exc.status, str(exc), exc.kind, exc.extra)
         if exc.close:
             response.force_close()
     except AccessError as exc:
-        response = _error(exc.status, str(exc), exc.kind, headers=exc.headers)
+        response = error_response(exc.status, str(exc), exc.kind, headers=exc.headers)
     except NoWorkersError as exc:
-        response = _error(503, str(exc), "no_workers")
+        response = error_response(503, str(exc), "no_workers")
     except ModelNotFoundError as exc:  # OpenAI's answer, word for word but the message
         extra = {"param": None, "code": "model_not_found"}
-        response = _error(404, str(exc), "invalid_request_error", extra)
+        response = error_response(404, str(exc), "invalid_request_error", extra)
     except ModelRequiredError as exc:
         extra = {"param": "model", "code": None}
-        response = _error(400, str(exc), "invalid_request_error", extra)
+        response = error_response(400, str(exc), "invalid_request_error", extra)
     except web.HTTPException as exc:
         response = _http_error(request, exc)
-    except (_ClientGone, asyncio.CancelledError) as exc:
+    except (ClientGone, asyncio.CancelledError) as exc:
         # The client left (its handler was cancelled, or its body cut): not a failure.
-        if isinstance(exc, _ClientGone):
+        if isinstance(exc, ClientGone):
             stage = exc.stage
         else:  # cancelled: the body tells how far the request was
             stage = "answer" if request.content.is_eof() else "body"
@@ -593,7 +322,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.Response(status=_CLIENT_CLOSED)  # nobody reads it
     except Exception:
         logger.exception("%s %s failed", request.method, request.path)
-        response = _error(500, "internal router error (logged)", "internal_error")
+        response = error_response(500, "internal router error (logged)", "internal_error")
     service.metrics.requests.labels(endpoint, str(response.status)).inc()
     return response
 
@@ -614,13 +343,14 @@ def make_app(service: RouterService) -> web.Application:
     )
     app[_SERVICE] = service
     h = _Handlers(service)
+    api = OpenAIHandlers(service)
     admin, inference = guards(service.config)
     app.add_routes(
         [
-            web.post("/v1/completions", inference(h.completions)),
-            web.post("/v1/chat/completions", inference(h.chat)),
-            web.post("/v1/route", inference(h.route)),
-            web.get("/v1/models", inference(h.models)),
+            web.post("/v1/completions", inference(api.completions)),
+            web.post("/v1/chat/completions", inference(api.chat)),
+            web.post("/v1/route", inference(api.route)),
+            web.get("/v1/models", inference(api.models)),
             web.get("/v1/workers", admin(h.list_workers)),
             web.post("/v1/workers", admin(_run_to_completion(h.add_worker))),
             web.put("/v1/workers/{worker_id}", admin(_run_to_completion(h.put_worker))),
