@@ -11,7 +11,8 @@ Logs go to stderr. SIGTERM or SIGINT drains the worker: new requests get 503, ru
 queued ones finish, queued event batches are sent, then the process exits 0.
 
 Every flag also reads an environment variable ``KVROUTE_WORKER_<FLAG>`` (upper case,
-dashes as underscores) as its default, except the bearer keys: ``--admin-key`` and
+dashes as underscores; ``KVROUTE_WORKER_SERVED_MODEL_NAME`` takes names separated by
+commas) as its default, except the bearer keys: ``--admin-key`` and
 ``--api-key`` (or their ``-file`` forms) fall back to ``$KVROUTE_ADMIN_KEY`` and
 ``$KVROUTE_API_KEY`` (or ``$..._FILE``), the names the router reads too
 (:mod:`events.auth`).
