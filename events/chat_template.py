@@ -160,7 +160,6 @@ class HFChatTemplate(ChatTemplate):
             self._template = env.from_string(source)
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template {origin}: {exc}") from exc
-        self._template_error = TemplateError
         self._special = dict(special_tokens or {})
         self.origin = origin
 
@@ -202,8 +201,14 @@ class HFChatTemplate(ChatTemplate):
             return self._template.render(
                 messages=conversation, add_generation_prompt=add_generation_prompt, **variables
             )
-        except self._template_error as exc:
-            raise ChatTemplateError(f"the chat template failed: {exc}") from exc
+        except ChatTemplateError:
+            raise
+        except Exception as exc:
+            # A template runs on what the client sent (its messages, tools, kwargs): any
+            # failure of it (a TypeError on an odd value too) is the request's.
+            raise ChatTemplateError(
+                f"the chat template failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _config_template(config: Any) -> str | None:
