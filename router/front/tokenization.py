@@ -209,11 +209,6 @@ class RequestTokenizer:
             self.unkeyed.labels(reason)
         self._warned: set[str | None] = set()
 
-    def local(self, model: str | None) -> tuple[Tokenizer, ChatTemplate]:
-        """The local tokenizer and chat template of a model (byte-level by default)."""
-        source = self.sources.source(model)
-        return self._local[None if source == ENGINE else source]
-
     async def prompt_tokens(
         self,
         model: str | None,
@@ -236,7 +231,7 @@ class RequestTokenizer:
         payload: dict[str, Any] = {"prompt": prompt}
         if add_special_tokens is not None:
             payload["add_special_tokens"] = add_special_tokens
-        return await self._tokens(model, payload, workers, add_special_tokens, True)
+        return await self._tokens(model, payload, workers)
 
     async def chat_tokens(
         self, model: str | None, body: Mapping[str, Any], workers: Sequence[WorkerRecord]
@@ -247,17 +242,12 @@ class RequestTokenizer:
             PromptError: The local chat template refuses the messages, or the text
                 cannot be encoded.
         """
-        payload = chat_tokenize_payload(body)
-        return await self._tokens(model, payload, workers, payload.get("add_special_tokens"), False)
+        return await self._tokens(model, chat_tokenize_payload(body), workers)
 
     async def _tokens(
-        self,
-        model: str | None,
-        payload: Mapping[str, Any],
-        workers: Sequence[WorkerRecord],
-        add_special_tokens: bool | None,
-        special_by_default: bool,
+        self, model: str | None, payload: Mapping[str, Any], workers: Sequence[WorkerRecord]
     ) -> list[int] | None:
+        """The ids of a ``/tokenize`` payload, from the model's source (see the module doc)."""
         source = self.sources.source(model)
         if source == ENGINE:
             assert self.engine is not None, "attach the engine tokenizer before serving"
@@ -269,7 +259,10 @@ class RequestTokenizer:
             self._no_tokenizer(model)
             return None
         tokenizer, template = self._local[source]
-        special = special_by_default if add_special_tokens is None else add_special_tokens
+        # vLLM's defaults: a completion's text gets the special tokens, a rendered chat not.
+        special = payload.get("add_special_tokens")
+        if not isinstance(special, bool):
+            special = "prompt" in payload
         try:
             if "prompt" in payload:
                 text = payload["prompt"]
