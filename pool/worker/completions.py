@@ -113,8 +113,10 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return replace(params, seed=SEED_MAX if wrapped == -1 else wrapped)
 
 
-def encode_text(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
-    """Token ids of a text prompt.
+def encode_text(
+    tokenizer: Tokenizer, text: str, *, add_special_tokens: bool, field: str = "prompt"
+) -> list[int]:
+    """Token ids of a text prompt (from the request's ``field``).
 
     Raises:
         CompletionRequestError: The text holds a lone surrogate (no UTF-8 exists for it).
@@ -122,7 +124,7 @@ def encode_text(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) ->
     try:
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except UnicodeEncodeError as exc:  # "\ud800" is no UTF-8 text
-        raise CompletionRequestError(f"the prompt is not valid Unicode text: {exc}") from exc
+        raise CompletionRequestError(f"{field!r} is not valid Unicode text: {exc}", field) from exc
 
 
 def parse_completion_request(
@@ -236,7 +238,7 @@ def chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer, template: ChatTem
     except ChatTemplateError as exc:
         raise CompletionRequestError(str(exc), "messages") from exc
     add_special = bool_field(body, "add_special_tokens", False)
-    return encode_text(tokenizer, text, add_special_tokens=add_special)
+    return encode_text(tokenizer, text, add_special_tokens=add_special, field="messages")
 
 
 def _request(

@@ -68,7 +68,7 @@ def test_a_request_without_model_gets_the_first_served_name() -> None:
 @pytest.mark.parametrize(
     ("raw", "param", "message"),
     [
-        (b'{"prompt": "a\\ud800"}', None, "the prompt is not valid Unicode text"),
+        (b'{"prompt": "a\\ud800"}', "prompt", "'prompt' is not valid Unicode text"),
         (b'{"prompt": [true]}', "prompt", "'prompt' must be a string or a list of token ids"),
         (b'{"prompt": [[1], "a"]}', "prompt", "'prompt' must be a string or a list of token"),
         (b'{"prompt": "x", "seed": 1.5}', "seed", "'seed' must be an integer, got 1.5"),
