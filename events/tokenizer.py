@@ -2,8 +2,14 @@
 
 The default is byte-level: each UTF-8 byte of the text is one token id (0-255), followed
 by two special ids (end of sequence, beginning of sequence) that encoding never emits.
-A Hugging Face ``tokenizer.json`` can be used instead through the optional
-``tokenizers`` library (``pip install 'kvroute[tokenizers]'``).
+A Hugging Face tokenizer can be used instead through the optional ``tokenizers``
+library (``pip install 'kvroute[tokenizers]'``): a ``tokenizer.json`` file, or a model
+directory holding one (its ``tokenizer_config.json`` then names the end-of-sequence token,
+and :mod:`events.chat_template` finds the model's chat template there).
+
+Special tokens follow vLLM's serving defaults: a completion's text prompt is encoded with
+them (``add_special_tokens=True``: the tokenizer's post-processor adds e.g. a BOS token),
+a rendered chat prompt without (its template writes them itself).
 
 NOTE: a router computes prefix keys from the ids its tokenizer produces, so a worker and
 the routers in front of it must load the same tokenizer or no prefix will ever match.
@@ -11,6 +17,7 @@ the routers in front of it must load the same tokenizer or no prefix will ever m
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
@@ -26,6 +33,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "load_tokenizer",
+    "tokenizer_file",
 ]
 
 BYTE_EOS_ID: Final = 256
@@ -54,8 +62,9 @@ class Tokenizer(Protocol):
         """The end-of-sequence id, or ``None`` when the vocabulary has none."""
         ...
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, without special tokens."""
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens``, those the tokenizer's
+        post-processor adds (a BOS token, for many models)."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -76,8 +85,8 @@ class ByteTokenizer:
         """Always :data:`BYTE_EOS_ID`."""
         return BYTE_EOS_ID
 
-    def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of ``text`` as ids."""
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """The UTF-8 bytes of ``text`` as ids (no special token is ever added)."""
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -125,27 +134,59 @@ class HFTokenizer:
         """The id of the end-of-sequence token, if the vocabulary has one."""
         return self._eos
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without special tokens."""
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``, with the post-processor's special tokens if asked."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` with special tokens skipped."""
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """The ``tokenizer.json`` that ``path`` names: the file itself, or the one in a directory.
+
+    Raises:
+        TokenizerError: Neither exists.
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise TokenizerError(
+            f"no tokenizer at {str(path)!r}: give a tokenizer.json file or a model "
+            "directory that holds one"
+        )
+    return path
+
+
+def _configured_eos(path: Path) -> str | None:
+    """The ``eos_token`` of the ``tokenizer_config.json`` beside a ``tokenizer.json``."""
+    try:
+        config = json.loads((path.parent / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):  # an AddedToken: {"content": "</s>", ...}
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None
+
+
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """The tokenizer named on a command line.
 
     Args:
-        path: A ``tokenizer.json`` path, or ``None`` for the byte-level default.
+        path: A ``tokenizer.json`` file, a model directory holding one (its
+            ``tokenizer_config.json`` names the end-of-sequence token), or ``None`` for
+            the byte-level default.
 
     Returns:
         The tokenizer.
 
     Raises:
-        TokenizerError: The file cannot be loaded.
+        TokenizerError: The file cannot be found or loaded.
     """
     if path is None:
         return ByteTokenizer()
-    return HFTokenizer(path)
+    file = tokenizer_file(path)
+    return HFTokenizer(file, _configured_eos(file))

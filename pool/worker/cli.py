@@ -11,7 +11,8 @@ Logs go to stderr. SIGTERM or SIGINT drains the worker: new requests get 503, ru
 queued ones finish, queued event batches are sent, then the process exits 0.
 
 Every flag also reads an environment variable ``KVROUTE_WORKER_<FLAG>`` (upper case,
-dashes as underscores) as its default, except the bearer keys: ``--admin-key`` and
+dashes as underscores; ``KVROUTE_WORKER_SERVED_MODEL_NAME`` takes names separated by
+commas) as its default, except the bearer keys: ``--admin-key`` and
 ``--api-key`` (or their ``-file`` forms) fall back to ``$KVROUTE_ADMIN_KEY`` and
 ``$KVROUTE_API_KEY`` (or ``$..._FILE``), the names the router reads too
 (:mod:`events.auth`).
@@ -34,6 +35,7 @@ from typing import Any, Final
 import torch
 
 from events.auth import ADMIN_KEY, API_KEY, AuthKeyError, add_key_arguments, is_loopback, load_key
+from events.chat_template import ChatTemplateError, load_chat_template
 from events.cli.flags import help_text as flag_help
 from events.curve import CurveKeyError, CurveKeyPair, CurveServerConfig, load_public_key
 from events.endpoints import Endpoint, EndpointError
@@ -44,7 +46,7 @@ from pool.errors import PoolError
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from pool.worker.engine import Engine, EngineConfig
 from pool.worker.guards import ADMIN_PATHS, INFERENCE_PATHS, AccessKeys
-from pool.worker.http import DEFAULT_MAX_BODY_BYTES, WorkerHTTP, WorkerInfo
+from pool.worker.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MODEL_NAME, WorkerHTTP, WorkerInfo
 from pool.worker.model import DecoderModel, ModelConfig
 
 __all__ = [
@@ -85,11 +87,18 @@ class WorkerConfig:
         dtype: Weight and KV dtype.
         seed: Seed of the random weights and of sampling.
         weights: A safetensors file to load instead of random weights.
-        tokenizer: A ``tokenizer.json``; ``None`` for the byte-level tokenizer.
+        tokenizer: A ``tokenizer.json`` or a model directory holding one (and its chat
+            template); ``None`` for the byte-level tokenizer.
+        chat_template: A file whose chat template renders chat requests (a
+            ``tokenizer_config.json`` or a Jinja2 file); ``None``: the tokenizer
+            directory's own, else the built-in one.
         max_num_seqs: Requests running at once.
         max_num_batched_tokens: Tokens computed per step.
         chunked_prefill: Split long prompts across steps (vLLM V1's default).
-        model_name: The ``model`` field of completions.
+        served_model_name: The model names the worker answers to, as vLLM's
+            ``--served-model-name``: the first is the ``model`` of answers to requests
+            that name none; a request naming another gets 404 ``model_not_found``.
+            Empty: the ``--weights`` path as given, else ``kvroute-tiny``.
         torch_threads: Torch intra-op CPU threads (0: torch's default).
         curve_secret_key: CURVE server secret key file; ``None`` leaves events plain.
         curve_allow: Comma-separated public key files of the clients allowed to
@@ -118,15 +127,23 @@ class WorkerConfig:
     seed: int = 0
     weights: str | None = None
     tokenizer: str | None = None
+    chat_template: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     chunked_prefill: bool = True
-    model_name: str = "kvroute-tiny"
+    served_model_name: tuple[str, ...] = ()
     torch_threads: int = 0
     curve_secret_key: str | None = None
     curve_allow: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     keys: AccessKeys = field(default_factory=AccessKeys)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The served names in effect: the configured ones, else a name from the model."""
+        if self.served_model_name:
+            return self.served_model_name
+        return (self.weights,) if self.weights else (DEFAULT_MODEL_NAME,)
 
     def model_config(self, tokenizer: Tokenizer) -> ModelConfig:
         """The model's config, its vocabulary sized by the tokenizer unless given."""
@@ -143,6 +160,8 @@ class WorkerConfig:
 
 _FLAGS: Final[dict[str, str]] = {"worker_id": "id"}
 """Flags whose name differs from their config field."""
+_ALIASES: Final[dict[str, tuple[str, ...]]] = {"served_model_name": ("--model-name",)}
+"""Config field -> older flag spellings, still accepted but not shown."""
 _KEY_FIELD: Final = "keys"
 """The config field set by the key flags of :func:`events.auth.add_key_arguments`."""
 
@@ -152,6 +171,8 @@ _DEFAULT_TEXT: Final[dict[str, str]] = {
     "topic": "empty",
     "weights": "random weights from --seed",
     "tokenizer": "byte-level, as the router's",
+    "chat_template": "the tokenizer directory's, else the built-in <|role|> template",
+    "served_model_name": f"the --weights path, else {DEFAULT_MODEL_NAME}",
     "curve_secret_key": "none, events in the clear",
     "curve_allow": "any subscriber that has the server's public key",
 }
@@ -177,12 +198,17 @@ _HELP: Final[dict[str, str]] = {
     "dtype": "weight and KV dtype: float32, float16 or bfloat16",
     "seed": "seed of the random weights and of sampling",
     "weights": "safetensors file with the weights",
-    "tokenizer": "Hugging Face tokenizer.json",
+    "tokenizer": "Hugging Face tokenizer.json, or a model directory holding it (its "
+    "tokenizer_config.json names the EOS token, its chat template renders chat requests)",
+    "chat_template": "file whose chat template renders chat requests: a tokenizer_config.json "
+    "or a Jinja2 file",
     "max_num_seqs": "requests running at once",
     "max_num_batched_tokens": "tokens one engine step computes",
     "chunked_prefill": "split prompts longer than --max-num-batched-tokens across steps, "
     "decodes keep running meanwhile (as vLLM V1 does); --no-chunked-prefill runs them alone",
-    "model_name": "the 'model' field of completion responses",
+    "served_model_name": "model names the worker answers to (one or more, as vLLM's flag); "
+    "the first is the 'model' of answers to requests that name none, any other name gets "
+    "404 model_not_found",
     "torch_threads": "torch CPU threads; 0 keeps torch's default (use 1 on a shared box)",
     "curve_secret_key": "CURVE server secret key file (NAME.key_secret from `kvroute keys`): "
     "encrypts the event and replay sockets and authenticates this worker to subscribers",
@@ -211,26 +237,34 @@ def build_parser() -> argparse.ArgumentParser:
             _HELP[f.name], f.default, default_text=_DEFAULT_TEXT.get(f.name), env=env
         )
         if isinstance(f.default, bool):
-            default = f.default if raw is None else raw.lower() in ("1", "true", "yes", "on")
+            enabled = f.default if raw is None else raw.lower() in ("1", "true", "yes", "on")
             parser.add_argument(
                 flag,
                 dest=f.name,
                 action=argparse.BooleanOptionalAction,
-                default=default,
+                default=enabled,
                 help=help_text,
             )
             continue
         kind: Callable[[str], Any] = int if isinstance(f.default, int) else str
         extra: dict[str, Any] = {"choices": HASH_ALGOS} if f.name == "hash_algo" else {}
+        default: Any = f.default if raw is None else kind(raw)
+        if isinstance(f.default, tuple):  # names, as vLLM's flag takes them
+            extra["nargs"] = "+"
+            default = f.default if raw is None else tuple(filter(None, raw.split(",")))
         parser.add_argument(
             flag,
             dest=f.name,
             metavar=name.upper(),
             type=kind,
-            default=f.default if raw is None else kind(raw),
+            default=default,
             help=help_text,
             **extra,
         )
+        for alias in _ALIASES.get(f.name, ()):
+            parser.add_argument(
+                alias, dest=f.name, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **extra
+            )
     add_key_arguments(parser, ADMIN_KEY)
     add_key_arguments(parser, API_KEY)
     parser.add_argument(
@@ -253,6 +287,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     for name in ("events", "replay"):
         if values[name] in ("", "none"):
             values[name] = None
+    values["served_model_name"] = tuple(values["served_model_name"])
     keys = AccessKeys(
         admin=load_key(ADMIN_KEY, args.admin_key, args.admin_key_file),
         api=load_key(API_KEY, args.api_key, args.api_key_file),
@@ -313,8 +348,9 @@ async def serve(
         event_sink=publisher,
         eos_token_id=tokenizer.eos_token_id,
     )
-    info = WorkerInfo(config.worker_id, config.model_name, config.hash_algo, MEDIUM_GPU)
-    http = WorkerHTTP(engine, tokenizer, info, config.max_body_bytes, config.keys)
+    info = WorkerInfo(config.worker_id, config.model_names, config.hash_algo, MEDIUM_GPU)
+    template = load_chat_template(config.chat_template, config.tokenizer)
+    http = WorkerHTTP(engine, tokenizer, info, config.max_body_bytes, config.keys, template)
     engine.start()
     engine_exited = asyncio.ensure_future(asyncio.to_thread(engine.join))
     try:
@@ -409,6 +445,7 @@ def main(argv: Sequence[str]) -> int:
     except (
         PoolError,
         TokenizerError,
+        ChatTemplateError,
         EndpointError,
         AuthKeyError,
         OSError,

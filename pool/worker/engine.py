@@ -13,6 +13,7 @@ events (evictions before the stores of the same allocation) as one batch, if any
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -29,9 +30,16 @@ from pool.errors import InvalidRequestError, PoolError
 from pool.kv_cache_manager import KVCacheManager
 from pool.snapshot import CachedChains
 from pool.worker.model import DecoderModel, ForwardItem
-from pool.worker.outputs import EngineStats, OutputSink, RequestFailure, RequestOutput, Snapshot
+from pool.worker.outputs import (
+    EngineStats,
+    OutputSink,
+    RequestFailure,
+    RequestOutput,
+    Snapshot,
+    TokenLogprobs,
+)
 from pool.worker.paged_cache import PagedKVCache
-from pool.worker.sampling import Sampler, SamplingError, SamplingParams
+from pool.worker.sampling import Sampler, SamplingError, SamplingParams, token_logprobs
 from pool.worker.scheduler import Scheduled, Scheduler
 
 __all__ = [
@@ -218,11 +226,21 @@ class Engine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         sink: OutputSink,
+        *,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; its outputs go to ``sink`` on the engine thread.
 
         Should the loop end before taking the request, ``sink`` gets ``"abort"`` on the
         calling thread.
+
+        Args:
+            request_id: Unique among the requests in flight.
+            prompt_token_ids: The prompt.
+            params: How to generate.
+            sink: Gets the request's outputs.
+            cache_salt: Hashed into the first block's hash (vLLM's ``cache_salt``), so
+                only requests with the same salt share cached blocks.
 
         Raises:
             InvalidRequestError: The request could never be served.
@@ -231,7 +249,7 @@ class Engine:
         self.validate(prompt_token_ids, params)
         if not self._accepting:
             raise EngineClosedError("the worker is shutting down and takes no new requests")
-        request = self.kv.make_request(request_id, prompt_token_ids)
+        request = self.kv.make_request(request_id, prompt_token_ids, cache_salt=cache_salt)
         generator = params.make_generator(self.model.device)
         seq = _Sequence(request, params=params, sink=sink, generator=generator)
         self._put(
@@ -413,12 +431,14 @@ class Engine:
         tokens = self._sampler.sample(
             logits[rows], [seq.params for seq in sampling], [seq.generator for seq in sampling]
         )
-        for seq, token in zip(sampling, tokens, strict=True):
+        for row, seq, token in zip(rows, sampling, tokens, strict=True):
             if isinstance(token, SamplingError):
                 self._fail(seq, "sampling", token)
                 continue
             try:
-                self._append(seq, token)
+                num_top = seq.params.logprobs
+                logprobs = None if num_top is None else token_logprobs(logits[row], token, num_top)
+                self._append(seq, token, logprobs)
             except Exception as exc:
                 self._fail(seq, "engine", exc)
 
@@ -464,7 +484,7 @@ class Engine:
             self.kv.get_block_ids(request.request_id),
         )
 
-    def _append(self, seq: _Sequence, token: int) -> None:
+    def _append(self, seq: _Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
         request = seq.request
         request.append_output_token_ids(token)
         reason = None
@@ -474,7 +494,10 @@ class Engine:
             reason = "length"
         if reason is not None:
             self._scheduler.finish(seq)
-        seq.sink(self._output(seq, [token], reason))
+        out = self._output(seq, [token], reason)
+        if logprobs is not None:
+            out = dataclasses.replace(out, logprobs=(logprobs,))
+        seq.sink(out)
 
     def _fail(self, seq: _Sequence, stage: str, exc: Exception) -> None:
         """End one request with ``"error"``: release its blocks, count it, tell its sink."""

@@ -11,10 +11,11 @@ Three aiohttp middlewares, outermost first (:func:`guard_middlewares`):
    ``kvroute_worker_client_aborts_total{stage}``: it is no server error.
 2. **Keys**: with an admin key, ``POST /v1/reset_prefix_cache`` and ``GET /v1/snapshot``
    need ``Authorization: Bearer <admin key>``; with an API key, ``POST /v1/completions``
-   needs the API key (the admin key also passes). A missing or wrong key gets 401
-   ``authentication_error`` with ``WWW-Authenticate: Bearer``. ``/health``, ``/ready``
-   and ``/metrics`` stay open: probes and scrapers carry no key, and none of them reveals
-   a prompt or a cached token.
+   and ``/v1/chat/completions`` need the API key (the admin key also passes). A missing
+   or wrong key gets 401 ``authentication_error`` with ``WWW-Authenticate: Bearer``.
+   ``/health``, ``/ready``, ``/metrics``, ``/v1/models``, ``/tokenize`` and
+   ``/detokenize`` stay open (as vLLM leaves ``/tokenize`` open): probes, scrapers and
+   routers carry no key, and none of them reveals a prompt or a cached token.
 3. **JSON only**: a POST with a body must say ``Content-Type: application/json``
    (charset, if any, UTF-8), and no POST may carry a type a browser sends cross-site
    without a CORS preflight (form encodings, ``text/plain``), even with an empty body;
@@ -49,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 ADMIN_PATHS: Final = frozenset({"/v1/reset_prefix_cache", "/v1/snapshot"})
 """Routes that change or reveal the cache: behind the admin key."""
-INFERENCE_PATHS: Final = frozenset({"/v1/completions"})
+INFERENCE_PATHS: Final = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Routes that run the model: behind the API key."""
 _JSON: Final = "application/json"
 # The types a cross-site <form> or a no-cors fetch may send without a preflight.

@@ -1,4 +1,4 @@
-"""The worker's HTTP API (aiohttp): completions, health, metrics, prefix-cache reset, snapshot.
+"""The worker's HTTP API (aiohttp): OpenAI completions and chat, models, tokenizer, health, cache.
 
 Handlers run on the asyncio loop and never touch the engine's state directly: requests go
 to the engine thread through :meth:`Engine.submit` / :meth:`Engine.call`, and outputs come
@@ -6,13 +6,15 @@ back through ``loop.call_soon_threadsafe`` into a per-request queue.
 
 Endpoints:
 
-* ``POST /v1/completions``: OpenAI-style completions (see :mod:`pool.worker.completions` for the
-  body and response); with ``"stream": true``, Server-Sent Events: one ``data: {chunk}``
-  per generated token (``choices[0].text`` the new text, ``token_ids`` the new ids), the
-  last chunk with ``finish_reason`` and ``usage``, then ``data: [DONE]``.
-  A request that fails in the engine (its forward pass or its sampling raised) gets 500
-  ``{"error": {"message", "type": "request_failed"}}`` (in a stream: a last ``data:
-  {"error": ...}`` event, then ``data: [DONE]``); the engine and other requests go on.
+* ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's (bodies:
+  :mod:`pool.worker.completions`; answers and streams: :mod:`pool.worker.responses`; how
+  choices run and fail: :mod:`pool.worker.generation`). A ``model`` the worker does not
+  serve gets 404 ``{"error": {"message", "type": "invalid_request_error", "param":
+  null, "code": "model_not_found"}}``, OpenAI's answer; a parameter it does not support
+  (or a harmless one at a value that would change the output) a 400 naming it in
+  ``param``.
+* ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``: vLLM's shapes
+  (:mod:`pool.worker.model_api`).
 * ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "lifetime_id", "running",
   "waiting", "free_blocks", "total_blocks", "usage", "queued_prefill_tokens",
   "decode_tokens"}`` (the load figures the router's cost model reads); 503 while draining,
@@ -54,38 +56,37 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
+import functools
 import logging
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Final, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from events.chat_template import BuiltinChatTemplate, ChatTemplate
 from events.request_ids import REQUEST_ID_HEADER, printable_id
 from events.tokenizer import Tokenizer
 from pool.snapshot import new_lifetime_id
-from pool.worker.completions import (
-    CompletionRequestError,
-    IncrementalText,
-    completion_chunk,
-    parse_completion_request,
-    usage,
-)
-from pool.worker.engine import Engine, EngineClosedError, InvalidRequestError
-from pool.worker.guards import AccessKeys, error_body, error_response, guard_middlewares
-from pool.worker.outputs import EngineStats, RequestOutput
+from pool.worker.body_fields import CompletionRequestError, ModelNotFoundError
+from pool.worker.completions import parse_chat_request, parse_completion_request
+from pool.worker.engine import Engine, EngineClosedError
+from pool.worker.generation import Generation
+from pool.worker.guards import AccessKeys, error_body, guard_middlewares
+from pool.worker.model_api import ModelAPI
+from pool.worker.outputs import EngineStats
+from pool.worker.responses import AnswerShape
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "WorkerHTTP", "WorkerInfo"]
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_MODEL_NAME", "WorkerHTTP", "WorkerInfo"]
 
 logger = logging.getLogger(__name__)
 
 _ENGINE_TIMEOUT_S: Final = 30.0
-_LIVENESS_CHECK_S: Final = 5.0
+DEFAULT_MODEL_NAME: Final = "kvroute-tiny"
+"""The name a worker with random weights serves under (``--served-model-name``)."""
 DEFAULT_MAX_BODY_BYTES: Final = 8 * 1024 * 1024
 T = TypeVar("T")
 FAILURE_REASONS: Final = ("forward", "sampling", "engine", "engine_stopped", "handler")
@@ -102,7 +103,8 @@ class WorkerInfo:
 
     Attributes:
         worker_id: The worker's id in the cluster.
-        model_name: The ``model`` field of completions.
+        served_model_names: The model names it answers to (``--served-model-name``); the
+            first is the ``model`` of answers to requests that name none.
         hash_algo: The block hash algorithm of its events.
         medium: The ``medium`` of its events.
         lifetime_id: Names this process's publisher lifetime (its seqs start at 0); a
@@ -110,7 +112,7 @@ class WorkerInfo:
     """
 
     worker_id: str
-    model_name: str = "kvroute-tiny"
+    served_model_names: tuple[str, ...] = (DEFAULT_MODEL_NAME,)
     hash_algo: str = "sha256_cbor"
     medium: str = "GPU"
     lifetime_id: str = field(default_factory=new_lifetime_id)
@@ -204,6 +206,7 @@ class WorkerHTTP:
         info: Identity of the worker.
         max_body_bytes: Largest request body accepted; larger ones get a JSON 413.
         keys: The bearer keys asked for (none by default).
+        chat_template: Renders chat messages (the built-in template by default).
     """
 
     def __init__(
@@ -213,10 +216,12 @@ class WorkerHTTP:
         info: WorkerInfo,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         keys: AccessKeys | None = None,
+        chat_template: ChatTemplate | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.info = info
+        self.chat_template = chat_template or BuiltinChatTemplate()
         self.registry = CollectorRegistry()
         self._collector = _EngineCollector()
         self.registry.register(self._collector)
@@ -226,15 +231,14 @@ class WorkerHTTP:
             registry=self.registry,
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
         )
-        self._requests = Counter(
-            "kvroute_worker_requests",
-            "Completions finished, by finish reason.",
-            ["finish_reason"],
-            registry=self.registry,
-        )
         engine.step_observer = self.step_seconds.observe
-        self._tokens = Counter(
-            "kvroute_worker_tokens", "Tokens served, by kind.", ["kind"], registry=self.registry
+        self._generation = Generation(engine, tokenizer, self.registry, self._count_failure)
+        self._models = ModelAPI(
+            info.served_model_names,
+            tokenizer,
+            self.chat_template,
+            engine.max_request_tokens,
+            engine.model.config.vocab_size,
         )
         self._client_aborts = Counter(
             "kvroute_worker_client_aborts",
@@ -254,7 +258,11 @@ class WorkerHTTP:
         self.app.on_response_prepare.append(_echo_request_id)
         self.app.add_routes(
             [
-                web.post("/v1/completions", self._completions),
+                web.post("/v1/completions", _request_errors(self._completions)),
+                web.post("/v1/chat/completions", _request_errors(self._chat)),
+                web.get("/v1/models", self._models.models),
+                web.post("/tokenize", _request_errors(self._models.tokenize)),
+                web.post("/detokenize", _request_errors(self._models.detokenize)),
                 web.get("/health", self._health),
                 web.get("/ready", self._ready),
                 web.get("/metrics", self._metrics),
@@ -287,119 +295,26 @@ class WorkerHTTP:
     # ------------------------------------------------------------------ handlers
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            parsed = parse_completion_request(await request.read(), self.tokenizer)
-            self.engine.validate(parsed.prompt_token_ids, parsed.params)
-        except (CompletionRequestError, InvalidRequestError) as exc:
-            return error_response(400, str(exc))
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        # Unique whatever the client sends; its X-Request-Id (the router's) as a suffix
-        # finds the request in this worker's logs and answers.
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        client_id = printable_id(request.headers.get(REQUEST_ID_HEADER))
-        if client_id is not None:
-            request_id += f"-{client_id}"
-
-        def deliver(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
-        try:
-            self.engine.submit(request_id, parsed.prompt_token_ids, parsed.params, deliver)
-        except EngineClosedError as exc:
-            return error_response(503, str(exc), "unavailable")
-        finished = False
-        try:
-            if parsed.stream:
-                response = await self._stream(request, request_id, outputs)
-            else:
-                response = await self._collect(request_id, outputs)
-            finished = True
-            return response
-        finally:
-            if not finished:  # the client went away (or the handler failed)
-                self.engine.abort(request_id)
-                self._requests.labels("abort").inc()
-
-    async def _collect(
-        self, request_id: str, outputs: asyncio.Queue[RequestOutput]
-    ) -> web.Response:
-        token_ids: list[int] = []
-        last: RequestOutput | None = None
-        async for last in self._until_finished(request_id, outputs):
-            token_ids.extend(last.new_token_ids)
-        assert last is not None  # the iterator always ends with a finished output
-        self._count(last)
-        failed = self._failure(last)
-        if failed is not None:
-            status, error = failed
-            return web.json_response(error, status=status)
-        text = self.tokenizer.decode(token_ids)
-        body = completion_chunk(
-            request_id, self.info.model_name, text, token_ids, last.finish_reason
+        parsed = parse_completion_request(
+            await request.read(), self.tokenizer, self.info.served_model_names
         )
-        body["usage"] = usage(last)
-        return web.json_response(body)
+        shape = AnswerShape(
+            "completion", parsed.model, self.tokenizer, parsed.include_usage, _client_id(request)
+        )
+        return await self._generation.serve(request, parsed, shape)
 
-    async def _stream(
-        self, request: web.Request, request_id: str, outputs: asyncio.Queue[RequestOutput]
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        response.headers["Cache-Control"] = "no-cache"
-        await response.prepare(request)
-        text = IncrementalText(self.tokenizer)
-        async for out in self._until_finished(request_id, outputs):
-            failed = self._failure(out) if out.finished else None
-            if failed is not None:  # the status line is sent: the error is the last event
-                self._count(out)
-                await response.write(f"data: {json.dumps(failed[1])}\n\n".encode())
-                break
-            delta = text.push(out.new_token_ids, out.finished)
-            chunk = completion_chunk(
-                request_id, self.info.model_name, delta, out.new_token_ids, out.finish_reason
-            )
-            if out.finished:
-                self._count(out)
-                chunk["usage"] = usage(out)
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
-
-    def _failure(self, last: RequestOutput) -> tuple[int, dict[str, Any]] | None:
-        """Status and JSON error of a request the engine failed or cut off; else ``None``."""
-        if last.finish_reason == "error":
-            assert last.failure is not None
-            message = (
-                f"this request failed in the worker's engine ({last.failure.stage}): "
-                f"{last.failure.message}; the worker and its other requests go on"
-            )
-            return 500, error_body(message, "request_failed")
-        if last.finish_reason == "abort":
-            self._count_failure("engine_stopped")
-            return 503, error_body("the request was aborted: the engine stopped", "unavailable")
-        return None
-
-    async def _until_finished(
-        self, request_id: str, outputs: asyncio.Queue[RequestOutput]
-    ) -> AsyncIterator[RequestOutput]:
-        """The outputs of one request; ends with an ``"abort"`` one if the engine dies."""
-        while True:
-            try:
-                out = await asyncio.wait_for(outputs.get(), _LIVENESS_CHECK_S)
-            except asyncio.TimeoutError:
-                if self.engine.is_running or not outputs.empty():
-                    continue
-                logger.error("the engine loop is gone; aborting request %s", request_id)
-                out = RequestOutput(request_id, [], "abort", 0, 0, 0)
-            yield out
-            if out.finished:
-                return
-
-    def _count(self, last: RequestOutput) -> None:
-        self._requests.labels(last.finish_reason).inc()
-        self._tokens.labels("prompt").inc(last.num_prompt_tokens)
-        self._tokens.labels("generated").inc(last.num_output_tokens)
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        parsed = parse_chat_request(
+            await request.read(),
+            self.tokenizer,
+            self.chat_template,
+            self.info.served_model_names,
+            self.engine.max_request_tokens,
+        )
+        shape = AnswerShape(
+            "chat", parsed.model, self.tokenizer, parsed.include_usage, _client_id(request)
+        )
+        return await self._generation.serve(request, parsed, shape)
 
     def _count_failure(self, reason: str) -> None:
         self._collector.http_failures[reason] += 1
@@ -474,3 +389,30 @@ class WorkerHTTP:
             "runs": snap.runs,
         }
         return web.json_response(body)
+
+
+def _client_id(request: web.Request) -> str | None:
+    """The client's ``X-Request-Id`` when it is a printable id (else none)."""
+    return printable_id(request.headers.get(REQUEST_ID_HEADER))
+
+
+def _request_errors(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """``handler`` with its request errors answered as OpenAI does: 400 naming the
+    parameter, 404 ``model_not_found`` for a model not served."""
+
+    @functools.wraps(handler)
+    async def answer(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ModelNotFoundError as exc:
+            body = error_body(str(exc))
+            body["error"].update(param=None, code="model_not_found")
+            return web.json_response(body, status=404)
+        except CompletionRequestError as exc:
+            body = error_body(str(exc))
+            body["error"].update(param=exc.param, code=None)
+            return web.json_response(body, status=400)
+
+    return answer

@@ -7,7 +7,30 @@ from dataclasses import dataclass, field
 
 from pool.snapshot import ChainRun
 
-__all__ = ["EngineStats", "OutputSink", "RequestFailure", "RequestOutput", "Snapshot"]
+__all__ = [
+    "EngineStats",
+    "OutputSink",
+    "RequestFailure",
+    "RequestOutput",
+    "Snapshot",
+    "TokenLogprobs",
+]
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The log probabilities reported with one sampled token.
+
+    Attributes:
+        token_id: The sampled token.
+        logprob: Its log probability.
+        top: ``(token id, log probability)`` of the likeliest tokens, likeliest first
+            (as many as the request asked for; the sampled one may be among them).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +62,8 @@ class RequestOutput:
         num_cached_tokens: Prompt tokens found in the prefix cache at first admission.
         num_output_tokens: Tokens generated so far.
         failure: Why the request failed, with ``finish_reason == "error"`` only.
+        logprobs: One entry per token of ``new_token_ids`` when the request asked for
+            logprobs, else ``None``.
     """
 
     request_id: str
@@ -48,6 +73,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     failure: RequestFailure | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,10 @@ The limits follow vLLM's (and OpenAI's) so a body that vLLM accepts behaves the 
 * ``top_p`` is in ``(0, 1]`` (1: off); ``top_k`` is -1 or 0 (off) or at least 1, and a
   ``top_k`` above the vocabulary keeps every token.
 * ``seed`` fits a signed 64-bit integer (vLLM's bound); -1 means no seed, as in vLLM.
+* ``logprobs`` (the number of likeliest alternatives reported with each sampled token) is
+  in ``[0, MAX_LOGPROBS]``, vLLM's default ``max_logprobs``. Like vLLM's default
+  (``raw_logprobs``), they are the log-softmax of the model's logits before temperature,
+  top-k and top-p.
 
 Drawing never lets one request's numbers take the batch down: each row that cannot be
 sampled (non-finite logits from the model, or a draw that fails) comes back as a
@@ -24,8 +28,10 @@ from typing import Final
 import torch
 
 from pool.errors import InvalidRequestError, PoolError
+from pool.worker.outputs import TokenLogprobs
 
 __all__ = [
+    "MAX_LOGPROBS",
     "MAX_TEMPERATURE",
     "MIN_TEMPERATURE",
     "SEED_MAX",
@@ -33,6 +39,7 @@ __all__ = [
     "Sampler",
     "SamplingError",
     "SamplingParams",
+    "token_logprobs",
 ]
 
 MIN_TEMPERATURE: Final = 0.01
@@ -43,6 +50,8 @@ SEED_MIN: Final = -(2**63)
 """The smallest seed accepted (a signed 64-bit integer, as vLLM's API)."""
 SEED_MAX: Final = 2**63 - 1
 """The largest seed accepted."""
+MAX_LOGPROBS: Final = 20
+"""The most alternatives a request may ask logprobs of (vLLM's default ``max_logprobs``)."""
 _NO_SEED: Final = -1
 """A seed of -1 asks for no seed (vLLM's convention)."""
 
@@ -64,6 +73,8 @@ class SamplingParams:
         top_p: Sample from the smallest set of tokens whose probability reaches it
             (nucleus sampling); 1 keeps every token.
         top_k: Sample from the ``top_k`` likeliest tokens; 0 or -1 keep every token.
+        logprobs: Report each sampled token's log probability and those of the
+            ``logprobs`` likeliest tokens; ``None``: none reported.
     """
 
     max_tokens: int = 16
@@ -72,6 +83,7 @@ class SamplingParams:
     seed: int | None = None
     top_p: float = 1.0
     top_k: int = 0
+    logprobs: int | None = None
 
     def check(self) -> None:
         """Reject values outside the limits in this module's docstring.
@@ -100,6 +112,10 @@ class SamplingParams:
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise InvalidRequestError(
                 f"seed must be a signed 64-bit integer ({SEED_MIN} to {SEED_MAX}), got {self.seed}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
             )
 
     @property
@@ -192,3 +208,19 @@ class Sampler:
                 "finite (a logit overflows float32 once divided by the temperature)"
             )
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    """The log probability of ``token_id`` and of the ``num_top`` likeliest tokens.
+
+    Args:
+        row: One request's logits (``[vocab]``, finite), before any sampling transform.
+        token_id: The sampled token.
+        num_top: How many of the likeliest tokens to report (at most the vocabulary).
+    """
+    logprobs = torch.log_softmax(row.float(), -1)
+    top = torch.topk(logprobs, min(num_top, logprobs.shape[-1])) if num_top else None
+    top_pairs: list[tuple[int, float]] = []
+    if top is not None:
+        top_pairs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return TokenLogprobs(token_id, float(logprobs[token_id]), tuple(top_pairs))

@@ -59,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tokenizer",
         metavar="FILE",
-        help="tokenizer.json for --prompt (default: the byte-level tokenizer workers use)",
+        help="tokenizer.json or model directory for --prompt, encoded as the router encodes a "
+        "completion's text (special tokens included) (default: the byte-level tokenizer "
+        "workers use)",
     )
     p.add_argument(
         "--decisions",
@@ -251,7 +253,8 @@ async def _run(args: argparse.Namespace) -> int:
     if args.tokens is not None:
         token_ids = read_token_file(args.tokens)
     else:
-        token_ids = load_tokenizer(args.tokenizer).encode(args.prompt)
+        # As the router keys a completion's text: with the tokenizer's special tokens.
+        token_ids = load_tokenizer(args.tokenizer).encode(args.prompt, add_special_tokens=True)
     span = log_span(args.log)
     at_ts = parse_at(args.at, span)
     keyer = RouterKeyer(args.seed)

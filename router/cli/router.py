@@ -41,8 +41,10 @@ from router.front.accuracy import AccuracyConfig
 from router.front.app import guards
 from router.front.breaker import BreakerConfig
 from router.front.config import RequestLimits, RouterConfig
+from router.front.engine_tokenizer import DEFAULT_CACHE_TOKENS
 from router.front.proxy import ProxyConfig
 from router.front.service import RouterService
+from router.front.tokenization import TokenizerSources
 from router.front.tracing import wants_tracing
 from router.ingest._native.runs import NATIVE_RUNS
 from router.routing.policies import DEFAULT_POLICY, POLICY_NAMES, PolicyConfig
@@ -59,7 +61,7 @@ logger = logging.getLogger(__name__)
 
 _WORKER_USAGE = (
     "ID=HTTP_URL,events=ENDPOINT[,replay=ENDPOINT][,topic=T][,block-size=N][,kind=vllm]"
-    "[,server_key=FILE]"
+    "[,model=NAME]...[,server_key=FILE]"
 )
 
 # Defaults of the settings (slotted dataclasses keep them on instances only).
@@ -68,6 +70,7 @@ _BREAKER = BreakerConfig()
 _LIMITS = RequestLimits()
 _ACCURACY = AccuracyConfig()
 _SESSIONS = SessionConfig()
+_TOKENIZERS = TokenizerSources()
 
 
 class RouterCliError(RouterError, ValueError):
@@ -88,13 +91,19 @@ def parse_worker_flag(spec: str) -> WorkerRecord:
     names = {"events": "events_endpoint", "replay": "replay_endpoint", "topic": "topic",
              "block-size": "block_size", "block_size": "block_size", "kind": "kind",
              "server_key": "server_key"}  # fmt: skip
+    models: list[str] = []
     for option in options:
         name, sep, value = option.partition("=")
+        if sep and name == "model":  # repeatable: one per model the worker serves
+            models.append(value)
+            continue
         if not sep or name not in names:
             raise RouterCliError(
                 f"--worker {spec!r}: bad option {option!r}; expected {_WORKER_USAGE}"
             )
         fields[names[name]] = value
+    if models:
+        fields["models"] = models
     if "events_endpoint" not in fields:
         raise RouterCliError(
             f"--worker {spec!r}: events=ENDPOINT is required; expected {_WORKER_USAGE}"
@@ -167,10 +176,13 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
         ("--seed", int, "seed of the sampling policies (default: 0)"),
         ("--decision-log", str, "append one JSON line per routing decision to this file "
          "(read by kvroute explain)"),
-        ("--tokenizer", str, "Hugging Face tokenizer.json; must be the workers' own (default: "
-         "the byte-level tokenizer, as the workers')"),
-        ("--chat-template", str, "tokenizer_config.json whose chat_template renders chat "
-         "requests (default: a built-in <|role|> template)"),
+        ("--chat-template", str, "file whose chat template renders chat requests for every "
+         "local --tokenizer: a tokenizer_config.json or a Jinja2 file (default: the "
+         "tokenizer directory's own, else the built-in <|role|> template of kvroute workers)"),
+        ("--tokenize-cache-tokens", int, "token ids the cache of the engines' POST /tokenize "
+         f"answers holds, 4 bytes each (default: {DEFAULT_CACHE_TOKENS})"),
+        ("--tokenize-timeout-s", float, "seconds to wait for one worker's POST /tokenize "
+         f"answer before asking the next (default: {_TOKENIZERS.timeout_s:g})"),
         ("--max-body-bytes", int, "largest request body accepted (default: 4194304)"),
         ("--max-prompt-tokens", int, "longest prompt accepted, in tokens (default: 131072)"),
         ("--lease-ttl-s", float, "seconds of a worker's index lease; a dead worker or router is "
@@ -260,9 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         "index and routes each request to the worker that holds most of its prefix without "
         "overloading it. Several replicas may share one Redis and namespace.",
         epilog="Keys: --admin-key guards GET/POST /v1/workers and PUT/DELETE /v1/workers/ID; "
-        "--api-key guards /v1/completions, /v1/chat/completions and /v1/route (the admin key "
-        "works there too). Without a key its endpoints are open: keep the router on loopback "
-        "or set both. /health and /metrics are always open.",
+        "--api-key guards /v1/completions, /v1/chat/completions, /v1/route and GET /v1/models "
+        "(the admin key works there too). Without a key its endpoints are open: keep the "
+        "router on loopback or set both. /health and /metrics are always open.",
     )
     for flag, kind, meaning in _flags():
         add_flag(p, flag, aliases=_ALIASES.get(flag, ()), type=kind, meaning=meaning)
@@ -275,6 +287,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help=f"register a worker: {_WORKER_USAGE} (repeatable)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        action="append",
+        metavar="[MODEL=]PATH",
+        help="the served model's tokenizer: its tokenizer.json, or its model directory "
+        "(tokenizer.json, and tokenizer_config.json whose chat template renders chat "
+        "requests); MODEL=PATH for one model, PATH alone for every model without its own; "
+        "repeatable. It must be the engines' own, or no prefix ever matches (default: the "
+        "byte-level tokenizer of kvroute workers; a kind=vllm worker needs this or "
+        "--tokenize-via-engine)",
+    )
+    p.add_argument(
+        "--tokenize-via-engine",
+        action="append",
+        nargs="?",
+        const="",
+        metavar="MODEL",
+        help="ask a worker of the model for the token ids (POST /tokenize, chat messages "
+        "included: vLLM's endpoint, and the kvroute worker's), cached "
+        "(--tokenize-cache-tokens); without MODEL, for every model without a --tokenizer; "
+        "repeatable",
     )
     p.add_argument(
         "--allow-worker-net",
@@ -375,6 +409,13 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
             ttl_s=float(pick("session_ttl_s", _SESSIONS.ttl_s)),
             max_entries=int(pick("session_max_entries", _SESSIONS.max_entries)),
         )
+        tokenizers = TokenizerSources.from_flags(
+            _strings(pick("tokenizer", None)),
+            _strings(pick("tokenize_via_engine", None)),
+            chat_template=pick("chat_template", None),
+            cache_tokens=int(pick("tokenize_cache_tokens", DEFAULT_CACHE_TOKENS)),
+            timeout_s=float(pick("tokenize_timeout_s", _TOKENIZERS.timeout_s)),
+        )
     except (TypeError, ValueError, RouterError) as exc:
         raise RouterCliError(f"invalid setting: {exc}") from exc
     workers = _config_workers(file.get("workers", [])) + [parse_worker_flag(s) for s in args.worker]
@@ -402,8 +443,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         workers=tuple(workers),
         policy=pick("policy", DEFAULT_POLICY),
         policy_config=policy_config,
-        tokenizer=pick("tokenizer", None),
-        chat_template=pick("chat_template", None),
+        tokenizers=tokenizers,
         decision_log=pick("decision_log", None),
         limits=limits,
         proxy=proxy,
@@ -426,6 +466,20 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         otel=wants_tracing(bool(pick("otel", False)), os.environ),
         otel_required=bool(pick("otel", False)),
     )
+
+
+def _strings(value: Any) -> list[str]:
+    """A repeatable setting as a list: flags give a list, a config file a string, a list,
+    or ``true`` (a bare flag, as ``--tokenize-via-engine`` alone)."""
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [""]
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ValueError(f"expected a string or a list of strings, got {value!r}")
 
 
 def _positive(name: str, value: Any) -> float:

@@ -41,7 +41,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ADMIN_ENDPOINTS: Final = "GET/POST /v1/workers, PUT/DELETE /v1/workers/{id}"
-INFERENCE_ENDPOINTS: Final = "POST /v1/completions, /v1/chat/completions, /v1/route"
+INFERENCE_ENDPOINTS: Final = "POST /v1/completions, /v1/chat/completions, /v1/route, GET /v1/models"
 _BODY_METHODS: Final = frozenset({"POST", "PUT"})
 _REFUSAL_LOG_INTERVAL_S: Final = 60.0
 

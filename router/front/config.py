@@ -14,6 +14,7 @@ from events.subscriber import SubscriberConfig
 from router.front.accuracy import AccuracyConfig
 from router.front.breaker import BreakerConfig
 from router.front.proxy import ProxyConfig
+from router.front.tokenization import TokenizerSources
 from router.routing.policies import DEFAULT_POLICY, PolicyConfig
 from router.routing.sessions import SessionConfig
 from router.workers.registry import WorkerRecord
@@ -54,10 +55,8 @@ class RouterConfig:
         policy: Routing policy name (see :data:`router.routing.policies.POLICY_NAMES`).
         policy_config: Cost weights and policy settings.
         key_seed: Router key seed (must match across replicas).
-        tokenizer: ``tokenizer.json`` path, or ``None`` for the byte-level default; must
-            be the workers' own.
-        chat_template: ``tokenizer_config.json`` whose ``chat_template`` renders chat
-            requests, or ``None`` for the built-in template.
+        tokenizers: Where each model's token ids come from (local tokenizers, the
+            engines' ``POST /tokenize``); they must be the workers' own.
         decision_log: File that gets one JSON line per routing decision.
         limits: Request size limits.
         proxy: Forwarding timeouts and attempts.
@@ -104,8 +103,7 @@ class RouterConfig:
     policy: str = DEFAULT_POLICY
     policy_config: PolicyConfig = field(default_factory=PolicyConfig)
     key_seed: int = 0
-    tokenizer: str | None = None
-    chat_template: str | None = None
+    tokenizers: TokenizerSources = field(default_factory=TokenizerSources)
     decision_log: str | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)

@@ -183,14 +183,16 @@ class AttemptObserver(Protocol):
 
 
 class ResponseRewriter(Protocol):
-    """Rewrites a worker's completion answer into another shape (e.g. chat)."""
+    """Rewrites a worker's answer before it goes to the client (e.g. hides what the router
+    asked for its own accounting)."""
 
     def rewrite_body(self, body: bytes) -> bytes:
         """A buffered JSON body."""
         ...
 
-    def rewrite_event(self, data: bytes) -> bytes:
-        """The payload of one ``data:`` line of a stream (``[DONE]`` included)."""
+    def rewrite_event(self, data: bytes) -> bytes | None:
+        """The payload of one ``data:`` line of a stream (``[DONE]`` included); ``None``
+        drops the event."""
         ...
 
 
@@ -514,6 +516,7 @@ class WorkerProxy:
         response.headers[WORKER_HEADER] = target.worker_id
         answer = _Answer(response, upstream.status)
         await response.prepare(request)
+        dropped = False  # the event just dropped: its blank line goes too
         try:
             while line:
                 if line.startswith(b"data:"):
@@ -523,9 +526,14 @@ class WorkerProxy:
                         if usage is not None:
                             answer.usage, answer.model = usage, model
                     if rewriter is not None:
-                        line = b"data: " + rewriter.rewrite_event(data) + b"\n"
+                        rewritten = rewriter.rewrite_event(data)
+                        dropped = rewritten is None
+                        line = b"" if rewritten is None else b"data: " + rewritten + b"\n"
+                elif dropped and not line.strip():
+                    line, dropped = b"", False
                 try:
-                    await response.write(line)
+                    if line:
+                        await response.write(line)
                 except ConnectionResetError:
                     # The client left: leaving this block closes the worker's stream too,
                     # so the worker aborts the request.

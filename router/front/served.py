@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from events.identity import WorkerId
 from router.front.accuracy import RoutingAccuracy, expected_hit_tokens, reported_usage
@@ -27,24 +26,7 @@ from router.front.proxy import AttemptObserver, AttemptOutcome, ProxyResult, Pro
 from router.routing.policies import Decision
 from router.routing.sessions import SessionTable
 
-__all__ = ["RequestTiming", "ServedLedger", "ServedRequest", "ask_for_usage"]
-
-
-def ask_for_usage(body: Any) -> Any:
-    """A streamed completion body (decoded JSON), made to ask the worker for ``usage`` in
-    its last chunk.
-
-    The ledger needs every request's reported hit; vLLM streams ``usage`` only with
-    ``stream_options.include_usage`` (kvroute workers always send it). A
-    ``stream_options`` that is not an object is left for the worker to judge.
-    """
-    if isinstance(body, dict):
-        options = body.get("stream_options")
-        if options is None:
-            body["stream_options"] = {"include_usage": True}
-        elif isinstance(options, dict):
-            options["include_usage"] = True
-    return body
+__all__ = ["RequestTiming", "ServedLedger", "ServedRequest"]
 
 
 class RequestTiming:

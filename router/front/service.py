@@ -30,13 +30,12 @@ from aiohttp import web
 from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
 from events.subscriber import SubscriberConfig
-from events.tokenizer import Tokenizer, load_tokenizer
 from router.errors import RouterError
 from router.front.accuracy import AccuracyCollector, RoutingAccuracy
 from router.front.breaker import CircuitBreakers, CircuitState
-from router.front.chat import ChatTemplate, load_chat_template
 from router.front.config import RouterConfig
 from router.front.decision_log import DecisionLog
+from router.front.engine_tokenizer import EngineTokenizer, TokenCache
 from router.front.load_accounting import LoadAccounting
 from router.front.lookup import INDEX_ERRORS, IndexLookup
 from router.front.metrics import RouterMetrics
@@ -44,6 +43,7 @@ from router.front.model_labels import ModelLabels
 from router.front.proxy import ProxyTarget, WorkerProxy
 from router.front.request_context import RequestContext
 from router.front.served import ServedLedger
+from router.front.tokenization import RequestTokenizer
 from router.front.tracing import Tracing
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
@@ -66,6 +66,7 @@ from router.store.connection import RedisClient, RedisOptions, connect, redact_u
 from router.store.layout import KeyLayout
 from router.tasks.periodic import Periodic
 from router.workers.liveness import Liveness
+from router.workers.models import WorkerModels
 from router.workers.registration import RegistrationError, RegistrationPolicy
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
 
@@ -132,10 +133,10 @@ class RouterService:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.tokenizer: Tokenizer = load_tokenizer(config.tokenizer)
-        self.chat_template: ChatTemplate = load_chat_template(config.chat_template)
         self.policy = make_policy(config.policy, config.policy_config)
         self.metrics = RouterMetrics()
+        self.tokenizer = RequestTokenizer(config.tokenizers, self.metrics.registry)
+        self.models = WorkerModels()
         self.breakers = CircuitBreakers(config.breaker, on_open=self._circuit_opened)
         self.metrics.watch_circuits(
             lambda: {r.worker_id: self.breakers.state(r.worker_id) for r in self.workers}
@@ -205,6 +206,7 @@ class RouterService:
         cfg = self.config
         for record in cfg.workers:  # the operator's own workers: refused means misconfigured
             self.registration.check(record)
+            cfg.tokenizers.check(record)
         layout = KeyLayout(cfg.namespace)
         stack = self._stack
         self._client: RedisClient = await connect(cfg.redis_url)
@@ -253,7 +255,15 @@ class RouterService:
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         stack.push_async_callback(self._session.close)
         self.proxy = WorkerProxy(self._session, cfg.proxy, self.breakers)
-        self.poller = WorkerReportPoller(self.load, self._session, cfg.health_poll_s)
+        self.tokenizer.engine = EngineTokenizer(
+            self._session,
+            cfg.tokenizers.timeout_s,
+            TokenCache(cfg.tokenizers.cache_tokens),
+            self.metrics.registry,
+        )
+        self.poller = WorkerReportPoller(
+            self.load, self._session, cfg.health_poll_s, on_models=self.models.learn
+        )
         if cfg.decision_log is not None:
             self._decision_log = DecisionLog(cfg.decision_log)
             stack.callback(self._decision_log.close)
@@ -357,14 +367,19 @@ class RouterService:
         Returns:
             What happened: ``"created"``, ``"replaced"`` or ``"unchanged"``.
 
+        Its models (unless the registration names them) are read from its ``GET
+        /v1/models`` before this returns, so requests for them route to it at once.
+
         Raises:
-            router.workers.registration.RegistrationError: This router's policy refuses it.
+            router.workers.registration.RegistrationError: This router's policy refuses it,
+                or it is a vLLM worker whose model has no tokenizer.
             router.workers.registration.RegistrationConflict: Another registration is saved
                 and ``replace`` is False.
             redis.exceptions.RedisError: Redis is unreachable; nothing was saved.
             events.errors.EventsError: Its event stream cannot be subscribed to.
         """
         self.registration.check(record)
+        self.config.tokenizers.check(record)
         wid = record.worker_id
         outcome = await self.ingest.add_worker(record, replace=replace)
         current = self._records.get(wid)
@@ -372,6 +387,7 @@ class RouterService:
             self._drop_worker(wid)
         self._liveness.forget(wid)
         self._set_worker(record)
+        await self.poller.read_models(wid)
         return outcome
 
     async def remove_worker(self, worker_id: WorkerId) -> bool:
@@ -390,6 +406,7 @@ class RouterService:
     def _drop_worker(self, worker_id: WorkerId) -> None:
         self._records.pop(worker_id, None)
         self.poller.set_worker(worker_id, None)
+        self.models.forget(worker_id)
         self.breakers.forget(worker_id)
         self.served.accuracy.forget(worker_id)
         self._shares.forget(worker_id)
@@ -416,21 +433,37 @@ class RouterService:
 
     # -- routing -------------------------------------------------------------------------
 
-    def _proxied(self) -> list[WorkerRecord]:
+    def proxied(self) -> list[WorkerRecord]:
         """Registered workers with an HTTP URL (events-only ones: nowhere to proxy)."""
         return [r for r in self.workers if r.http_url]
 
-    def _candidates(self) -> list[WorkerRecord]:
-        """Workers a new request may go to.
+    def select_model(self, model: str | None) -> tuple[str | None, list[WorkerRecord]]:
+        """The model a request is for and the workers serving it (see
+        :meth:`router.workers.models.WorkerModels.select`), circuits not considered.
 
         Raises:
-            NoWorkersError: None is registered, or every one's circuit is open.
+            NoWorkersError: No worker with an HTTP URL is registered.
+            router.workers.models.ModelNotFoundError: No worker serves ``model``.
+            router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
+                models are served.
         """
-        records = self._proxied()
+        records = self.proxied()
         if not records:
             raise NoWorkersError(
                 "no worker with an HTTP URL is registered: add one with POST /v1/workers"
             )
+        return self.models.select(records, model)
+
+    def _candidates(self, model: str | None) -> list[WorkerRecord]:
+        """Workers a new request for ``model`` may go to.
+
+        Raises:
+            NoWorkersError: None is registered, or every one's circuit is open.
+            router.workers.models.ModelNotFoundError: No worker serves ``model``.
+            router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
+                models are served.
+        """
+        _, records = self.select_model(model)
         routable = [r for r in records if self.breakers.routable(r.worker_id)]
         if not routable:
             raise NoWorkersError(
@@ -452,17 +485,19 @@ class RouterService:
         *,
         cache_salt: str | None = None,
         record: bool = True,
+        model: str | None = None,
         context: RequestContext | None = None,
         session: str | None = None,
     ) -> Routed:
         """Choose a worker for a prompt.
 
         Args:
-            token_ids: The prompt's token ids.
+            token_ids: The prompt's token ids (empty: route on load alone).
             num_output_tokens: Expected output tokens (``max_tokens``).
             cache_salt: The request's cache salt, if any.
             record: Credit predicted entries, count metrics and log the decision (False
                 for a dry run, which changes nothing).
+            model: The request's ``model``: only workers serving it are candidates.
             context: The request's id and trace (for the decision log).
             session: The request's session key: the worker that served the session last
                 gets the session bonus (:mod:`router.routing.sessions`).
@@ -472,9 +507,12 @@ class RouterService:
 
         Raises:
             NoWorkersError: No worker is registered, or every one's circuit is open.
+            router.workers.models.ModelNotFoundError: No worker serves ``model``.
+            router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
+                models are served.
         """
         started = time.perf_counter()
-        records = self._candidates()
+        records = self._candidates(model)
         # Keyed once per block size among the candidates, prefixes counted in blocks of
         # the smallest (see router.routing.request_keys): a worker registered with another block
         # size never changes what the others match.
@@ -562,7 +600,7 @@ class RouterService:
 
     def readiness(self) -> Readiness:
         """Whether this replica can serve requests now, and why not."""
-        records = self._proxied()
+        records = self.proxied()
         if not records:
             return Readiness(False, ("no worker with an HTTP URL is registered",), ())
         routable: list[str] = []

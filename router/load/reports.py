@@ -1,15 +1,21 @@
-"""Workers' own load reports: ``/health`` of kvroute workers, ``/metrics`` of vLLM engines.
+"""Workers' own reports: load (``/health`` of kvroute workers, ``/metrics`` of vLLM
+engines) and the models they serve (``/v1/models`` of both).
 
 :class:`WorkerReportPoller` polls every worker in the background and hands what each
 reports to the :class:`router.load.shared.RedisLoadTracker`, which merges it with the
 routers' own counts; a worker that gives no HTTP answer at all is marked unreachable (the
-service drops it from routing after a while).
+service drops it from routing after a while). Every ``models_interval_s`` (and first
+thing for a new worker) it also reads the worker's ``GET /v1/models`` and hands the
+entries to an ``on_models`` callback (a vLLM engine lists its LoRA adapters there too,
+and loads them at run time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -19,8 +25,12 @@ from events.identity import WorkerId
 from router.load.model import WorkerLoad
 from router.load.shared import RedisLoadTracker
 from router.tasks.periodic import Periodic
+from router.workers.models import parse_model_list
 
-__all__ = ["WorkerReportPoller", "parse_health_load", "parse_vllm_metrics_load"]
+__all__ = ["ModelsCallback", "WorkerReportPoller", "parse_health_load", "parse_vllm_metrics_load"]
+
+ModelsCallback = Callable[[WorkerId, list[dict[str, Any]] | None], None]
+"""Hears a worker's ``/v1/models`` entries (``None``: it gave no model list)."""
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +92,8 @@ class WorkerReportPoller:
         session: The aiohttp client session to poll with.
         interval_s: Time between two polls of the whole cluster.
         timeout_s: Per-request timeout.
+        on_models: Hears each worker's model list when it is read.
+        models_interval_s: Time between two reads of one worker's model list.
     """
 
     def __init__(
@@ -90,10 +102,16 @@ class WorkerReportPoller:
         session: aiohttp.ClientSession,
         interval_s: float = 0.5,
         timeout_s: float = 1.0,
+        on_models: ModelsCallback | None = None,
+        models_interval_s: float = 10.0,
     ) -> None:
         self._tracker = tracker
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._on_models = on_models
+        self._models_interval_s = models_interval_s
+        # NOTE: worker -> monotonic time its model list is due (absent: due now).
+        self._models_due: dict[WorkerId, float] = {}
         self._urls: dict[WorkerId, str] = {}
         # NOTE: a worker is reachable until a poll of it fails (never polled: reachable).
         self._unreachable: set[WorkerId] = set()
@@ -101,6 +119,7 @@ class WorkerReportPoller:
 
     def set_worker(self, worker_id: WorkerId, url: str | None) -> None:
         """Start (``url``) or stop (``None``) polling a worker."""
+        self._models_due.pop(worker_id, None)
         if url is None:
             self._urls.pop(worker_id, None)
             self._unreachable.discard(worker_id)
@@ -117,9 +136,14 @@ class WorkerReportPoller:
         await self._loop.stop()
 
     async def poll_once(self) -> None:
-        """Poll every worker once, concurrently."""
+        """Poll every worker once, concurrently (and the model lists that are due)."""
         items = list(self._urls.items())
-        polls = await asyncio.gather(*(self._poll(url) for _, url in items))
+        now = time.monotonic()
+        due = [(w, url) for w, url in items if self._models_due.get(w, now) <= now]
+        polls, _ = await asyncio.gather(
+            asyncio.gather(*(self._poll(url) for _, url in items)),
+            asyncio.gather(*(self.read_models(w) for w, _ in due)),
+        )
         for (worker_id, _), (reachable, load) in zip(items, polls, strict=True):
             if worker_id in self._urls:  # not removed while polling
                 self._tracker.report(worker_id, load)
@@ -127,6 +151,24 @@ class WorkerReportPoller:
                     self._unreachable.discard(worker_id)
                 else:
                     self._unreachable.add(worker_id)
+
+    async def read_models(self, worker_id: WorkerId) -> None:
+        """Read one worker's ``GET /v1/models`` now and hand it to ``on_models``."""
+        url = self._urls.get(worker_id)
+        if url is None or self._on_models is None:
+            return
+        self._models_due[worker_id] = time.monotonic() + self._models_interval_s
+        entries = None
+        try:
+            async with self._session.get(f"{url}/v1/models", timeout=self._timeout) as resp:
+                if resp.status == 200:
+                    entries = parse_model_list(await resp.json(content_type=None))
+                else:
+                    logger.debug("models of %s unavailable: HTTP %d", url, resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            logger.debug("models of %s unavailable: %s", url, exc)
+        if worker_id in self._urls:  # not removed meanwhile
+            self._on_models(worker_id, entries)
 
     def is_reachable(self, worker_id: WorkerId) -> bool:
         """False when the last poll of the worker got no HTTP answer at all."""

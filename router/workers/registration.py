@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_BLOCK_SIZE",
+    "MAX_MODELS",
     "RegistrationConflict",
     "RegistrationError",
     "RegistrationPolicy",
@@ -63,6 +64,9 @@ most a few hundred (hybrid attention/Mamba models align them upward); the router
 every prompt into blocks of this size, so a huge value would make every prompt shorter
 than one block and silently disable prefix routing."""
 MAX_TOPIC_CHARS: Final = 256
+MAX_MODELS: Final = 256
+"""Most model names one registration may give."""
+MAX_MODEL_CHARS: Final = 256
 MAX_IPC_PATH_CHARS: Final = 107  # sun_path of a Unix socket, without its NUL
 _WORKER_ID: Final = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 _TCP: Final = re.compile(r"tcp://(\[[^\]]*\]|[^:\[\]]*):([0-9]+)")
@@ -102,8 +106,16 @@ class RegistrationConflict(RegistrationError):
 
 def differences(saved: WorkerRecord, requested: WorkerRecord) -> dict[str, tuple[object, object]]:
     """Field name -> ``(saved, requested)`` of each field where two records differ."""
-    old, new = msgspec.structs.asdict(saved), msgspec.structs.asdict(requested)
+    old, new = _fields(saved), _fields(requested)
     return {name: (old[name], new[name]) for name in old if old[name] != new[name]}
+
+
+def _fields(record: WorkerRecord) -> dict[str, object]:
+    """A record's fields by their JSON names, models unnamed as ``()``."""
+    fields = msgspec.structs.asdict(record)
+    fields.pop("served_models")
+    fields["models"] = record.models
+    return fields
 
 
 def describe(diffs: dict[str, tuple[object, object]]) -> str:
@@ -222,12 +234,14 @@ def check_fields(
     block_size: int,
     topic: str,
     server_key: str | None,
+    models: tuple[str, ...] = (),
 ) -> str | None:
     """Validate a record's fields; returns its normalized ``http_url``.
 
     Raises:
         RegistrationError: The first invalid field, named, with what was expected.
     """
+    _check_models(models)
     if not _WORKER_ID.fullmatch(worker_id):
         raise RegistrationError(
             f"worker id {worker_id!r} is not valid: use 1-128 characters from [A-Za-z0-9_.:@-]"
@@ -246,6 +260,20 @@ def check_fields(
     if server_key is not None:
         _check_server_key(server_key)
     return None if http_url is None else normalize_url(http_url)
+
+
+def _check_models(models: tuple[str, ...]) -> None:
+    """Model names: 1-256 printable characters each, no duplicate, at most 256 of them."""
+    if len(models) > MAX_MODELS:
+        raise RegistrationError(f"models: at most {MAX_MODELS} names, got {len(models)}")
+    for name in models:
+        if not (isinstance(name, str) and 0 < len(name) <= MAX_MODEL_CHARS and name.isprintable()):
+            raise RegistrationError(
+                f"models: {str(name)[:40]!r} is not a model name (1-{MAX_MODEL_CHARS} "
+                "printable characters)"
+            )
+    if len(set(models)) != len(models):
+        raise RegistrationError(f"models: a name is given twice in {list(models)}")
 
 
 def _check_server_key(key: str) -> None:

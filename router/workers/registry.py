@@ -99,6 +99,9 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         topic: ZeroMQ topic prefix to subscribe to.
         server_key: The worker's z85 CURVE server public key (40 characters) when its
             event and replay sockets are CURVE servers; ``None``: plain ZeroMQ.
+        served_models: The models the worker serves, when the registration names them
+            (``"models"`` in JSON; else the router learns them from the worker's ``GET
+            /v1/models``); read them through :attr:`models`.
     """
 
     worker_id: WorkerId
@@ -109,6 +112,11 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     block_size: int = 16
     topic: str = ""
     server_key: str | None = None
+    # NOTE: UNSET (not named) is left out of the stored JSON, so routers of a release
+    # without this field still read every registration that names no models.
+    served_models: tuple[str, ...] | msgspec.UnsetType = msgspec.field(
+        default=msgspec.UNSET, name="models"
+    )
 
     def __post_init__(self) -> None:
         url = check_fields(
@@ -119,9 +127,17 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             block_size=self.block_size,
             topic=self.topic,
             server_key=self.server_key,
+            models=self.models,
         )
         if url != self.http_url:
             msgspec.structs.force_setattr(self, "http_url", url)  # path and query stripped
+        if self.served_models == ():
+            msgspec.structs.force_setattr(self, "served_models", msgspec.UNSET)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The models the registration names (empty: none named)."""
+        return () if self.served_models is msgspec.UNSET else tuple(self.served_models)
 
     @property
     def has_snapshot(self) -> bool:
@@ -132,14 +148,15 @@ class WorkerRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 def parse_worker_spec(spec: str) -> WorkerRecord:
     """Parse ``ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=K][,block_size=N][,topic=T]``.
 
-    A ``server_key=FILE`` option reads the worker's CURVE public key file.
+    A ``server_key=FILE`` option reads the worker's CURVE public key file; ``model=NAME``
+    (repeatable) names a model the worker serves.
 
     Raises:
         PrefixIndexError: The spec is malformed (the message shows the expected shape).
     """
     usage = (
         "expected ID=EVENTS_ENDPOINT[,replay=EP][,http=URL][,kind=vllm][,block_size=N]"
-        "[,server_key=FILE]"
+        "[,model=NAME]...[,server_key=FILE]"
     )
     head, _, rest = spec.partition(",")
     worker_id, sep, endpoint = head.partition("=")
@@ -148,11 +165,17 @@ def parse_worker_spec(spec: str) -> WorkerRecord:
     fields: dict[str, object] = {"worker_id": worker_id, "events_endpoint": endpoint}
     names = {"replay": "replay_endpoint", "http": "http_url", "kind": "kind", "topic": "topic",
              "server_key": "server_key"}  # fmt: skip
+    models: list[str] = []
     for item in filter(None, rest.split(",")):
         name, sep, value = item.partition("=")
+        if sep and name == "model":  # repeatable: one per model the worker serves
+            models.append(value)
+            continue
         if not sep or name not in (*names, "block_size"):
             raise PrefixIndexError(f"worker spec {spec!r}: bad option {item!r}; {usage}")
         fields[names.get(name, name)] = value
+    if models:
+        fields["models"] = models
     try:
         if "server_key" in fields:
             fields["server_key"] = load_public_key(str(fields["server_key"])).decode()
@@ -337,6 +360,7 @@ class WorkerRegistry:
             raise RegistrationError(f"it names another worker id, {record.worker_id!r}")
         self.policy.check(record)
         return record
+
     async def flag_block_size(self, worker_id: WorkerId, events_block_size: int | None) -> None:
         """Record that the worker's events carry ``events_block_size``, not its registered
         block size (``None``: they agree, or nothing says otherwise; the flag is dropped)."""

@@ -45,7 +45,8 @@ def error_message(body: Any) -> str:
     """The message of a JSON error body; a plain-text error fails the test."""
     if isinstance(body, dict):
         assert set(body) == {"error"}, body
-        assert set(body["error"]) == {"message", "type"}, body
+        # OpenAI's fields: message and type, and the parameter and code when known.
+        assert {"message", "type"} <= set(body["error"]) <= {"message", "type", "param", "code"}
         return str(body["error"]["message"])
     raise AssertionError(f"not an OpenAI-shaped JSON error: {body!r}")
 

@@ -21,9 +21,10 @@ import pytest
 import zmq
 from aiohttp import web
 
+from events.chat_template import BuiltinChatTemplate
 from events.framing import make_message
 from events.identity import WorkerId
-from router.front.chat import ChatMessage
+from router.front.tokenization import TokenizerSources
 from router.index.redis_index import RedisPrefixIndex
 from router.routing.cost import CostWeights
 from router.routing.policies import PolicyConfig
@@ -32,7 +33,15 @@ from router.store.layout import KeyLayout
 from router.store.server import RedisServer
 from router.workers.registry import WorkerRecord
 from tests.support.polling import eventually
-from tests.support.router_cluster import BLOCK, BOUND_S, WorkerProc, complete, router, start_workers
+from tests.support.router_cluster import (
+    BLOCK,
+    BOUND_S,
+    WorkerProc,
+    complete,
+    dry_route,
+    router,
+    start_workers,
+)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -54,10 +63,6 @@ def workers() -> Iterator[list[WorkerProc]]:
 
 
 
-async def dry_route(session: aiohttp.ClientSession, url: str, prompt: str) -> dict[str, Any]:
-    async with session.post(f"{url}/v1/route", json={"prompt": prompt, "dry_run": True}) as resp:
-        assert resp.status == 200
-        return await resp.json()  # type: ignore[no-any-return]
 
 
 def matched(route: dict[str, Any]) -> dict[str, int]:
@@ -187,8 +192,8 @@ def test_streamed_chat_through_real_workers_reuses_the_system_prompt(
             first, chunks = await chat(s, svc.url, "Why is the sky blue?")
             assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
             assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-            prompt = svc.chat_template.render(
-                [ChatMessage(**system), ChatMessage(role="user", content="Why is grass green?")]
+            prompt = BuiltinChatTemplate().render(
+                [system, {"role": "user", "content": "Why is grass green?"}]
             )
             shared = len(prompt.encode()) // BLOCK * BLOCK
             await eventually(
@@ -248,7 +253,12 @@ async def _sees_load(s: aiohttp.ClientSession, url: str, chosen: list[str]) -> b
 
 @asynccontextmanager
 async def vllm_http(worker_id: str) -> AsyncIterator[str]:
-    """A stand-in for a vLLM engine's HTTP API (completions echo, empty /health, /metrics)."""
+    """A stand-in for a vLLM engine's HTTP API (completions echo, empty /health, /metrics,
+    and /tokenize: the byte-level ids its events carry)."""
+
+    async def tokenize(request: web.Request) -> web.Response:
+        tokens = list((await request.json())["prompt"].encode())
+        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def completions(request: web.Request) -> web.Response:
         body = await request.json()
@@ -266,7 +276,7 @@ async def vllm_http(worker_id: str) -> AsyncIterator[str]:
 
     app = web.Application()
     app.add_routes([web.post("/v1/completions", completions), web.get("/health", health),
-                    web.get("/metrics", metrics)])  # fmt: skip
+                    web.get("/metrics", metrics), web.post("/tokenize", tokenize)])  # fmt: skip
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -308,7 +318,11 @@ def test_foreign_publishers_in_map_and_legacy_array_shapes(redis_url: str, names
                 )
                 for n in prompts
             ]
-            async with router(redis_url, namespace, records) as svc, aiohttp.ClientSession() as s:
+            via_engine = TokenizerSources.from_flags(via_engine=[""])  # the engines' /tokenize
+            async with (
+                router(redis_url, namespace, records, tokenizers=via_engine) as svc,
+                aiohttp.ClientSession() as s,
+            ):
                 seq = 0
 
                 async def published_and_indexed() -> bool:

@@ -110,7 +110,7 @@ def test_the_api_key_guards_inference_and_opens_nothing_else(
                 assert "--api-key" in err["error"]["message"]
             for key in (API, ADMIN):  # the admin key opens inference too
                 assert (await post(client, path, body, bearer(key)))[0] == 200
-        assert len(ws[0].prompts) == 4  # two completions, two chats; nothing unauthenticated
+        assert len(ws[0].bodies) == 4  # two completions, two chats; nothing unauthenticated
         status, _ = await post(client, "/v1/workers", rogue(ws), bearer(API))
         assert status == 401  # the API key is not the admin key
         assert await saved_ids(svc) == ["w0"]
@@ -224,7 +224,8 @@ def test_a_router_beyond_loopback_says_exactly_what_is_open() -> None:
         "register, replace, remove and list workers (GET/POST /v1/workers, PUT/DELETE "
         "/v1/workers/{id}; a worker registered by a stranger receives the prompts routed to "
         "it) [--admin-key]; send requests to the workers (POST /v1/completions, "
-        "/v1/chat/completions, /v1/route) [--api-key]. Set the keys in brackets (or their "
+        "/v1/chat/completions, /v1/route, GET /v1/models) [--api-key]. Set the keys in "
+        "brackets (or their "
         "-file / $KVROUTE_* forms) to require a bearer token"
     )
     only_inference = warning("10.0.0.1", admin_key=ADMIN_KEY)

@@ -160,8 +160,9 @@ def test_two_sources_of_one_key_exit_1_with_a_clear_message(
          "bind --host 127.0.0.1"),
         ("10.1.2.3", _keys(None, None),
          "the HTTP API listens on '10.1.2.3', beyond loopback, without an admin key: anyone who "
-         "reaches it can call /v1/reset_prefix_cache, /v1/snapshot, /v1/completions (reset the "
-         "prefix cache and read every cached token id, and run completions); set "
+         "reaches it can call /v1/reset_prefix_cache, /v1/snapshot, /v1/chat/completions, "
+         "/v1/completions (reset the prefix cache and read every cached token id, and run "
+         "completions); set "
          "--admin-key-file PATH (or $KVROUTE_ADMIN_KEY) and --api-key-file PATH (or "
          "$KVROUTE_API_KEY), or bind --host 127.0.0.1"),
     ],

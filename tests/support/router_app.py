@@ -26,26 +26,75 @@ from router.workers.registry import WorkerRecord
 
 @dataclass
 class EchoWorker:
-    """A stand-in kvroute worker: echoes prompts (recording them and the request headers,
-    header names lowercased), reports load, serves an empty snapshot."""
+    """A stand-in worker: echoes prompts (recording them, the raw bodies by path and the
+    request headers, header names lowercased), answers chats and streams (usage on a last
+    chunk only when asked, as OpenAI does), lists ``models`` at ``GET /v1/models`` (404
+    when ``None``), reports load, serves an empty snapshot."""
 
     worker_id: str
     prompts: list[Any] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    bodies: list[tuple[str, bytes]] = field(default_factory=list)
+    models: list[str] | None = None
     url: str = ""
 
-    async def completions(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.prompts.append(body["prompt"])
+    async def _record(self, request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        self.bodies.append((request.path, raw))
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        body: dict[str, Any] = json.loads(raw)
+        return body
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._record(request)
+        self.prompts.append(body["prompt"])
         text = f"{self.worker_id}:{len(self.prompts)}"
+        choice = {"index": 0, "text": text, "finish_reason": "length"}
+        if body.get("stream"):
+            return await self._stream(request, body, choice)
         return web.json_response(
             {
+                "id": f"cmpl-{self.worker_id}",
                 "object": "text_completion",
-                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+                "choices": [choice],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0},
             }
         )
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        await self._record(request)
+        message = {"role": "assistant", "content": f"{self.worker_id}:chat"}
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{self.worker_id}",
+                "object": "chat.completion",
+                "choices": [{"index": 0, "message": message, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0},
+            }
+        )
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], choice: dict[str, Any]
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_type = "text/event-stream"
+        await resp.prepare(request)
+        with_usage = (body.get("stream_options") or {}).get("include_usage") is True
+        chunk: dict[str, Any] = {"object": "text_completion", "choices": [choice]}
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0}
+        chunks = [chunk] + ([{"object": "text_completion", "choices": [], "usage": usage}]
+                            if with_usage else [])  # fmt: skip
+        for c in chunks:
+            await resp.write(f"data: {json.dumps(c)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def list_models(self, _: web.Request) -> web.Response:
+        if self.models is None:
+            return web.json_response({"error": {"message": "no"}}, status=404)
+        data = [{"id": m, "object": "model", "owned_by": self.worker_id} for m in self.models]
+        return web.json_response({"object": "list", "data": data})
 
     async def health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "running": 0, "waiting": 0})
@@ -66,12 +115,13 @@ class EchoWorker:
 async def echo_workers(
     n: int, kind: type[EchoWorker] = EchoWorker
 ) -> AsyncIterator[list[EchoWorker]]:
-    """``n`` workers of ``kind`` (ids ``w0`` ..) serving on free loopback ports."""
     workers = [kind(f"w{i}") for i in range(n)]
     runners = []
     for w in workers:
         app = web.Application()
         app.router.add_post("/v1/completions", w.completions)
+        app.router.add_post("/v1/chat/completions", w.chat)
+        app.router.add_get("/v1/models", w.list_models)
         app.router.add_get("/health", w.health)
         app.router.add_get("/v1/snapshot", w.snapshot)
         runner = web.AppRunner(app)

@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -52,8 +52,16 @@ class WorkerProc:
         self.proc.wait(timeout=30)
 
 
-def start_workers(ids: list[str], num_blocks: int = 512) -> list[WorkerProc]:
-    """Start workers in parallel and wait for each one's ready line (stdout JSON)."""
+def start_workers(
+    ids: list[str], num_blocks: int = 512, args: Mapping[str, Sequence[str]] | None = None
+) -> list[WorkerProc]:
+    """Start workers in parallel and wait for each one's ready line (stdout JSON).
+
+    Args:
+        ids: The workers' ids.
+        num_blocks: KV blocks of each.
+        args: More flags of some workers, by id.
+    """
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = [
         subprocess.Popen(
@@ -78,6 +86,7 @@ def start_workers(ids: list[str], num_blocks: int = 512) -> list[WorkerProc]:
                 "1",
                 "--log-level",
                 "WARNING",
+                *(args or {}).get(wid, ()),
             ],
             stdout=subprocess.PIPE,
             text=True,
@@ -118,3 +127,9 @@ async def complete(
         answer = await resp.json()
         assert resp.status == 200, answer
         return resp.headers["X-Kvroute-Worker"], answer["usage"]
+
+
+async def dry_route(session: aiohttp.ClientSession, url: str, prompt: str) -> dict[str, Any]:
+    async with session.post(f"{url}/v1/route", json={"prompt": prompt, "dry_run": True}) as resp:
+        assert resp.status == 200
+        return await resp.json()  # type: ignore[no-any-return]

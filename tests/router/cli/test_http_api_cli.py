@@ -289,3 +289,44 @@ def test_registration_flags_map_onto_the_config(tmp_path: Path) -> None:
         config_from_args(build_parser().parse_args(["--require-curve"]), "redis://x")
     with pytest.raises(RouterCliError, match="--allow-worker-net 'x y': expected a CIDR"):
         config_from_args(build_parser().parse_args(["--allow-worker-net", "x y"]), "redis://x")
+
+
+def test_models_and_tokenizer_flags_map_onto_the_config(tmp_path: Path) -> None:
+    spec = "v=http://h:8000,events=tcp://h:5557,kind=vllm,model=llama,model=llama-lora"
+    assert parse_worker_flag(spec).models == ("llama", "llama-lora")
+    args = build_parser().parse_args(
+        ["--tokenizer", "/models/llama", "--tokenizer", "qwen=/models/qwen",
+         "--tokenize-via-engine", "mistral", "--tokenize-cache-tokens", "1000",
+         "--tokenize-timeout-s", "2.5", "--chat-template", "t.jinja"]
+    )  # fmt: skip
+    sources = config_from_args(args, "redis://x").tokenizers
+    assert (sources.default_path, dict(sources.paths), sources.via_engine) == (
+        "/models/llama",
+        {"qwen": "/models/qwen"},
+        frozenset({"mistral"}),
+    )
+    settings = (sources.cache_tokens, sources.timeout_s, sources.chat_template)
+    assert settings == (1000, 2.5, "t.jinja")
+    assert sources.source("qwen") == "/models/qwen"
+    assert sources.source("mistral") == "engine"
+    assert sources.source("other") == "/models/llama"
+    bare = config_from_args(build_parser().parse_args(["--tokenize-via-engine"]), "redis://x")
+    assert bare.tokenizers.source("any") == "engine"
+    # The config file: a list of specs, a bare "via the engine" as true, model tables.
+    toml = tmp_path / "router.toml"
+    toml.write_text(
+        'tokenizer = ["qwen=/models/qwen"]\ntokenize_via_engine = true\n'
+        '[[workers]]\nworker_id = "v"\nurl = "http://h:8000"\nevents = "tcp://h:5557"\n'
+        'kind = "vllm"\nmodels = ["qwen"]\n'
+    )
+    config = config_from_args(build_parser().parse_args(["--config", str(toml)]), "redis://x")
+    assert config.tokenizers.source("qwen") == "/models/qwen"
+    assert config.tokenizers.source("other") == "engine"
+    assert config.workers[0].models == ("qwen",)
+    for flags, message in [
+        (["--tokenizer", "a", "--tokenizer", "b"], "--tokenizer given twice without a model"),
+        (["--tokenizer", "m=a", "--tokenize-via-engine", "m"], "has both --tokenizer and"),
+        (["--tokenizer", "=a"], "expected PATH or MODEL=PATH"),
+    ]:
+        with pytest.raises(RouterCliError, match=message):
+            config_from_args(build_parser().parse_args(flags), "redis://x")

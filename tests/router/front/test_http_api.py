@@ -17,11 +17,12 @@ from events.identity import WorkerId
 from events.subscriber import SubscriberError
 from router.front.config import RequestLimits
 from router.front.service import RouterService
+from router.front.tokenization import TokenizerSources
 from router.offline.explain import read_decisions
 from router.routing.policies import POLICY_NAMES
 from router.store.server import RedisServer
 from router.workers.registry import WorkerRecord
-from tests.support.router_app import EchoWorker, post, run, saved_ids
+from tests.support.router_app import EchoWorker, Scenario, post, run, saved_ids
 
 BAD_BODIES = [
     (b"{not json", 400, "request body is not valid JSON"),
@@ -34,7 +35,7 @@ BAD_BODIES = [
         "invalid request body: Expected `str | array`, got `int` - at `$.prompt`",
     ),
     (b'{"prompt": "a", "max_tokens": -1}', 400, "Expected `int` >= 0 - at `$.max_tokens`"),
-    (b'{"prompt": "a", "stream": "yes"}', 400, "Expected `bool`, got `str` - at `$.stream`"),
+    (b'{"prompt": "a", "stream": "yes"}', 400, "Expected `bool | null`, got `str` - at `$.stream`"),
     (b'{"prompt": [1, -2]}', 400, "Expected `int` >= 0 - at `$.prompt[1]`"),
     (b'{"prompt": [4294967296]}', 400, "Expected `int` <= 4294967295 - at `$.prompt[0]`"),
     (b'{"prompt": ""}', 400, "prompt is empty"),
@@ -133,7 +134,7 @@ def test_completions_are_proxied_and_siblings_follow_their_prefix(
     run(redis_url, namespace, scenario, decision_log=str(log))
 
 
-def test_chat_uses_the_builtin_or_a_hugging_face_template(
+def test_chat_is_forwarded_as_sent_and_keyed_with_the_builtin_or_a_hugging_face_template(
     redis_url: str, namespace: str, tmp_path: Path
 ) -> None:
     config = tmp_path / "tokenizer_config.json"
@@ -148,36 +149,46 @@ def test_chat_uses_the_builtin_or_a_hugging_face_template(
             }
         )
     )
-    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": parts}]
+    # Fields the router does not know reach the worker too: the body is forwarded as sent.
+    raw = json.dumps(
+        {"messages": messages, "max_tokens": 3, "temperature": 0.5, "vendor_knob": [1, 2.50]},
+        indent=1,
+    ).encode()
 
-    async def builtin(
-        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
-    ) -> None:
-        status, body = await post(client, "/v1/chat/completions", {"messages": messages})
-        assert status == 200
-        assert body["object"] == "chat.completion"
-        assert body["choices"][0]["message"]["role"] == "assistant"
-        (prompt,) = [p for w in ws for p in w.prompts]
-        assert prompt == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
-        status, err = await post(client, "/v1/chat/completions", {"messages": []})
-        assert (status, err["error"]["message"]) == (
-            400,
-            "messages is empty: send at least one message",
-        )
-        status, err = await post(client, "/v1/chat/completions", {"messages": [{"role": "user"}]})
-        assert status == 400
-        assert "missing required field `content` - at `$.messages[0]`" in err["error"]["message"]
+    def scenario(log: Path, expected_prompt: str) -> Scenario:
+        async def check(
+            svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+        ) -> None:
+            status, answer = await post(client, "/v1/chat/completions", raw)
+            assert status == 200
+            assert answer["object"] == "chat.completion"
+            assert [b for w in ws for b in w.bodies] == [("/v1/chat/completions", raw)]
+            # Keyed from the template's rendering (text parts joined by newlines, as vLLM).
+            (decision,) = read_decisions(log)
+            assert decision.num_prompt_tokens == len(expected_prompt.encode())
+            status, err = await post(client, "/v1/chat/completions", {"messages": []})
+            assert (status, err["error"]["message"]) == (
+                400,
+                "messages is empty: send at least one message",
+            )
+            status, err = await post(
+                client, "/v1/chat/completions", {"messages": [{"content": "x"}]}
+            )
+            assert (status, err["error"]["message"]) == (400, "messages[0] has no string 'role'")
 
-    async def hf(svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]) -> None:
-        parts = [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]
-        chat = [messages[0], {"role": "user", "content": parts}]
-        status, _ = await post(client, "/v1/chat/completions", {"messages": chat})
-        assert status == 200
-        (prompt,) = [p for w in ws for p in w.prompts]
-        assert prompt == "<s>[system] be brief\n[user] hi\n[assistant] "
+        return check
 
-    run(redis_url, namespace, builtin)
-    run(redis_url, namespace, hf, chat_template=str(config))
+    builtin = "<|system|>\nbe brief\n<|user|>\nh\ni\n<|assistant|>\n"
+    run(redis_url, namespace, scenario(tmp_path / "a.jsonl", builtin),
+        decision_log=str(tmp_path / "a.jsonl"))  # fmt: skip
+    hf = "<s>[system] be brief\n[user] h\ni\n[assistant] "
+    run(
+        redis_url, namespace, scenario(tmp_path / "b.jsonl", hf),
+        decision_log=str(tmp_path / "b.jsonl"),
+        tokenizers=TokenizerSources(chat_template=str(config)),
+    )  # fmt: skip
 
 
 def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str) -> None:
@@ -196,6 +207,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
             "events",
             "events_block_size",
             "kind",
+            "models",
             "replay",
             "server_key",
             "topic",
@@ -207,7 +219,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
         status, added = await post(client, "/v1/workers", new)
         assert status == 201
         assert added == {
-            "worker": {**new, "kind": "kvroute", "server_key": None},
+            "worker": {**new, "kind": "kvroute", "server_key": None, "models": None},
             "outcome": "created",
         }
         async with client.get("/v1/workers") as resp:
@@ -229,7 +241,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
         async with client.put("/v1/workers/w9", json=moved) as resp:
             assert resp.status == 200
             assert await resp.json() == {
-                "worker": {**moved, "kind": "kvroute", "server_key": None},
+                "worker": {**moved, "kind": "kvroute", "server_key": None, "models": None},
                 "outcome": "replaced",
             }
         async with client.put("/v1/workers/other", json=moved) as resp:
@@ -243,7 +255,7 @@ def test_workers_can_be_listed_added_and_removed(redis_url: str, namespace: str)
         secured = {**new, "worker_id": "w8", "server_key": server_key}
         assert await post(client, "/v1/workers", secured) == (
             201,
-            {"worker": {**secured, "kind": "kvroute"}, "outcome": "created"},
+            {"worker": {**secured, "kind": "kvroute", "models": None}, "outcome": "created"},
         )
         assert {r.worker_id: r.server_key for r in await svc.registry.records()} == {
             "w0": None,
@@ -402,7 +414,9 @@ def test_a_subscription_that_fails_saves_nothing(redis_url: str, namespace: str)
     ) -> None:
         record = WorkerRecord(worker_id="w9", events_endpoint="tcp://127.0.0.1:1")
         msgspec.structs.force_setattr(record, "events_endpoint", "tcp://-no-such-host:1")
-        with pytest.raises(SubscriberError, match="cannot subscribe to its events endpoint 'tcp://-no-such-host:1'"):
+        with pytest.raises(
+            SubscriberError, match="cannot subscribe to its events endpoint 'tcp://-no-such-host:1'"
+        ):
             await svc.add_worker(record)
         assert await saved_ids(svc) == ["w0"]
         assert svc.ingest.ingested_workers == ["w0"]

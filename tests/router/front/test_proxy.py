@@ -16,7 +16,6 @@ from aiohttp import web
 
 from events.identity import WorkerId
 from router.front.breaker import CircuitBreakers, CircuitState
-from router.front.chat import ChatRewriter
 from router.front.proxy import (
     AttemptOutcome,
     ProxyConfig,
@@ -26,6 +25,7 @@ from router.front.proxy import (
     WorkerProxy,
     WorkersUnavailableError,
 )
+from router.front.stream_usage import UsageStripper
 from router.store.server import free_port
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -288,37 +288,39 @@ def test_streams_pass_through_event_by_event() -> None:
     asyncio.run(scenario())
 
 
-def test_chat_rewriter_reshapes_buffered_and_streamed_answers() -> None:
+async def sse_with_usage_chunk(request: web.Request) -> web.StreamResponse:
+    """A stream as OpenAI and vLLM send it with include_usage: usage on its own last chunk."""
+    resp = web.StreamResponse()
+    resp.content_type = "text/event-stream"
+    await resp.prepare(request)
+    for text in ("a", "b"):
+        chunk = {"choices": [{"index": 0, "text": text}], "usage": None}
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    last = {"choices": [], "usage": _USAGE}
+    await resp.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+    await resp.write_eof()
+    return resp
+
+
+def test_the_usage_stripper_hides_the_usage_the_client_did_not_ask_for() -> None:
     async def scenario() -> None:
-        async with serve(echo) as buffered, serve(sse) as streamed:
+        async with serve(sse_with_usage_chunk) as streamed, serve(echo) as buffered:
+            _, _, stream, _, results = await run_proxy(
+                [ProxyTarget(WorkerId("s"), streamed)], {"prompt": "q", "stream": True},
+                UsageStripper,
+            )  # fmt: skip
             _, _, body, _, _ = await run_proxy(
-                [ProxyTarget(WorkerId("b"), buffered)], {"prompt": "q"}, ChatRewriter
+                [ProxyTarget(WorkerId("b"), buffered)], {"prompt": "q"}, UsageStripper
             )
-            _, _, stream, _, _ = await run_proxy(
-                [ProxyTarget(WorkerId("s"), streamed)],
-                {"prompt": "q", "stream": True},
-                ChatRewriter,
-            )
-        chat = json.loads(body)
-        assert chat["object"] == "chat.completion"
-        assert chat["choices"] == [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "ok:q"},
-                "finish_reason": "length",
-            }
-        ]
-        assert chat["usage"] == _USAGE
-        chunks = [line[6:] for line in stream.decode().split("\n") if line.startswith("data: ")]
-        assert chunks[-1] == "[DONE]"
-        parsed = [json.loads(c) for c in chunks[:-1]]
-        assert [p["object"] for p in parsed] == ["chat.completion.chunk"] * 3
-        assert [p["choices"][0]["delta"] for p in parsed] == [
-            {"content": "a", "role": "assistant"},
-            {"content": "b"},
-            {"content": ""},
-        ]
-        assert parsed[-1]["choices"][0]["finish_reason"] == "stop"
+        # Two text events and [DONE], each followed by one blank line: the usage chunk is
+        # gone with its blank line, and so are the nulls of the others.
+        assert stream.decode() == (
+            'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+            'data: {"choices":[{"index":0,"text":"b"}]}\n\n'
+            "data: [DONE]\n\n"
+        )
+        assert results[0].usage == _USAGE  # type: ignore[attr-defined]  # still counted
+        assert json.loads(body)["usage"] == _USAGE  # a whole answer keeps its usage
 
     asyncio.run(scenario())
 

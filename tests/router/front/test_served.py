@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from router.front.served import ask_for_usage
 from tests.support.router_app import JSON, EchoWorker, echo_workers, running_router
 
 
@@ -42,17 +41,6 @@ class VllmLikeWorker(EchoWorker):
             await response.write(f"data: {json.dumps(last)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         return response
-
-
-def test_ask_for_usage() -> None:
-    assert ask_for_usage({"stream": True}) == {
-        "stream": True, "stream_options": {"include_usage": True}
-    }  # fmt: skip
-    kept = {"stream_options": {"include_usage": False, "continuous_usage_stats": True}}
-    assert ask_for_usage(kept)["stream_options"] == {
-        "include_usage": True, "continuous_usage_stats": True
-    }  # fmt: skip
-    assert ask_for_usage({"stream_options": "odd"}) == {"stream_options": "odd"}
 
 
 @pytest.mark.parametrize("details", [True, False])

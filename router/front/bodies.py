@@ -1,0 +1,91 @@
+"""The fields of OpenAI request bodies the router reads to route them (the rest it never
+touches: a request is forwarded as the client sent it).
+
+Only what routing needs is typed: the prompt (or, for chat, the messages:
+:mod:`router.front.chat`), the model, how many tokens and choices to expect, whether it
+streams and the cache salt. ``null`` means the default, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = ["CompletionBody", "RequestBody", "RouteBody", "TokenId"]
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+_DEFAULT_MAX_TOKENS = 16
+
+
+class RequestBody(msgspec.Struct, kw_only=True):
+    """What every generation request tells the router.
+
+    Attributes:
+        model: The model asked for (``None``: the only one served).
+        max_tokens: Output tokens at most, per choice (OpenAI's default: 16).
+        n: Choices (default 1).
+        stream: Whether the answer is a stream.
+        stream_options: As sent; ``msgspec.UNSET`` when absent.
+        cache_salt: Salts the prefix keys (vLLM's ``cache_salt``).
+        user: OpenAI's end-user id, a session key when no ``X-Session-Id`` names one
+            (:func:`router.front.request_context.session_key`); any JSON, judged by
+            the worker.
+    """
+
+    model: str | None = None
+    max_tokens: NonNegative | None = None
+    n: Positive | None = None
+    stream: bool | None = None
+    stream_options: Any = msgspec.UNSET
+    cache_salt: str | None = None
+    user: object = None
+
+    @property
+    def output_tokens(self) -> int:
+        """Output tokens to expect in all, for load accounting."""
+        per_choice = self.max_tokens if self.max_tokens is not None else _DEFAULT_MAX_TOKENS
+        return per_choice * (self.n or 1)
+
+    @property
+    def streams(self) -> bool:
+        """Whether the answer is a stream."""
+        return bool(self.stream)
+
+
+class CompletionBody(RequestBody, kw_only=True):
+    """A ``/v1/completions`` body: ``prompt`` is a string, token ids, or a batch (a list of
+    strings or of token id lists).
+
+    Attributes:
+        prompt: As sent (see :meth:`prompts`).
+        add_special_tokens: vLLM's option for text prompts, when given.
+    """
+
+    prompt: str | list[TokenId | str | list[TokenId]]
+    add_special_tokens: bool | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts: one, or each of a batch.
+
+        Raises:
+            ValueError: A list mixing token ids, strings and token id lists.
+        """
+        prompt = self.prompt
+        if isinstance(prompt, str) or all(isinstance(t, int) for t in prompt):
+            return [prompt]  # type: ignore[list-item]  # checked: all ints
+        if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+            return list(prompt)  # type: ignore[arg-type]  # checked: all of one kind
+        raise ValueError(
+            "'prompt' must be a string, a list of token ids, or a batch: a list of strings "
+            "or a list of token id lists (not a mix)"
+        )
+
+
+class RouteBody(CompletionBody, kw_only=True):
+    """A ``/v1/route`` body: a completion plus ``dry_run``."""
+
+    dry_run: bool = False
