@@ -291,13 +291,11 @@ def _fields(record: WorkerRecord) -> dict[str, Any]:
 async def router_client(
     config: RouterConfig,
 ) -> AsyncIterator[tuple[RouterService, aiohttp.ClientSession]]:
-    service = RouterService(config)
-    await service.start()
-    try:
-        async with aiohttp.ClientSession(base_url=service.url) as client:
-            yield service, client
-    finally:
-        await service.close()
+    async with (
+        await RouterService.open(config) as service,
+        aiohttp.ClientSession(base_url=service.url) as client,
+    ):
+        yield service, client
 
 
 def test_engine_tokenization_is_cached_and_fails_over(redis_url: str, namespace: str) -> None:
