@@ -22,9 +22,9 @@ from router.front.service import RouterService
 from router.front.tokenization import TokenizerSources
 from router.workers.registration import RegistrationError
 from router.workers.registry import WorkerRecord
+from tests.support.paths import REPO_ROOT as REPO
 from tests.support.router_app import JSON, EchoWorker, echo_workers, post, running_router
 
-REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 30.0
 
 Check = Callable[[RouterService, aiohttp.ClientSession, list[EchoWorker]], Awaitable[None]]
