@@ -19,7 +19,6 @@ from tests.support.faults import (
     Cluster,
     Load,
     get_json,
-    index_check,
     metric,
     scrape,
     wait_converged,
@@ -34,6 +33,8 @@ LEASE_TTL_S = 3.0
 REDIS_BOUND_S = 45.0
 """Redis back -> every worker rebuilt from its snapshot: a maintenance pass (a third of
 the lease) per worker plus ``index check`` runs, with room for a loaded 2-core machine."""
+QUIET_BOUND_S = 15.0
+"""Load stopped -> the events of its last requests are ingested (a group-commit flush)."""
 REPLICA_BOUND_S = 45.0
 """The dead replica's leases lapse (3 s), the survivor's maintenance takes them over and
 rebuilds the workers from their snapshots."""
@@ -78,9 +79,10 @@ def test_redis_stopped_and_restarted_empty(tmp_path: Path) -> None:
             load.wait_for(10)
             took = wait_converged(cluster, targets, REDIS_BOUND_S)
         outcomes = load.stop()
+        # The last requests' events may still be on their way: exact once they land.
+        wait_converged(cluster, targets, QUIET_BOUND_S)
         samples = scrape(router)
         cluster.group.check_alive()
-        assert index_check(cluster, targets) == {"w0": 0, "w1": 0}
     assert set(outcomes) == {"200"}, dict(outcomes)
     assert took < REDIS_BOUND_S
     assert metric(outage, "kvroute_router_index_live") == 0
