@@ -8,6 +8,10 @@ The snapshot is a list of *runs*, each shaped like a ``BlockStored`` event: the 
 block before the run (``None`` at block 0), the hashes of the run's blocks, and their token
 ids concatenated. Runs are the maximal unbranched paths of the prefix tree and come
 parents first, so feeding them in order to an index as ``BlockStored`` events rebuilds it.
+A block cached in several physical copies (two requests that computed the same prefix at
+once) says so in its run's ``copies`` (one count per block, present only when some count
+is above 1): an index that kept one copy would drop the block at the first copy's
+``BlockRemoved`` while the worker still holds the other.
 
 Seqs (and so a snapshot's ``next_seq``) count from 0 per publisher lifetime, so a
 snapshot and ``/health`` also carry the worker's random lifetime id
@@ -32,8 +36,15 @@ def new_lifetime_id() -> str:
     return secrets.token_hex(16)
 
 
-class ChainRun(TypedDict):
-    """One run of cached blocks in the JSON shape of ``/v1/snapshot``."""
+class _CopyCounts(TypedDict, total=False):
+    copies: list[int]
+
+
+class ChainRun(_CopyCounts):
+    """One run of cached blocks in the JSON shape of ``/v1/snapshot``.
+
+    ``copies``, when present, has one count (>= 1) per block of ``block_hashes``; absent,
+    every block has one copy."""
 
     parent_block_hash: WireHash | None
     block_hashes: list[WireHash]
@@ -104,14 +115,19 @@ class CachedChains:
             run = ChainRun(
                 parent_block_hash=self._entries[block_hash].parent, block_hashes=[], token_ids=[]
             )
+            copies: list[int] = []
             while True:
+                entry = self._entries[block_hash]
                 run["block_hashes"].append(block_hash)
-                run["token_ids"].extend(self._entries[block_hash].token_ids)
+                run["token_ids"].extend(entry.token_ids)
+                copies.append(entry.copies)
                 kids = children.get(block_hash, [])
                 if len(kids) != 1:
                     starts.extend(reversed(kids))
                     break
                 block_hash = kids[0]
+            if any(count > 1 for count in copies):
+                run["copies"] = copies
             runs.append(run)
         return runs
 

@@ -39,8 +39,10 @@ Endpoints:
                  "token_ids": [...32 ids...]}, ...]}
 
   Hashes are the wire ints of the events (unsigned 64-bit, beyond JavaScript's exact
-  range). The snapshot reflects exactly the event batches with seq < ``next_seq``: a
-  router applies it, then the live stream from ``next_seq`` on.
+  range). A run whose blocks are cached in more than one physical copy also has
+  ``"copies": [n0, n1, ...]`` (one count per block). The snapshot reflects exactly the
+  event batches with seq < ``next_seq``: a router applies it, then the live stream from
+  ``next_seq`` on.
 
 Every answer carries back the request's ``X-Request-Id`` (1 to 128 printable ASCII
 characters; another value is ignored), and a completion's ``id`` ends with it:

@@ -8,13 +8,14 @@ worker's entries without replaying its history.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final
 
 import aiohttp
 import msgspec
 
 from events.identity import WorkerId
-from events.schema import BlockStored
+from events.schema import BlockStored, WireHash
 from router.errors import PrefixIndexError
 
 __all__ = ["Snapshot", "SnapshotRun", "fetch_snapshot", "snapshot_events"]
@@ -23,11 +24,15 @@ _SNAPSHOT_PATH: Final = "/v1/snapshot"
 
 
 class SnapshotRun(msgspec.Struct):
-    """One unbranched run of cached blocks, shaped like a ``BlockStored``."""
+    """One unbranched run of cached blocks, shaped like a ``BlockStored``.
+
+    ``copies``: physical copies per block (None: one each); a worker that caches a block
+    twice removes it twice, so the index must count both."""
 
     parent_block_hash: int | None
     block_hashes: list[int]
     token_ids: list[int]
+    copies: list[int] | None = None
 
 
 class Snapshot(msgspec.Struct):
@@ -44,19 +49,35 @@ class Snapshot(msgspec.Struct):
 
 
 def snapshot_events(snapshot: Snapshot, lora_name: str | None = None) -> list[BlockStored]:
-    """The snapshot's runs as ``BlockStored`` events, parents first."""
-    return [
-        BlockStored(
-            block_hashes=list(run.block_hashes),
-            parent_block_hash=run.parent_block_hash,
-            token_ids=run.token_ids,
+    """The snapshot's runs as ``BlockStored`` events, parents first; each further copy of
+    a block is one more single-block ``BlockStored`` after its run (as the worker
+    announced it when it cached that copy)."""
+
+    def stored(parent: int | None, hashes: Sequence[int], tokens: list[int]) -> BlockStored:
+        block_hashes: list[WireHash] = list(hashes)
+        return BlockStored(
+            block_hashes=block_hashes,
+            parent_block_hash=parent,
+            token_ids=tokens,
             block_size=snapshot.block_size,
             lora_id=None,
             medium=snapshot.medium,
             lora_name=lora_name,
         )
-        for run in snapshot.runs
-    ]
+
+    size = snapshot.block_size
+    events: list[BlockStored] = []
+    for run in snapshot.runs:
+        events.append(stored(run.parent_block_hash, run.block_hashes, run.token_ids))
+        if run.copies is None:
+            continue
+        parents = [run.parent_block_hash, *run.block_hashes[:-1]]
+        for i, (parent, block_hash, count) in enumerate(
+            zip(parents, run.block_hashes, run.copies, strict=False)
+        ):
+            tokens = run.token_ids[i * size : (i + 1) * size]
+            events.extend(stored(parent, [block_hash], tokens) for _ in range(count - 1))
+    return events
 
 
 async def fetch_snapshot(

@@ -185,15 +185,22 @@ class Cluster:
 # -- checks --------------------------------------------------------------------------------
 
 
-def index_check(cluster: Cluster, workers: Sequence[tuple[str, str]]) -> dict[str, int]:
-    """``kvroute index check --json`` for ``(worker_id, http_url)`` pairs: divergent per worker."""
+def index_report(cluster: Cluster, workers: Sequence[tuple[str, str]]) -> list[dict[str, Any]]:
+    """``kvroute index check --json`` for ``(worker_id, http_url)`` pairs: one row per
+    worker (expected, indexed, missing, extra, tier mismatches, divergent)."""
     argv = python_m(
         "index", "check", "--redis", cluster.redis_url, "--namespace", cluster.namespace,
         "--json", *[a for wid, url in workers for a in ("--worker", f"{wid}={url}")],
     )  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode in (0, 1), proc.stderr
-    return {c["worker_id"]: int(c["num_divergent"]) for c in json.loads(proc.stdout)}
+    rows: list[dict[str, Any]] = json.loads(proc.stdout)
+    return rows
+
+
+def index_check(cluster: Cluster, workers: Sequence[tuple[str, str]]) -> dict[str, int]:
+    """Divergent entries per worker, from :func:`index_report`."""
+    return {c["worker_id"]: int(c["num_divergent"]) for c in index_report(cluster, workers)}
 
 
 def wait_converged(
@@ -208,16 +215,15 @@ def wait_converged(
     Returns:
         Seconds it took. Fails when ``bound_s`` passes first.
     """
-    divergent: dict[str, int] = {}
+    last: list[dict[str, Any]] = []
 
     def converged() -> bool:
-        divergent.clear()
-        divergent.update(index_check(cluster, workers))
-        return not any(divergent.values())
+        last[:] = index_report(cluster, workers)
+        return not any(row["num_divergent"] for row in last)
 
     return wait_until(
         converged,
-        lambda: f"the index to converge (divergent entries: {divergent})",
+        lambda: f"the index to converge (last check: {last})",
         timeout_s=bound_s,
         poke=poke,
     )
