@@ -173,7 +173,8 @@ class IngestMetrics:
         )
         self.write_errors = Counter(
             "kvroute_index_write_errors",
-            "Index writes Redis refused, by reason (oom: out of memory at maxmemory).",
+            "Index writes Redis refused, by reason (oom: out of memory at maxmemory; "
+            "unreachable: no connection or no answer).",
             ["reason"],
             registry=r,
         )

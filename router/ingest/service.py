@@ -76,7 +76,7 @@ from router.index.redis_index import RedisPrefixIndex
 from router.ingest.metrics import IngestMetrics, StreamCollector
 from router.ingest.ownership import RECOVERY_ERRORS, LeaseKeeper
 from router.ingest.worker import IngestServices, WorkerIngest
-from router.ingest.write_gate import WriteGate, is_out_of_memory
+from router.ingest.write_gate import WriteGate, shut_reason
 from router.tasks.periodic import Periodic
 from router.workers.lifetime import LifetimeTracker
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
@@ -191,7 +191,7 @@ class IndexIngest:
     @property
     def index_full(self) -> bool:
         """True while Redis refuses index writes for lack of memory (``maxmemory``)."""
-        return not self._gate.is_open
+        return self._gate.is_full
 
     @property
     def events_block_sizes(self) -> dict[WorkerId, int]:
@@ -438,7 +438,7 @@ class IndexIngest:
         self.metrics.owned.set(len(self.owned_workers))
 
     def _redis_failed(self, exc: RedisError, what: str) -> None:
-        if is_out_of_memory(exc):
+        if shut_reason(exc) is not None:
             self._gate.refused(exc, what)
         else:
             log.warning("ingest %s: Redis error (%s); retrying next pass", what, exc)

@@ -34,7 +34,7 @@ from router.ingest.handoff import HandoffError, decode_handoff, encode_handoff
 from router.ingest.metrics import IngestMetrics
 from router.ingest.recovery import KeptStream, Rebuild, RecoveryRules, Restart, StreamPosition
 from router.ingest.task_lock import TaskLock
-from router.ingest.write_gate import WriteGate, is_out_of_memory
+from router.ingest.write_gate import WriteGate, shut_reason
 from router.store.scripts import StaleLeaseError
 from router.workers.lifetime import LifetimeTracker
 from router.workers.registry import Lease, WorkerRecord
@@ -398,7 +398,8 @@ class WorkerIngest:
 
     def failed(self, exc: Exception) -> None:
         """A write failed (``exc``): drop a lost lease, rebuild the worker later (once the
-        index takes writes again, when Redis refused it for lack of memory)."""
+        index takes writes again, when Redis is out of memory or unreachable: the write
+        gate then drops every worker's batches until it answers)."""
         wid, metrics = self.worker_id, self._services.metrics
         if isinstance(exc, StaleLeaseError):
             metrics.lease_lost.labels(wid).inc()
@@ -408,7 +409,7 @@ class WorkerIngest:
         else:
             if isinstance(exc, RedisError):
                 metrics.redis_errors.labels(wid).inc()
-            if is_out_of_memory(exc):
+            if shut_reason(exc) is not None:
                 self._services.gate.refused(exc, f"worker {wid}")  # says so once per interval
             else:
                 log.warning("worker %s: index write failed (%s); it will be rebuilt", wid, exc)

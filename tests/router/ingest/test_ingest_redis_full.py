@@ -1,6 +1,7 @@
-"""Ingest against a Redis that is full (``maxmemory`` with ``noeviction``): it backs off,
-says so once per interval, shows it in ``/health`` and ``/metrics``, and converges with one
-rebuild of each worker once Redis has room again.
+"""Ingest against a Redis that is full (``maxmemory`` with ``noeviction``) or down: it
+backs off, says so once per interval, shows it in ``/health`` and ``/metrics``, asks no
+worker for a snapshot meanwhile, and converges with a rebuild of each worker once Redis
+has room (or answers) again.
 
 A real router service in process, a private ``redis-server``, a real publisher and worker
 HTTP. The log lines are counted while batches keep coming at a full Redis: before, each
@@ -41,6 +42,9 @@ FULL_FOR_S = 4.0
 """How long batches keep coming at the full Redis."""
 MAX_WARNINGS = 4
 """In those seconds: the index's (once per 10 s interval), shared load's, the heartbeat's."""
+MAX_UNREACHABLE_WARNINGS = 8
+"""Redis down for those seconds: the write gate's one, and the other parts' first word of
+it (lookup, shared load, heartbeat, lease renewal, maintenance), each once."""
 
 
 async def health(client: aiohttp.ClientSession) -> dict[str, Any]:
@@ -145,5 +149,83 @@ def test_a_full_redis_is_backed_off_said_once_and_recovered_from(
         assert 'kvroute_index_write_errors_total{reason="oom"}' in exposition
         assert "kvroute_index_writable 0.0" in exposition
         assert dropped >= 1
+
+    asyncio.run(main())
+
+
+def test_a_redis_that_is_down_is_backed_off_said_once_and_recovered_from(
+    private_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis killed while batches keep coming, then started again empty on its port."""
+
+    async def main() -> None:
+        async with fake_workers(LifetimeWorker("k1")) as (k1,):
+            config = RouterConfig(
+                redis_url=private_redis.url,
+                namespace="down",
+                port=0,
+                workers=(k1.record(),),
+                lease_ttl_s=1.5,
+            )
+            svc = await RouterService.open(config)
+            try:
+                async with aiohttp.ClientSession(base_url=svc.url) as client:
+                    await streams_up(svc, k1)
+                    k1.publish(stored(1, 0, 3))
+                    index = svc.ingest.index
+                    await eventually(lookup_is(index, 1, {"k1": match(3)}), what="ingested")
+                    snapshots = total(svc, "kvroute_ingest_snapshots_total", outcome="ok")
+                    private_redis.stop()
+                    caplog.clear()
+
+                    async def shut() -> bool:
+                        k1.publish(stored(2, 0, 2))
+                        return sample(svc, "kvroute_index_writable") == 0
+
+                    await eventually(shut, what="the write gate to shut")
+                    asked = total(svc, "kvroute_ingest_snapshots_total")
+                    end, prompt = time.monotonic() + FULL_FOR_S, 10
+                    while time.monotonic() < end:
+                        seen = sample(svc, "kvroute_stream_batches_total", worker="k1")
+                        k1.publish(stored(prompt, 0, 2))
+                        prompt += 1
+
+                        async def received(seen: float = seen) -> bool:
+                            labels = {"worker": "k1"}
+                            return sample(svc, "kvroute_stream_batches_total", **labels) > seen
+
+                        await eventually(received, what="a batch while Redis is down")
+                    down = await health(client)
+                    async with client.get("/metrics") as resp:
+                        exposition = await resp.text()
+                    during = total(svc, "kvroute_ingest_snapshots_total") - asked
+                    dropped = sample(
+                        svc, "kvroute_ingest_batches_total", worker="k1", outcome="index_full"
+                    )
+                    warnings = [
+                        r for r in caplog.records
+                        if r.levelno >= logging.WARNING and r.name.startswith(("router", "events"))
+                    ]  # fmt: skip
+
+                    private_redis.start()  # empty: no lease, no entry
+
+                    async def converged() -> bool:
+                        k1.publish()
+                        return (await health(client))["index"] == "live" and not await divergent(
+                            index, k1
+                        )
+
+                    await eventually(converged, what="recovered", timeout_s=60)
+                    rebuilt = total(svc, "kvroute_ingest_snapshots_total", outcome="ok")
+            finally:
+                await svc.close()
+        assert during == 0  # no worker was asked for its snapshot while Redis was down
+        assert dropped >= 1
+        assert rebuilt > snapshots
+        assert (down["index"], down["index_writable"]) == ("degraded", False)
+        assert 'kvroute_index_write_errors_total{reason="unreachable"}' in exposition
+        messages = [r.getMessage() for r in warnings]
+        assert sum("Redis is unreachable" in m for m in messages) <= 1, messages
+        assert len(warnings) <= MAX_UNREACHABLE_WARNINGS, messages
 
     asyncio.run(main())
