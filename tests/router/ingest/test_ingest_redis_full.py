@@ -64,6 +64,34 @@ def total(svc: RouterService, name: str, **labels: str) -> float:
     )
 
 
+async def keep_publishing(svc: RouterService, worker: LifetimeWorker) -> None:
+    """Publish a batch at a time for ``FULL_FOR_S``, each received before the next."""
+    end, prompt = time.monotonic() + FULL_FOR_S, 10
+    while time.monotonic() < end:
+        seen = sample(svc, "kvroute_stream_batches_total", worker=worker.worker_id)
+        worker.publish(stored(prompt, 0, 2))
+        prompt += 1
+
+        async def received(seen: float = seen) -> bool:
+            now = sample(svc, "kvroute_stream_batches_total", worker=worker.worker_id)
+            return now > seen
+
+        await eventually(received, what="a batch while Redis refuses writes")
+
+
+async def recovered(
+    svc: RouterService, client: aiohttp.ClientSession, worker: LifetimeWorker
+) -> None:
+    """Wait until the index is live again and holds exactly the worker's cache."""
+
+    async def converged() -> bool:
+        worker.publish()
+        health_now = await health(client)
+        return health_now["index"] == "live" and not await divergent(svc.ingest.index, worker)
+
+    await eventually(converged, what="recovered", timeout_s=60)
+
+
 def test_a_full_redis_is_backed_off_said_once_and_recovered_from(
     private_redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -97,17 +125,7 @@ def test_a_full_redis_is_backed_off_said_once_and_recovered_from(
                     resyncs = total(svc, "kvroute_ingest_resyncs_total")
                     caplog.clear()
 
-                    end, prompt = time.monotonic() + FULL_FOR_S, 10
-                    while time.monotonic() < end:
-                        seen = sample(svc, "kvroute_stream_batches_total", worker="k1")
-                        k1.publish(stored(prompt, 0, 2))
-                        prompt += 1
-
-                        async def received(seen: float = seen) -> bool:
-                            labels = {"worker": "k1"}
-                            return sample(svc, "kvroute_stream_batches_total", **labels) > seen
-
-                        await eventually(received, what="a batch at the full Redis")
+                    await keep_publishing(svc, k1)
                     warnings = [
                         r for r in caplog.records
                         if r.levelno >= logging.WARNING and r.name.startswith(("router", "events"))
@@ -124,13 +142,7 @@ def test_a_full_redis_is_backed_off_said_once_and_recovered_from(
                     # Room again: the ingest resumes and rebuilds the worker once.
                     await admin.config_set("maxmemory", 0)
 
-                    async def converged() -> bool:
-                        k1.publish()
-                        return (await health(client))["index"] == "live" and not await divergent(
-                            index, k1
-                        )
-
-                    await eventually(converged, what="recovered", timeout_s=60)
+                    await recovered(svc, client, k1)
                     assert total(svc, "kvroute_ingest_snapshots_total", outcome="ok") == (
                         snapshots + 1
                     )
@@ -184,17 +196,7 @@ def test_a_redis_that_is_down_is_backed_off_said_once_and_recovered_from(
 
                     await eventually(shut, what="the write gate to shut")
                     asked = total(svc, "kvroute_ingest_snapshots_total")
-                    end, prompt = time.monotonic() + FULL_FOR_S, 10
-                    while time.monotonic() < end:
-                        seen = sample(svc, "kvroute_stream_batches_total", worker="k1")
-                        k1.publish(stored(prompt, 0, 2))
-                        prompt += 1
-
-                        async def received(seen: float = seen) -> bool:
-                            labels = {"worker": "k1"}
-                            return sample(svc, "kvroute_stream_batches_total", **labels) > seen
-
-                        await eventually(received, what="a batch while Redis is down")
+                    await keep_publishing(svc, k1)
                     down = await health(client)
                     async with client.get("/metrics") as resp:
                         exposition = await resp.text()
@@ -209,13 +211,7 @@ def test_a_redis_that_is_down_is_backed_off_said_once_and_recovered_from(
 
                     private_redis.start()  # empty: no lease, no entry
 
-                    async def converged() -> bool:
-                        k1.publish()
-                        return (await health(client))["index"] == "live" and not await divergent(
-                            index, k1
-                        )
-
-                    await eventually(converged, what="recovered", timeout_s=60)
+                    await recovered(svc, client, k1)
                     rebuilt = total(svc, "kvroute_ingest_snapshots_total", outcome="ok")
             finally:
                 await svc.close()
