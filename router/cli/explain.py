@@ -30,6 +30,7 @@ from router.cli import router as router_cli
 from router.cli.replay import add_replay_arguments
 from router.errors import RouterError
 from router.index.memory import MemoryPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.offline.explain import Explanation, explain_request, find_decision, read_decisions
 from router.offline.replay import LogSpan, ReplayError, format_ts, log_span, parse_at, replay_log
 from router.routing.policies import DEFAULT_POLICY, POLICY_NAMES
@@ -258,7 +259,7 @@ async def _run(args: argparse.Namespace) -> int:
     span = log_span(args.log)
     at_ts = parse_at(args.at, span)
     keyer = RouterKeyer(args.seed)
-    index = MemoryPrefixIndex(keyer)
+    index = BridgedIndex(MemoryPrefixIndex(), keyer)
     summary = await replay_log(args.log, at_ts, index)
     sizes = {w.block_size for w in summary.workers.values() if w.block_size is not None}
     block_size = args.block_size or (sizes.pop() if len(sizes) == 1 else 16)
@@ -278,7 +279,7 @@ async def _run(args: argparse.Namespace) -> int:
     if recorded is not None and recorded.weights is not None and not args.router_args:
         config = replace(config, weights=recorded.weights)  # what the router scored with
     exp = await explain_request(
-        index,
+        index.store,
         token_ids,
         workers,
         at_ts=at_ts,
