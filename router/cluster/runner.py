@@ -40,9 +40,13 @@ from router.cluster.processes import (
     wait_healthy,
 )
 from router.cluster.report import ClusterReport, PolicyRun, RequestResult, WorkerStats
-from router.cluster.workload import Workload, WorkloadRequest, ideal_hit_tokens
+from router.cluster.workload import (
+    Workload,
+    WorkloadRequest,
+    ideal_hit_tokens,
+    pooled_lru_hit_tokens,
+)
 from router.errors import RouterError
-from router.sim.bounds import pooled_lru_hit_tokens
 from router.store.connection import connect
 from router.store.server import RedisServer, free_port
 
