@@ -78,6 +78,18 @@ class LogRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
         """
         return decode_batch(self.payload)
 
+    @classmethod
+    def of_batch(cls, received: ReceivedBatch) -> LogRecord:
+        """The ``"batch"`` record of a batch the subscriber delivered."""
+        return cls(
+            received.recv_ts,
+            received.worker_id,
+            "batch",
+            received.seq,
+            received.payload,
+            received.replayed,
+        )
+
 
 _encoder: Final = msgspec.msgpack.Encoder()
 _decoder: Final = msgspec.msgpack.Decoder(LogRecord)
@@ -203,16 +215,7 @@ class EventRecorder:
         self.writer = writer
 
     async def on_batch(self, received: ReceivedBatch) -> None:
-        self.writer.write(
-            LogRecord(
-                received.recv_ts,
-                received.worker_id,
-                "batch",
-                received.seq,
-                received.payload,
-                received.replayed,
-            )
-        )
+        self.writer.write(LogRecord.of_batch(received))
 
     async def on_reset(self, worker_id: WorkerId, seq: int) -> None:
         self.writer.write(LogRecord(time.time(), worker_id, "reset", seq))
