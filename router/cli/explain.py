@@ -10,11 +10,9 @@ before that moment, and whether the replayed state agrees with what the router s
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +25,7 @@ from events.identity import WorkerId
 from events.recorder import EventLogError
 from events.tokenizer import TokenizerError, load_tokenizer
 from router.cli import router as router_cli
-from router.cli.replay import add_replay_arguments
+from router.cli.replay import add_replay_arguments, run_offline
 from router.errors import RouterError
 from router.index.memory import MemoryPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
@@ -304,14 +302,5 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str]) -> int:
     """Run ``kvroute explain``; returns the exit code."""
-    args = _parser().parse_args(list(argv))
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="kvroute explain: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        return asyncio.run(_run(args))
-    except (RouterError, EventLogError, TokenizerError, OSError) as exc:
-        _LOG.error("%s", exc)
-        return 1
+    errors = (RouterError, EventLogError, TokenizerError, OSError)
+    return run_offline(_parser(), argv, _run, errors, _LOG)

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -39,7 +39,7 @@ from router.store.connection import connect, redact_url
 from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRegistry
 
-__all__ = ["add_replay_arguments", "main", "summary_json", "summary_text"]
+__all__ = ["add_replay_arguments", "main", "run_offline", "summary_json", "summary_text"]
 
 _LOG: Final = logging.getLogger("kvroute.replay")
 
@@ -202,16 +202,29 @@ async def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str]) -> int:
-    """Run ``kvroute replay``; returns the exit code."""
-    args = _parser().parse_args(list(argv))
+def run_offline(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    run: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
+    errors: tuple[type[Exception], ...],
+    log: logging.Logger,
+) -> int:
+    """Run an offline command (replay, explain) on ``argv``: log lines on stderr prefixed
+    with the command's name (debug ones with ``--verbose``), each of ``errors`` logged as
+    one line to ``log`` and exit code 1; else ``run``'s exit code."""
+    args = parser.parse_args(list(argv))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="kvroute replay: %(message)s",
+        format=f"{parser.prog}: %(message)s",
         stream=sys.stderr,
     )
     try:
-        return asyncio.run(_run(args))
-    except (RouterError, EventLogError, OSError) as exc:
-        _LOG.error("%s", exc)
+        return asyncio.run(run(args))
+    except errors as exc:
+        log.error("%s", exc)
         return 1
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run ``kvroute replay``; returns the exit code."""
+    return run_offline(_parser(), argv, _run, (RouterError, EventLogError, OSError), _LOG)
