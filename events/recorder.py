@@ -33,6 +33,7 @@ __all__ = [
     "EventRecorder",
     "LogRecord",
     "RecordKind",
+    "last_batch_seqs",
     "read_log",
 ]
 
@@ -140,6 +141,22 @@ def read_log(path: str | os.PathLike[str]) -> Iterator[LogRecord]:
     with log_path.open("rb") as stream:
         for _, record in _scan(stream, log_path):
             yield record
+
+
+def last_batch_seqs(path: str | os.PathLike[str]) -> dict[WorkerId, int]:
+    """The seq of each worker's last batch in an event log so far (empty while the file is
+    missing or holds no record): how far a recorder that is still writing has got.
+
+    Raises:
+        EventLogError: The file is not an event log, or a record before the last is corrupt.
+    """
+    log_path = Path(path)
+    last: dict[WorkerId, int] = {}
+    if log_path.exists() and log_path.stat().st_size > len(LOG_MAGIC):
+        for record in read_log(log_path):
+            if record.kind == "batch" and record.seq is not None:
+                last[record.worker_id] = record.seq
+    return last
 
 
 class EventLogWriter:
