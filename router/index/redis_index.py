@@ -175,9 +175,16 @@ class RedisPrefixIndex:
 
         Raises:
             StaleLeaseError: This router no longer holds the worker's lease.
-            PrefixIndexError: No lease token was given for the worker.
+            PrefixIndexError: No lease token was given for the worker, or (group commit)
+                ``changes`` are not the worker's queued ones.
         """
         if self.group_commit:  # folded into the worker's queued changes
+            if not self._queues.holds(worker_id, changes):
+                # Others would be dropped unwritten: refuse them instead.
+                raise PrefixIndexError(
+                    f"changes for worker {worker_id!r} are not its queued ones: with group "
+                    "commit, fold into what changes_for() gives and write it before any await"
+                )
             self._queues.send_soon()
             return
         failed = await self._send({worker_id: changes})
