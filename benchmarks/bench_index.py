@@ -2,12 +2,13 @@
 
 One private ``redis-server`` (127.0.0.1, no persistence) serves every row, in one run:
 
-1. Ingest: ``RedisPrefixIndex.apply`` of ``BlockStored`` batches (32 blocks of 16 tokens
-   each, chained into 512-block prompts) through the engine-hash bridge and the fenced Lua
-   write, from 64 workers applying concurrently (the router ingests workers in parallel;
-   group commit sends every worker's pending changes in one script call) and from one
-   worker alone; then steady-state churn rows (each batch stores 32 new blocks and
-   removes 32 old ones, in vLLM's eviction order and in the bridge's worst order).
+1. Ingest: ``BridgedIndex.apply`` over a ``RedisPrefixIndex`` of ``BlockStored`` batches
+   (32 blocks of 16 tokens each, chained into 512-block prompts) through the engine-hash
+   bridge and the fenced Lua write, from 64 workers applying concurrently (the router
+   ingests workers in parallel; group commit sends every worker's pending changes in one
+   script call) and from one worker alone; then steady-state churn rows (each batch
+   stores 32 new blocks and removes 32 old ones, in vLLM's eviction order and in the
+   bridge's worst order).
    Baseline: ``redis-benchmark -P 64 -t set`` on the same server in
    the same run; ratio = block events/s / SET requests/s. Each row's note gives the
    Redis server time and the client's CPU time per block: the two sides of the cost. The
@@ -56,6 +57,7 @@ from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.ingest.handoff import decode_handoff, encode_handoff
 from router.store.connection import RedisClient, connect
 from router.store.layout import KeyLayout
@@ -169,10 +171,10 @@ class Row:
 
 async def writers(
     client: RedisClient, namespace: str, workers: Sequence[WorkerId], group_commit: bool = True
-) -> RedisPrefixIndex:
+) -> BridgedIndex:
     """An index of ``namespace`` holding a lease for every worker."""
     layout = KeyLayout(namespace)
-    index = RedisPrefixIndex(client, layout, group_commit=group_commit)
+    index = BridgedIndex(RedisPrefixIndex(client, layout, group_commit=group_commit))
     registry = WorkerRegistry(client, layout, lease_ttl_ms=3_600_000)
     for worker in workers:
         lease = await registry.acquire(worker)
@@ -196,7 +198,7 @@ class Ingested:
         )
 
 
-async def apply_all(index: RedisPrefixIndex, plan: Plan) -> Ingested:
+async def apply_all(index: BridgedIndex, plan: Plan) -> Ingested:
     """Apply every worker's batches (workers concurrently) until Redis has them all.
 
     Between batches each worker yields one event-loop turn, as the ingest does while it
@@ -384,7 +386,7 @@ async def run(args: argparse.Namespace, port: int) -> list[Row]:
 
 
 async def handoff_rows(
-    client: RedisClient, index: RedisPrefixIndex, worker: WorkerId, batches: list[KVEventBatch]
+    client: RedisClient, index: BridgedIndex, worker: WorkerId, batches: list[KVEventBatch]
 ) -> list[Row]:
     """A lease handoff of one populated worker beside the rebuild it saves (see the module
     docstring)."""

@@ -49,6 +49,7 @@ from router.front.config import RouterConfig
 from router.front.service import Routed, RouterService
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.routing.decider import DecisionInputs
 from router.routing.decider import decide as decide_route
 from router.routing.policies import RouteRequest
@@ -109,7 +110,7 @@ async def index_prompt(redis_url: str, namespace: str, records: Sequence[WorkerR
     """
     client = await connect(redis_url)
     layout = KeyLayout(namespace)
-    index = RedisPrefixIndex(client, layout)
+    index = BridgedIndex(RedisPrefixIndex(client, layout))
     registry = WorkerRegistry(client, layout, lease_ttl_ms=3_600_000)
     tokens = list(prompt_text().encode())
     for i, record in enumerate(records):

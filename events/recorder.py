@@ -33,6 +33,7 @@ __all__ = [
     "EventRecorder",
     "LogRecord",
     "RecordKind",
+    "last_batch_seqs",
     "read_log",
 ]
 
@@ -77,6 +78,18 @@ class LogRecord(msgspec.Struct, array_like=True, frozen=True, gc=False):
             EventDecodeError: The payload is not a valid batch.
         """
         return decode_batch(self.payload)
+
+    @classmethod
+    def of_batch(cls, received: ReceivedBatch) -> LogRecord:
+        """The ``"batch"`` record of a batch the subscriber delivered."""
+        return cls(
+            received.recv_ts,
+            received.worker_id,
+            "batch",
+            received.seq,
+            received.payload,
+            received.replayed,
+        )
 
 
 _encoder: Final = msgspec.msgpack.Encoder()
@@ -128,6 +141,22 @@ def read_log(path: str | os.PathLike[str]) -> Iterator[LogRecord]:
     with log_path.open("rb") as stream:
         for _, record in _scan(stream, log_path):
             yield record
+
+
+def last_batch_seqs(path: str | os.PathLike[str]) -> dict[WorkerId, int]:
+    """The seq of each worker's last batch in an event log so far (empty while the file is
+    missing or holds no record): how far a recorder that is still writing has got.
+
+    Raises:
+        EventLogError: The file is not an event log, or a record before the last is corrupt.
+    """
+    log_path = Path(path)
+    last: dict[WorkerId, int] = {}
+    if log_path.exists() and log_path.stat().st_size > len(LOG_MAGIC):
+        for record in read_log(log_path):
+            if record.kind == "batch" and record.seq is not None:
+                last[record.worker_id] = record.seq
+    return last
 
 
 class EventLogWriter:
@@ -203,16 +232,7 @@ class EventRecorder:
         self.writer = writer
 
     async def on_batch(self, received: ReceivedBatch) -> None:
-        self.writer.write(
-            LogRecord(
-                received.recv_ts,
-                received.worker_id,
-                "batch",
-                received.seq,
-                received.payload,
-                received.replayed,
-            )
-        )
+        self.writer.write(LogRecord.of_batch(received))
 
     async def on_reset(self, worker_id: WorkerId, seq: int) -> None:
         self.writer.write(LogRecord(time.time(), worker_id, "reset", seq))

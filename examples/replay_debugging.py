@@ -24,7 +24,8 @@ from pathlib import Path
 
 import aiohttp
 
-from events.recorder import read_log
+from events.identity import WorkerId
+from events.recorder import last_batch_seqs
 from router.cli.main import main as kvroute
 from router.cluster.processes import ProcessGroup, log_directory, wait_healthy
 from router.store.server import free_port
@@ -53,16 +54,6 @@ async def published(session: aiohttp.ClientSession, url: str) -> int:
     return 0
 
 
-def last_seqs_in_log(log: Path) -> dict[str, int]:
-    """The seq of each worker's last batch in the log so far."""
-    last: dict[str, int] = {}
-    if log.exists() and log.stat().st_size > 0:
-        for record in read_log(log):
-            if record.kind == "batch" and record.seq is not None:
-                last[record.worker_id] = record.seq
-    return last
-
-
 async def until_recorded(
     session: aiohttp.ClientSession, urls: dict[str, str], log: Path, timeout_s: float = 60.0
 ) -> None:
@@ -70,8 +61,8 @@ async def until_recorded(
     deadline = time.monotonic() + timeout_s
     while True:
         wanted = {w: await published(session, url) - 1 for w, url in urls.items()}
-        have = last_seqs_in_log(log)
-        if all(have.get(w, -1) >= seq for w, seq in wanted.items()):
+        have = last_batch_seqs(log)
+        if all(have.get(WorkerId(w), -1) >= seq for w, seq in wanted.items()):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"recorder has {have}, workers published {wanted}")
@@ -88,7 +79,7 @@ async def subscribed(
     """
     deadline = time.monotonic() + timeout_s
     for worker, url in urls.items():
-        while worker not in last_seqs_in_log(log):
+        while worker not in last_batch_seqs(log):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the recorder never received {worker}'s events")
             async with session.post(f"{url}/v1/reset_prefix_cache") as resp:

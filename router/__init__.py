@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from router.index.base import IndexStats, PrefixIndex, PrefixMatch
     from router.index.memory import MemoryPrefixIndex
     from router.index.redis_index import RedisPrefixIndex
+    from router.ingest.bridged_index import BridgedIndex
     from router.offline.explain import explain_request
     from router.routing.cost import CostWeights
     from router.routing.policies import (
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from router.workers.registry import WorkerRecord, WorkerRegistry
 
 __all__ = [
+    "BridgedIndex",
     "Candidate",
     "CostWeights",
     "Decision",
@@ -60,6 +62,7 @@ __all__ = [
 ]
 
 _HOMES: Final[dict[str, str]] = {
+    "BridgedIndex": "router.ingest.bridged_index",
     "Candidate": "router.routing.policies",
     "CostWeights": "router.routing.cost",
     "Decision": "router.routing.policies",

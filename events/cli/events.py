@@ -139,15 +139,7 @@ class _TailSink:
         sys.stdout.flush()
 
     async def on_batch(self, received: ReceivedBatch) -> None:
-        record = LogRecord(
-            received.recv_ts,
-            received.worker_id,
-            "batch",
-            received.seq,
-            received.payload,
-            received.replayed,
-        )
-        self._emit(record, received.batch)
+        self._emit(LogRecord.of_batch(received), received.batch)
         self.num_batches += 1
         if self.max_batches is not None and self.num_batches >= self.max_batches:
             self.done.set()

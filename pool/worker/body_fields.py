@@ -22,6 +22,7 @@ __all__ = [
     "decode_body",
     "float_field",
     "int_field",
+    "model_request",
     "served_model",
 ]
 
@@ -161,6 +162,22 @@ def served_model(body: Mapping[str, Any], served: Sequence[str]) -> str:
             "model",
         )
     return model
+
+
+def model_request(
+    raw: bytes, read: frozenset[str], served: Sequence[str]
+) -> tuple[dict[str, Any], str]:
+    """A request body for one of the ``served`` models: decoded, its parameters checked
+    against those the endpoint ``read``s (see :func:`check_parameters`); and the model it
+    asks for (see :func:`served_model`).
+
+    Raises:
+        CompletionRequestError: The body is not a JSON object, or has a parameter refused.
+        ModelNotFoundError: ``model`` is none of the ``served`` names.
+    """
+    body = decode_body(raw)
+    check_parameters(body, read)
+    return body, served_model(body, served)
 
 
 def int_field(body: Mapping[str, Any], name: str, default: int) -> int:

@@ -29,11 +29,9 @@ from events.tokenizer import Tokenizer
 from pool.worker.body_fields import (
     CompletionRequestError,
     bool_field,
-    check_parameters,
-    decode_body,
     float_field,
     int_field,
-    served_model,
+    model_request,
 )
 from pool.worker.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
@@ -136,9 +134,7 @@ def parse_completion_request(
         CompletionRequestError: A field is malformed, out of its limits or unsupported
             (``ModelNotFoundError`` for a model not served).
     """
-    body = decode_body(raw)
-    check_parameters(body, _COMPLETION_FIELDS)
-    model = served_model(body, served)
+    body, model = model_request(raw, _COMPLETION_FIELDS, served)
     add_special = bool_field(body, "add_special_tokens", True)
     prompts = [
         encode_text(tokenizer, p, add_special_tokens=add_special) if isinstance(p, str) else p
@@ -193,9 +189,7 @@ def parse_chat_request(
         CompletionRequestError: A field is malformed, unsupported, or the template refuses
             the messages.
     """
-    body = decode_body(raw)
-    check_parameters(body, _CHAT_FIELDS)
-    model = served_model(body, served)
+    body, model = model_request(raw, _CHAT_FIELDS, served)
     prompt = chat_prompt(body, tokenizer, template)
     want_logprobs = bool_field(body, "logprobs", False)
     top = body.get("top_logprobs")

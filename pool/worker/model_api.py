@@ -27,9 +27,7 @@ from events.tokenizer import Tokenizer
 from pool.worker.body_fields import (
     CompletionRequestError,
     bool_field,
-    check_parameters,
-    decode_body,
-    served_model,
+    model_request,
 )
 from pool.worker.completions import chat_prompt, encode_text
 
@@ -90,9 +88,7 @@ class ModelAPI:
         Raises:
             CompletionRequestError: A malformed or unsupported body (answered as 400/404).
         """
-        body = decode_body(await request.read())
-        check_parameters(body, _TOKENIZE_FIELDS)
-        served_model(body, self.served)
+        body, _ = model_request(await request.read(), _TOKENIZE_FIELDS, self.served)
         if ("prompt" in body) == ("messages" in body):
             raise CompletionRequestError("send either 'prompt' (a string) or 'messages'", "prompt")
         if "messages" in body:
@@ -119,9 +115,7 @@ class ModelAPI:
         Raises:
             CompletionRequestError: A malformed or unsupported body (answered as 400/404).
         """
-        body = decode_body(await request.read())
-        check_parameters(body, _DETOKENIZE_FIELDS)
-        served_model(body, self.served)
+        body, _ = model_request(await request.read(), _DETOKENIZE_FIELDS, self.served)
         tokens = body.get("tokens")
         if not (
             isinstance(tokens, list)

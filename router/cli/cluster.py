@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Final
 
 from events.cli.flags import help_text
-from router.cli.progress import DEFAULT_INTERVAL_S, progress
+from router.cli.progress import add_progress_arguments, progress_of
 from router.cluster.processes import LogDirectory, log_directory
 from router.cluster.report import format_report, write_plot
 from router.cluster.runner import ClusterConfig, ClusterError, ProcessError, run_cluster
@@ -161,14 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also record each run's KV events (DIR/POLICY.kvlog) and the router's decisions "
         "(DIR/POLICY.decisions.jsonl), for `kvroute replay` and `kvroute explain`",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
-    p.add_argument(
-        "--progress-interval-s",
-        type=float,
-        default=DEFAULT_INTERVAL_S,
-        help="seconds between progress lines when stderr is not a terminal (default: "
-        f"{DEFAULT_INTERVAL_S:g}; on a terminal a progress bar)",
-    )
+    add_progress_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -259,12 +252,8 @@ def _run(args: argparse.Namespace, source: TraceSource | None, logs: LogDirector
         workload.description, workload.num_prompt_tokens, where,
     )  # fmt: skip
     try:
-        with progress(
-            len(workload.requests) * len(config.policies),
-            unit="req",
-            logger=_LOG,
-            enabled=not args.no_progress,
-            interval_s=args.progress_interval_s,
+        with progress_of(
+            args, len(workload.requests) * len(config.policies), unit="req", logger=_LOG
         ) as shown:
 
             def on_result(policy: str, result: object) -> None:

@@ -10,11 +10,9 @@ before that moment, and whether the replayed state agrees with what the router s
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,9 +25,10 @@ from events.identity import WorkerId
 from events.recorder import EventLogError
 from events.tokenizer import TokenizerError, load_tokenizer
 from router.cli import router as router_cli
-from router.cli.replay import add_replay_arguments
+from router.cli.replay import add_replay_arguments, run_offline
 from router.errors import RouterError
 from router.index.memory import MemoryPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.offline.explain import Explanation, explain_request, find_decision, read_decisions
 from router.offline.replay import LogSpan, ReplayError, format_ts, log_span, parse_at, replay_log
 from router.routing.policies import DEFAULT_POLICY, POLICY_NAMES
@@ -258,7 +257,7 @@ async def _run(args: argparse.Namespace) -> int:
     span = log_span(args.log)
     at_ts = parse_at(args.at, span)
     keyer = RouterKeyer(args.seed)
-    index = MemoryPrefixIndex(keyer)
+    index = BridgedIndex(MemoryPrefixIndex(), keyer)
     summary = await replay_log(args.log, at_ts, index)
     sizes = {w.block_size for w in summary.workers.values() if w.block_size is not None}
     block_size = args.block_size or (sizes.pop() if len(sizes) == 1 else 16)
@@ -278,7 +277,7 @@ async def _run(args: argparse.Namespace) -> int:
     if recorded is not None and recorded.weights is not None and not args.router_args:
         config = replace(config, weights=recorded.weights)  # what the router scored with
     exp = await explain_request(
-        index,
+        index.store,
         token_ids,
         workers,
         at_ts=at_ts,
@@ -303,14 +302,5 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str]) -> int:
     """Run ``kvroute explain``; returns the exit code."""
-    args = _parser().parse_args(list(argv))
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="kvroute explain: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        return asyncio.run(_run(args))
-    except (RouterError, EventLogError, TokenizerError, OSError) as exc:
-        _LOG.error("%s", exc)
-        return 1
+    errors = (RouterError, EventLogError, TokenizerError, OSError)
+    return run_offline(_parser(), argv, _run, errors, _LOG)

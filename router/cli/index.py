@@ -33,7 +33,7 @@ from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
 from router.errors import RouterError
 from router.front.accuracy import AccuracyConfig, ReportedAccuracy, parse_router_accuracy
-from router.index.base import IndexStats
+from router.index.base import IndexStats, PrefixIndex
 from router.index.changes import Changes
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridge import WorkerBridge
@@ -100,13 +100,15 @@ async def expected_entries(
 
 
 async def check_workers(
-    index: RedisPrefixIndex,
+    index: PrefixIndex,
+    keyer: RouterKeyer,
     session: aiohttp.ClientSession,
     targets: Sequence[tuple[WorkerId, str]],
     registry: WorkerRegistry | None = None,
 ) -> list[WorkerCheck]:
     """Compare each ``(worker id, http url)`` worker's snapshot with its index entries
-    (and, given the ``registry``, its block size with its registration's)."""
+    (and, given the ``registry``, its block size with its registration's); ``keyer`` is
+    the router key function the index was written with."""
     registered: dict[WorkerId, int] = {}
     flagged: dict[WorkerId, int] = {}
     if registry is not None:
@@ -114,7 +116,7 @@ async def check_workers(
         flagged = await registry.events_block_sizes([w for w, _ in targets])
     out: list[WorkerCheck] = []
     for worker_id, http_url in targets:
-        expected, snapshot_block_size = await expected_entries(index.keyer, session, http_url)
+        expected, snapshot_block_size = await expected_entries(keyer, session, http_url)
         indexed = await index.worker_entries(WorkerId(worker_id))
         both = expected.keys() & indexed.keys()
         block_size = registered.get(worker_id)
@@ -284,7 +286,7 @@ async def _run(args: argparse.Namespace) -> int:
 async def _check(args: argparse.Namespace, client: RedisClient, layout: KeyLayout) -> int:
     """``kvroute index check``: the index against workers' snapshots, and with
     ``--router`` each worker's routing accuracy; the exit code."""
-    index = RedisPrefixIndex(client, layout, RouterKeyer(args.seed))
+    index = RedisPrefixIndex(client, layout)
     targets = _targets(args.worker)
     if not targets:
         records = await WorkerRegistry(client, layout).records()
@@ -292,7 +294,8 @@ async def _check(args: argparse.Namespace, client: RedisClient, layout: KeyLayou
     if not targets and args.router is None:
         raise RouterError("no kvroute worker to check: pass --worker ID=HTTP_URL")
     async with aiohttp.ClientSession() as session:
-        checks = await check_workers(index, session, targets, WorkerRegistry(client, layout))
+        registry = WorkerRegistry(client, layout)
+        checks = await check_workers(index, RouterKeyer(args.seed), session, targets, registry)
         accuracy = {} if args.router is None else await _router_accuracy(session, args.router)
     low = sorted(
         w for w, a in accuracy.items()

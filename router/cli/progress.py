@@ -9,6 +9,7 @@ on an error or Ctrl-C the bar is erased before the caller reports it, never left
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import sys
@@ -20,7 +21,7 @@ from typing import Any, Final, Literal
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-__all__ = ["DEFAULT_INTERVAL_S", "Progress", "progress"]
+__all__ = ["DEFAULT_INTERVAL_S", "Progress", "add_progress_arguments", "progress", "progress_of"]
 
 DEFAULT_INTERVAL_S: Final = 10.0
 """Seconds between two progress lines when stderr is not a terminal."""
@@ -121,3 +122,28 @@ def progress(
             shown.close(erase=True)
             raise
         shown.close(erase=False)
+
+
+def add_progress_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--no-progress`` and ``--progress-interval-s`` (read by :func:`progress_of`)."""
+    parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    parser.add_argument(
+        "--progress-interval-s",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between progress lines when stderr is not a terminal (default: "
+        "%(default)s; on a terminal a progress bar)",
+    )
+
+
+def progress_of(
+    args: argparse.Namespace, total: int, *, unit: str, logger: logging.Logger
+) -> contextlib.AbstractContextManager[Progress]:
+    """:func:`progress` as the flags of :func:`add_progress_arguments` ask."""
+    return progress(
+        total,
+        unit=unit,
+        logger=logger,
+        enabled=not args.no_progress,
+        interval_s=args.progress_interval_s,
+    )

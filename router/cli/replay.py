@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -24,9 +24,9 @@ from router.errors import RouterError
 from router.index.base import IndexStats
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.offline.replay import (
     REPLAY_LEASE_TTL_MS,
-    BridgedIndex,
     LogSpan,
     ReplaySummary,
     format_ts,
@@ -39,7 +39,7 @@ from router.store.connection import connect, redact_url
 from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRegistry
 
-__all__ = ["add_replay_arguments", "main", "summary_json", "summary_text"]
+__all__ = ["add_replay_arguments", "main", "run_offline", "summary_json", "summary_text"]
 
 _LOG: Final = logging.getLogger("kvroute.replay")
 
@@ -168,18 +168,20 @@ WriteHook = Callable[[WorkerId], Awaitable[None]] | None
 @contextlib.asynccontextmanager
 async def replay_target(
     redis_url: str | None, namespace: str | None, seed: int
-) -> AsyncIterator[tuple[BridgedIndex, WriteHook]]:
-    """Yield ``(index, before_first_write)`` for a memory or Redis rebuild."""
+) -> AsyncIterator[tuple[BridgedIndex, WriteHook, str | None]]:
+    """Yield ``(index, before_first_write, where)`` for a memory or Redis rebuild;
+    ``where`` says where the rebuilt index stays (None: in memory, gone at exit)."""
     keyer = RouterKeyer(seed)
     if redis_url is None:
-        yield MemoryPrefixIndex(keyer), None
+        yield BridgedIndex(MemoryPrefixIndex(), keyer), None, None
         return
     client = await connect(redis_url)
     try:
         layout = KeyLayout(namespace or time.strftime("replay-%Y%m%dT%H%M%S", time.gmtime()))
-        index = RedisPrefixIndex(client, layout, keyer)
+        store = RedisPrefixIndex(client, layout)
         registry = WorkerRegistry(client, layout, lease_ttl_ms=REPLAY_LEASE_TTL_MS)
-        yield index, redis_lease_taker(index, registry)
+        where = f"{redact_url(redis_url)} namespace {layout.namespace!r}"
+        yield BridgedIndex(store, keyer), redis_lease_taker(store, registry), where
     finally:
         await client.aclose()
 
@@ -187,7 +189,7 @@ async def replay_target(
 async def _run(args: argparse.Namespace) -> int:
     span = log_span(args.log)
     at_ts = parse_at(args.at, span)
-    async with replay_target(args.redis, args.namespace, args.seed) as (index, hook):
+    async with replay_target(args.redis, args.namespace, args.seed) as (index, hook, where):
         summary = await replay_log(args.log, at_ts, index, hook)
         entries = await worker_entries(index, summary)
         stats = await index.stats()
@@ -195,24 +197,34 @@ async def _run(args: argparse.Namespace) -> int:
             print(json.dumps(summary_json(summary, span, entries, stats), indent=2))
         else:
             print(summary_text(summary, span, entries, stats))
-        if isinstance(index, RedisPrefixIndex):
-            print(
-                f"index left in {redact_url(args.redis)} namespace {index.layout.namespace!r}",
-                file=sys.stderr,
-            )
+        if where is not None:
+            print(f"index left in {where}", file=sys.stderr)
     return 0
+
+
+def run_offline(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    run: Callable[[argparse.Namespace], Coroutine[Any, Any, int]],
+    errors: tuple[type[Exception], ...],
+    log: logging.Logger,
+) -> int:
+    """Run an offline command (replay, explain) on ``argv``: log lines on stderr prefixed
+    with the command's name (debug ones with ``--verbose``), each of ``errors`` logged as
+    one line to ``log`` and exit code 1; else ``run``'s exit code."""
+    args = parser.parse_args(list(argv))
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format=f"{parser.prog}: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(run(args))
+    except errors as exc:
+        log.error("%s", exc)
+        return 1
 
 
 def main(argv: Sequence[str]) -> int:
     """Run ``kvroute replay``; returns the exit code."""
-    args = _parser().parse_args(list(argv))
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="kvroute replay: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        return asyncio.run(_run(args))
-    except (RouterError, EventLogError, OSError) as exc:
-        _LOG.error("%s", exc)
-        return 1
+    return run_offline(_parser(), argv, _run, (RouterError, EventLogError, OSError), _LOG)

@@ -21,7 +21,7 @@ import cbor2
 import xxhash
 
 from router.cli.cost_flags import add_cost_arguments, cost_weights_from
-from router.cli.progress import DEFAULT_INTERVAL_S, Progress, progress
+from router.cli.progress import Progress, add_progress_arguments, progress_of
 from router.cluster.trace_generator import GeneratorConfig
 from router.cluster.trace_source import DEFAULT_TRACE_PATH, choose_trace
 from router.errors import RouterError
@@ -207,13 +207,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument("--plot", metavar="FILE.png", help="write a PNG chart of the results")
-    parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
-    parser.add_argument(
-        "--progress-interval-s",
-        type=float,
-        default=DEFAULT_INTERVAL_S,
-        help="seconds between progress lines off a terminal (default: %(default)s)",
-    )
+    add_progress_arguments(parser)
     return parser
 
 
@@ -255,13 +249,7 @@ def main(argv: list[str]) -> int:
         requests = to_requests(source.records(args.limit))
         if not requests:
             raise RouterError(f"trace {source.name!r} holds no requests")
-        with progress(
-            len(requests) * len(policies),
-            unit="req",
-            logger=logger,
-            enabled=not args.no_progress,
-            interval_s=args.progress_interval_s,
-        ) as shown:
+        with progress_of(args, len(requests) * len(policies), unit="req", logger=logger) as shown:
             results = run_policies(requests, policies, config, pool_cache_factory(), shown)
         if args.plot:
             plot_results(results, args.plot)

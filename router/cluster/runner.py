@@ -32,7 +32,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import RedisError
 
-from events.recorder import LOG_MAGIC, read_log
+from events.identity import WorkerId
+from events.recorder import last_batch_seqs
 from router.cluster.processes import (
     ProcessError,
     ProcessGroup,
@@ -40,9 +41,13 @@ from router.cluster.processes import (
     wait_healthy,
 )
 from router.cluster.report import ClusterReport, PolicyRun, RequestResult, WorkerStats
-from router.cluster.workload import Workload, WorkloadRequest, ideal_hit_tokens
+from router.cluster.workload import (
+    Workload,
+    WorkloadRequest,
+    ideal_hit_tokens,
+    pooled_lru_hit_tokens,
+)
 from router.errors import RouterError
-from router.sim.bounds import pooled_lru_hit_tokens
 from router.store.connection import connect
 from router.store.server import RedisServer, free_port
 
@@ -190,16 +195,6 @@ def _record_argv(workers: Sequence[_WorkerPorts], log: Path) -> list[str]:
     return argv
 
 
-def _last_seqs(log: Path) -> dict[str, int]:
-    """Seq of each worker's last batch in an event log (empty while it has no records)."""
-    last: dict[str, int] = {}
-    if log.exists() and log.stat().st_size > len(LOG_MAGIC):
-        for record in read_log(log):
-            if record.kind == "batch" and record.seq is not None:
-                last[record.worker_id] = record.seq
-    return last
-
-
 async def _recorder_joined(
     session: aiohttp.ClientSession, workers: Sequence[_WorkerPorts], log: Path, deadline: float
 ) -> None:
@@ -209,7 +204,7 @@ async def _recorder_joined(
     until one is seen rather than hoping a sleep was long enough.
     """
     for w in workers:
-        while w.worker_id not in _last_seqs(log):
+        while w.worker_id not in last_batch_seqs(log):
             if time.monotonic() > deadline:
                 raise ClusterError(f"the event recorder never received {w.worker_id}'s events")
             async with session.post(f"{w.url}/v1/reset_prefix_cache") as resp:
@@ -228,8 +223,8 @@ async def _recorder_caught_up(
             w.worker_id: int(m.get(("kvroute_worker_event_batches_published_total", ""), 0)) - 1
             for w, m in zip(workers, published, strict=True)
         }
-        have = _last_seqs(log)
-        if all(have.get(w, -1) >= seq for w, seq in wanted.items()):
+        have = last_batch_seqs(log)
+        if all(have.get(WorkerId(w), -1) >= seq for w, seq in wanted.items()):
             return
         if time.monotonic() > deadline:
             raise ClusterError(f"the event log has seqs {have}, the workers published {wanted}")

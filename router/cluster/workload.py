@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -40,6 +40,8 @@ __all__ = [
     "block_tokens",
     "chat_workload",
     "ideal_hit_tokens",
+    "lru_prefix_depths",
+    "pooled_lru_hit_tokens",
     "read_trace",
     "select_families",
     "trace_requests",
@@ -315,3 +317,62 @@ def ideal_hit_tokens(prompts: Iterable[Sequence[int]], block_size: int) -> int:
         hits += matched * block_size
         seen.update(keys)
     return hits
+
+
+def lru_prefix_depths(requests: Iterable[Sequence[Hashable]], capacity_blocks: int) -> list[int]:
+    """Per request, its prefix hit in blocks on one LRU cache of ``capacity_blocks``.
+
+    Args:
+        requests: Each request's block ids from block 0, in arrival order (an id names the
+            block together with its whole prefix, as trace ids and router keys do).
+        capacity_blocks: Blocks the cache holds; at least 1.
+
+    Returns:
+        One depth per request: how many of its leading blocks were cached on arrival.
+
+    Raises:
+        WorkloadError: ``capacity_blocks`` is below 1.
+    """
+    if capacity_blocks < 1:
+        raise WorkloadError(f"a pooled LRU cache needs at least 1 block, got {capacity_blocks}")
+    cache: OrderedDict[Hashable, None] = OrderedDict()
+    depths: list[int] = []
+    for blocks in requests:
+        depth = 0
+        for block in blocks:
+            if block not in cache:
+                break
+            depth += 1
+        depths.append(depth)
+        # Touched last to first: a request's tail becomes older than its head, as vLLM
+        # frees a finished request's blocks tail first, so a chain is evicted from its end.
+        for block in reversed(blocks):
+            if block in cache:
+                cache.move_to_end(block)
+            else:
+                cache[block] = None
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return depths
+
+
+def pooled_lru_hit_tokens(
+    prompts: Iterable[Sequence[int]], block_size: int, capacity_blocks: int
+) -> int:
+    """Prompt tokens one LRU prefix cache of ``capacity_blocks`` blocks would serve.
+
+    The counterpart of :func:`ideal_hit_tokens` for a finite cache (the pooled-LRU bound,
+    see :mod:`router.sim.bounds`):
+    prompts are keyed in blocks of ``block_size`` as the router keys them.
+
+    Args:
+        prompts: Prompts in arrival order.
+        block_size: Tokens per cache block.
+        capacity_blocks: The cluster's blocks (workers x blocks per worker).
+
+    Raises:
+        WorkloadError: ``capacity_blocks`` is below 1.
+    """
+    root = root_key()
+    chains = (router_block_keys(prompt, block_size, root) for prompt in prompts)
+    return sum(lru_prefix_depths(chains, capacity_blocks)) * block_size

@@ -20,8 +20,7 @@ from redis.exceptions import RedisError
 from events.identity import WorkerId
 from router.errors import PrefixIndexError
 from router.front.metrics import RouterMetrics
-from router.index.base import PrefixMatch
-from router.index.redis_index import RedisPrefixIndex
+from router.index.base import PrefixIndex, PrefixMatch
 from router.routing.request_keys import RequestKeys, rescale
 
 __all__ = ["INDEX_ERRORS", "IndexLookup"]
@@ -42,7 +41,7 @@ class IndexLookup:
     """
 
     def __init__(
-        self, index: RedisPrefixIndex, metrics: RouterMetrics, probe_interval_s: float
+        self, index: PrefixIndex, metrics: RouterMetrics, probe_interval_s: float
     ) -> None:
         self._index = index
         self._metrics = metrics

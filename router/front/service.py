@@ -47,6 +47,7 @@ from router.front.tokenization import RequestTokenizer
 from router.front.tracing import Tracing
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.ingest.metrics import IngestMetrics
 from router.ingest.service import IndexIngest, IngestConfig
 from router.load.model import finished, prefilled, routed
@@ -219,7 +220,7 @@ class RouterService:
         stack.push_async_callback(self._fast_client.aclose)
         logger.info("connected to Redis %s", redact_url(cfg.redis_url))
         self._lookup = IndexLookup(
-            RedisPrefixIndex(self._fast_client, layout, self.keyer),
+            RedisPrefixIndex(self._fast_client, layout),
             self.metrics,
             cfg.probe_interval_s,
         )
@@ -235,7 +236,7 @@ class RouterService:
             on_invalid=self.metrics.invalid_registrations.inc,
         )
         self.ingest = IndexIngest(
-            RedisPrefixIndex(self._client, layout, self.keyer),
+            BridgedIndex(RedisPrefixIndex(self._client, layout), self.keyer),
             self.registry,
             IngestConfig(
                 maintain_interval_s=cfg.lease_ttl_s / 3,

@@ -1,14 +1,16 @@
-"""The ``PrefixIndex`` seam: what every global prefix index implementation offers.
+"""The ``PrefixIndex`` seam: what every global prefix index store offers.
 
 An index maps router keys (chained per-block keys, see :mod:`events.hashing`) to the
-workers that hold them and on which medium. Implementations: ``MemoryPrefixIndex``
+workers that hold them and on which medium. A store writes :class:`~router.index.changes.Changes`
+and knows nothing of engine hashes: the ingest folds KV events into changes through its
+per-worker bridges (:mod:`router.ingest.bridged_index`). Stores: ``MemoryPrefixIndex``
 (simulator and tests) and ``RedisPrefixIndex`` (production). One contract test suite
 runs against both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,7 +18,7 @@ import msgspec
 
 from events.hashing import BlockKey
 from events.identity import WorkerId
-from events.schema import KVEventBatch
+from router.index.changes import Changes
 
 __all__ = ["IndexStats", "PrefixIndex", "PrefixMatch"]
 
@@ -49,21 +51,59 @@ class IndexStats:
 
 
 class PrefixIndex(Protocol):
-    """A global prefix-hash index over many workers.
+    """A global prefix-hash index over many workers: a store of (key, worker, tier) entries.
 
-    Invariant: after ``apply`` of a worker's events in order, the entries of that worker
-    equal the multiset of blocks its pool holds (duplicates reference-counted: an entry
-    leaves only when its last copy is removed).
+    Invariant: after ``write`` of a worker's changes in order, the entries of that worker
+    are the ``new`` masks of every key its changes touched (a key whose mask went to 0
+    has no entry). A shared store is fenced: only the holder of a worker's lease writes
+    that worker's entries (:meth:`use_lease`); a store in one process has no other
+    writer to fence off and takes any write.
+
+    Attributes:
+        group_commit: Queue writes and send every worker's queued changes together
+            while the previous write is in flight (see :mod:`router.index.group_commit`);
+            a store that writes at once ignores it.
     """
 
-    async def apply(self, worker_id: WorkerId, batch: KVEventBatch) -> None:
-        """Apply one worker's event batch (engine hashes are bridged to router keys).
+    group_commit: bool
+
+    def use_lease(self, worker_id: WorkerId, token: str) -> None:
+        """Write the worker's entries under this lease token (``"<epoch>:<owner>"``)."""
+        ...
+
+    def forget_lease(self, worker_id: WorkerId) -> None:
+        """Stop writing for the worker and drop its queued writes."""
+        ...
+
+    def changes_for(self, worker_id: WorkerId) -> Changes:
+        """The changes to fold the worker's next write into, then give to :meth:`write`:
+        new ones, or with group commit the worker's queued ones (valid until the caller's
+        next ``await``).
 
         Raises:
-            OrphanParentError: A ``BlockStored`` names a parent this index has never seen
-                for that worker; the events before it in the batch are applied, the rest
-                are not. The caller replays or resyncs the worker.
+            PrefixIndexError: The store does not write for the worker (no lease given).
+            Exception: With group commit, the worker's previous write failed (raised once).
         """
+        ...
+
+    async def write(self, worker_id: WorkerId, changes: Changes) -> None:
+        """Write changes got from :meth:`changes_for` (with group commit: send them soon).
+
+        Raises:
+            StaleLeaseError: The store refused the write: the lease is lost.
+        """
+        ...
+
+    async def flush(self, worker_id: WorkerId | None = None) -> None:
+        """Wait for the queued writes of a worker (or all); at once without group commit.
+
+        Raises:
+            StaleLeaseError: A queued write was refused: the lease is lost.
+        """
+        ...
+
+    def on_write_error(self, callback: Callable[[WorkerId, Exception], None] | None) -> None:
+        """With group commit, report a failed queued write to ``callback`` at once."""
         ...
 
     async def lookup(
@@ -81,9 +121,17 @@ class PrefixIndex(Protocol):
         ...
 
     async def clear_worker(self, worker_id: WorkerId) -> None:
-        """Drop every entry (and engine-hash bridge) of one worker."""
+        """Drop every entry of one worker (also those written before a restart)."""
+        ...
+
+    async def worker_entries(self, worker_id: WorkerId) -> dict[BlockKey, int]:
+        """Every entry of one worker: router key -> tier mask (for checks and tools)."""
         ...
 
     async def stats(self) -> IndexStats:
         """Current sizes of the index."""
+        ...
+
+    async def close(self) -> None:
+        """Stop background writers (queued writes are dropped)."""
         ...

@@ -68,6 +68,11 @@ class GroupCommit:
             pending = self._pending[worker_id] = Changes()
         return pending
 
+    def holds(self, worker_id: WorkerId, changes: Changes) -> bool:
+        """Whether ``changes`` are the worker's pending ones (from :meth:`queued`, not yet
+        taken by the sender)."""
+        return self._pending.get(worker_id) is changes
+
     def send_soon(self) -> None:
         """Start the sender unless it is running (it sends whatever is pending)."""
         if self._task is None or self._task.done():

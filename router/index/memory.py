@@ -1,20 +1,18 @@
 """In-process ``PrefixIndex``: a dict of router keys to holders, for the simulator and tests.
 
-It shares the engine-hash bridge (:mod:`router.ingest.bridge`) with the Redis index, so
-both fold events identically; only the storage differs. Single-process and not shared
-between router replicas.
+It writes the same :class:`~router.index.changes.Changes` as the Redis index; only the
+storage differs. Single-process and not shared between router replicas: no lease fences
+its writes and they land at once (no group commit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from events.hashing import BlockKey, RouterKeyer
+from events.hashing import BlockKey
 from events.identity import WorkerId
-from events.schema import KVEventBatch
 from router.index.base import IndexStats, PrefixMatch
 from router.index.changes import CPU_MASK, GPU_MASK, Changes, masks_of
-from router.ingest.bridge import WorkerBridge, fold_batch
 
 __all__ = ["MemoryPrefixIndex", "match_prefix"]
 
@@ -55,50 +53,52 @@ def match_prefix(
 
 
 class MemoryPrefixIndex:
-    """A ``PrefixIndex`` in a Python dict.
-
-    Args:
-        keyer: Router key function (its seed must match the one requests are keyed with).
+    """A ``PrefixIndex`` in Python dicts.
 
     NOTE: ``_holders[key][worker]`` is the tier mask of that worker's entry (never 0:
-    empty entries and keys are deleted), and equals its bridge's mask for the key.
+    empty entries and keys are deleted), and equals ``_entries[worker][key]``: the same
+    entries by worker, so clearing one costs O(its entries).
     """
 
-    def __init__(self, keyer: RouterKeyer | None = None) -> None:
-        self.keyer = keyer if keyer is not None else RouterKeyer()
+    group_commit: bool = False  # writes land at once
+
+    def __init__(self) -> None:
         self._holders: dict[BlockKey, dict[WorkerId, int]] = {}
-        self._bridges: dict[WorkerId, WorkerBridge] = {}
+        self._entries: dict[WorkerId, dict[BlockKey, int]] = {}
 
-    def bridge(self, worker_id: WorkerId) -> WorkerBridge:
-        """The engine-hash bridge of a worker (created on first use)."""
-        found = self._bridges.get(worker_id)
-        if found is None:
-            found = self._bridges[worker_id] = WorkerBridge(self.keyer)
-        return found
+    def use_lease(self, worker_id: WorkerId, token: str) -> None:
+        """Nothing to fence in one process (see ``PrefixIndex.use_lease``)."""
 
-    async def apply(self, worker_id: WorkerId, batch: KVEventBatch) -> None:
-        """Apply one worker's event batch (see ``PrefixIndex.apply``)."""
+    def forget_lease(self, worker_id: WorkerId) -> None:
+        """Nothing to fence in one process (see ``PrefixIndex.forget_lease``)."""
 
-        async def write(changes: Changes) -> None:
-            self._write(worker_id, changes)
+    def changes_for(self, worker_id: WorkerId) -> Changes:
+        """New changes (see ``PrefixIndex.changes_for``)."""
+        return Changes()
 
-        async def clear() -> None:
-            await self.clear_worker(worker_id)
-
-        await fold_batch(worker_id, self.bridge(worker_id), batch, write, clear)
-
-    def _write(self, worker_id: WorkerId, changes: Changes) -> None:
+    async def write(self, worker_id: WorkerId, changes: Changes) -> None:
+        """Write one worker's changes (see ``PrefixIndex.write``)."""
+        entries = self._entries.get(worker_id)
+        if entries is None:
+            entries = self._entries[worker_id] = {}
         for _, key, change in changes.items():
             new_mask = masks_of(change)[1]
             holders = self._holders.get(key)
             if new_mask:
                 if holders is None:
                     holders = self._holders[key] = {}
-                holders[worker_id] = new_mask
+                holders[worker_id] = entries[key] = new_mask
             elif holders is not None:
                 holders.pop(worker_id, None)
+                entries.pop(key, None)
                 if not holders:
                     del self._holders[key]
+
+    async def flush(self, worker_id: WorkerId | None = None) -> None:
+        """Nothing is queued (see ``PrefixIndex.flush``)."""
+
+    def on_write_error(self, callback: Callable[[WorkerId, Exception], None] | None) -> None:
+        """Nothing is queued to fail later (see ``PrefixIndex.on_write_error``)."""
 
     async def lookup(
         self, keys: Sequence[BlockKey], workers: Sequence[WorkerId] | None = None
@@ -108,17 +108,16 @@ class MemoryPrefixIndex:
         return match_prefix((self._holders.get(k, empty) for k in keys), workers)
 
     async def clear_worker(self, worker_id: WorkerId) -> None:
-        """Drop every entry of one worker and reset its bridge; O(its entries)."""
-        bridge = self._bridges.get(worker_id)
-        if bridge is not None:
-            self._write(worker_id, bridge.reset())
+        """Drop every entry of one worker; O(its entries)."""
+        for key in self._entries.pop(worker_id, {}):
+            holders = self._holders[key]
+            del holders[worker_id]
+            if not holders:
+                del self._holders[key]
 
     async def worker_entries(self, worker_id: WorkerId) -> dict[BlockKey, int]:
         """Every entry of one worker: router key -> tier mask (for checks)."""
-        bridge = self._bridges.get(worker_id)
-        if bridge is None:
-            return {}
-        return {key: mask for key, (_, mask) in bridge.entries().items()}
+        return dict(self._entries.get(worker_id, {}))
 
     async def stats(self) -> IndexStats:
         """Entries (key, worker, tier), distinct keys and workers with any entry."""
@@ -128,3 +127,6 @@ class MemoryPrefixIndex:
                 num_entries += (mask & GPU_MASK) + ((mask & CPU_MASK) >> 1)
         workers = {w for holders in self._holders.values() for w in holders}
         return IndexStats(num_entries, len(self._holders), len(workers))
+
+    async def close(self) -> None:
+        """Nothing runs in the background (see ``PrefixIndex.close``)."""

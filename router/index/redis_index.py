@@ -25,20 +25,18 @@ the next clear of the worker removes them.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from events.hashing import BlockKey, RouterKeyer
+from events.hashing import BlockKey
 from events.identity import WorkerId
-from events.schema import KVEventBatch
 from router.errors import PrefixIndexError
 from router.index.base import IndexStats, PrefixMatch
 from router.index.changes import CPU_MASK, GPU_MASK, Changes, KeyLists
 from router.index.group_commit import GroupCommit
-from router.ingest.bridge import WorkerBridge, fold_batch
 from router.store.connection import RedisClient, arg_packer, gather_bounded, reply_bytes
 from router.store.layout import KeyLayout, check_name, decode_key, encode_keys_fixed, tag_text
 from router.store.scripts import (
@@ -59,11 +57,6 @@ _CLEAR_CHUNK: Final = 500
 _MAX_WRITE_ARGS: Final = 16_384
 """Arguments after which a single-node write closes its script call and opens another
 (about 8 ms of Redis time at most: lookups are not held up behind a burst)."""
-
-_Sink = tuple[
-    Callable[[Changes], Awaitable[None]], Callable[[], Awaitable[None]], Callable[[], Changes]
-]
-"""``fold_batch``'s write, clear and into callbacks for one worker."""
 
 _apply_workers = Script(APPLY_WORKERS)
 _apply_worker = Script(APPLY_WORKER)
@@ -102,36 +95,28 @@ class RedisPrefixIndex:
     Args:
         client: A connected client (see :func:`router.redis_conn.connect`).
         layout: Key names of the namespace.
-        keyer: Router key function (its seed must match the one requests use).
-        group_commit: ``apply`` queues its writes and returns once the batch is folded;
-            queued changes merge while the previous write is in flight and all workers'
-            go out in one write (see :mod:`router.index.group_commit`). A failed write is
-            raised by the worker's next ``apply`` or ``flush``. Off: ``apply`` returns
-            once Redis has the batch.
+        group_commit: ``write`` queues the changes and returns; queued changes merge
+            while the previous write is in flight and all workers' go out in one write
+            (see :mod:`router.index.group_commit`). A failed write is raised by the
+            worker's next ``changes_for`` or ``flush``. Off: ``write`` returns once
+            Redis has the changes.
 
     NOTE: only the holder of a worker's lease writes that worker's entries; the lease
-    token is given with :meth:`use_lease` before :meth:`apply` or :meth:`clear_worker`.
-    The engine-hash bridges live in this process and are rebuilt by resync after a
-    restart.
+    token is given with :meth:`use_lease` before :meth:`write` or :meth:`clear_worker`.
     """
 
     def __init__(
         self,
         client: RedisClient,
         layout: KeyLayout | None = None,
-        keyer: RouterKeyer | None = None,
         *,
         group_commit: bool = False,
     ) -> None:
         self.client = client
         self.layout = layout if layout is not None else KeyLayout()
-        self.keyer = keyer if keyer is not None else RouterKeyer()
         self.is_cluster = isinstance(client, RedisCluster)
         self.group_commit = group_commit
         self._tokens: dict[WorkerId, str] = {}
-        self._bridges: dict[WorkerId, WorkerBridge] = {}
-        self._block_sizes: dict[WorkerId, int] = {}
-        self._sinks: dict[WorkerId, _Sink] = {}
         self._pack = None if self.is_cluster else arg_packer(client)
         self._queues = GroupCommit(self._send)
 
@@ -140,22 +125,9 @@ class RedisPrefixIndex:
         self._tokens[WorkerId(check_name("worker id", worker_id))] = token
 
     def forget_lease(self, worker_id: WorkerId) -> None:
-        """Stop writing for the worker and drop its in-process bridge and queued writes."""
+        """Stop writing for the worker and drop its queued writes."""
         self._tokens.pop(worker_id, None)
-        self._bridges.pop(worker_id, None)
-        self._sinks.pop(worker_id, None)
         self._queues.discard(worker_id)
-
-    def expect_block_size(self, worker_id: WorkerId, block_size: int) -> None:
-        """Skip (and count in the worker's bridge) every ``BlockStored`` of the worker
-        whose block size is not ``block_size`` (its registered one; 0: any, forgotten)."""
-        if block_size:
-            self._block_sizes[worker_id] = block_size
-        else:
-            self._block_sizes.pop(worker_id, None)
-        bridge = self._bridges.get(worker_id)
-        if bridge is not None:
-            bridge.block_size = block_size
 
     def on_write_error(self, callback: Callable[[WorkerId, Exception], None] | None) -> None:
         """With group commit, report a failed queued write to ``callback`` at once."""
@@ -174,20 +146,6 @@ class RedisPrefixIndex:
         """Stop the group-commit senders (queued writes are dropped)."""
         await self._queues.close()
 
-    def bridge(self, worker_id: WorkerId) -> WorkerBridge:
-        """The engine-hash bridge of a worker (created on first use)."""
-        found = self._bridges.get(worker_id)
-        if found is None:
-            block_size = self._block_sizes.get(worker_id, 0)
-            found = self._bridges[worker_id] = WorkerBridge(self.keyer, block_size=block_size)
-        return found
-
-    def adopt_bridge(self, worker_id: WorkerId, bridge: WorkerBridge) -> None:
-        """Make ``bridge`` the worker's (one handed over with its lease, matching the
-        worker's entries in Redis)."""
-        bridge.block_size = self._block_sizes.get(worker_id, 0)
-        self._bridges[worker_id] = bridge
-
     def _token(self, worker_id: WorkerId) -> str:
         token = self._tokens.get(worker_id)
         if token is None:
@@ -201,40 +159,37 @@ class RedisPrefixIndex:
         lay = self.layout
         return [lay.lease(worker_id), lay.worker(worker_id), lay.families(worker_id)]
 
-    async def apply(self, worker_id: WorkerId, batch: KVEventBatch) -> None:
-        """Apply one worker's event batch (see ``PrefixIndex.apply``).
+    def changes_for(self, worker_id: WorkerId) -> Changes:
+        """New changes, or with group commit the worker's queued ones (see
+        ``PrefixIndex.changes_for``).
 
         Raises:
-            OrphanParentError: A ``BlockStored`` has an unknown parent.
-            StaleLeaseError: This router no longer holds the worker's lease.
             PrefixIndexError: No lease token was given for the worker.
+            Exception: With group commit, the worker's previous write failed.
         """
         self._token(worker_id)
-        sink = self._sinks.get(worker_id)
-        if sink is None:
-            sink = self._sinks[worker_id] = self._sink(worker_id)
-        await fold_batch(worker_id, self.bridge(worker_id), batch, *sink)
+        return self._queues.queued(worker_id) if self.group_commit else Changes()
 
-    def _sink(self, worker_id: WorkerId) -> _Sink:
-        """What ``fold_batch`` writes the worker's segments with (made once per worker:
-        the ingest's hot path allocates no closures per batch)."""
-        queues = self._queues
+    async def write(self, worker_id: WorkerId, changes: Changes) -> None:
+        """Write changes got from :meth:`changes_for` (see ``PrefixIndex.write``).
 
-        async def write(changes: Changes) -> None:
-            if self.group_commit:  # folded into the worker's queued changes
-                queues.send_soon()
-                return
-            failed = await self._send({worker_id: changes})
-            if worker_id in failed:
-                raise failed[worker_id]
-
-        async def clear() -> None:
-            await self.clear_worker(worker_id)
-
-        def into() -> Changes:  # read with write's test, no await between the two
-            return queues.queued(worker_id) if self.group_commit else Changes()
-
-        return write, clear, into
+        Raises:
+            StaleLeaseError: This router no longer holds the worker's lease.
+            PrefixIndexError: No lease token was given for the worker, or (group commit)
+                ``changes`` are not the worker's queued ones.
+        """
+        if self.group_commit:  # folded into the worker's queued changes
+            if not self._queues.holds(worker_id, changes):
+                # Others would be dropped unwritten: refuse them instead.
+                raise PrefixIndexError(
+                    f"changes for worker {worker_id!r} are not its queued ones: with group "
+                    "commit, fold into what changes_for() gives and write it before any await"
+                )
+            self._queues.send_soon()
+            return
+        failed = await self._send({worker_id: changes})
+        if worker_id in failed:
+            raise failed[worker_id]
 
     async def _send(self, writes: dict[WorkerId, Changes]) -> dict[WorkerId, Exception]:
         """Write several workers' changes; returns the failure of each refused worker."""
@@ -349,8 +304,8 @@ class RedisPrefixIndex:
     async def clear_worker(self, worker_id: WorkerId) -> None:
         """Drop every entry of one worker, found through its family list.
 
-        Costs O(its families) in chunks; entries the bridge does not know (written before
-        a router restart) are removed too.
+        Costs O(its families) in chunks; entries written before a router restart are
+        removed too.
 
         Raises:
             StaleLeaseError: This router no longer holds the worker's lease.
@@ -358,9 +313,6 @@ class RedisPrefixIndex:
         token = self._token(worker_id)
         # Queued writes land first (a failure among them is moot: the worker is emptied).
         await self._queues.flush(worker_id, raise_errors=False)
-        bridge = self._bridges.get(worker_id)
-        if bridge is not None:
-            bridge.reset()
         worker_keys = self._worker_keys(worker_id)
         # Fenced first: a router that lost the lease stops here (and an empty list resets
         # the entry count).

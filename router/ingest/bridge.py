@@ -9,9 +9,9 @@ entry leaves the index only when its last copy on that tier is removed. The stat
 as packed ints (:mod:`router.ingest._native.words`: their layout and invariants).
 
 The bridge is I/O-free: it produces :class:`~router.index.changes.Changes` (the
-transition of each touched router key's presence mask) that an index writes, and
-:func:`fold_batch` drives it over a whole batch, shared by every ``PrefixIndex``
-implementation.
+transition of each touched router key's presence mask) that an index store writes, and
+:func:`fold_batch` drives it over a whole batch (for
+:class:`~router.ingest.bridged_index.BridgedIndex`, whatever the store).
 """
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ async def fold_batch(
     clear: Callable[[], Awaitable[None]],
     into: Callable[[], Changes] = Changes,
 ) -> None:
-    """Apply a batch through ``bridge``: the shared body of every ``PrefixIndex.apply``.
+    """Apply a batch through ``bridge``: the body of ``BridgedIndex.apply``.
 
     Changes are written in segments: everything up to an ``AllBlocksCleared`` is written,
     then ``clear`` empties the worker (also entries the bridge does not know, e.g. after

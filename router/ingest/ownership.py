@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 
 from events.identity import WorkerId
 from router.errors import PrefixIndexError
-from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.ingest.metrics import IngestMetrics
 from router.ingest.worker import WorkerIngest
 from router.ingest.write_gate import WriteGate
@@ -58,7 +58,7 @@ class LeaseKeeper:
     the worker's entries.
 
     Args:
-        index: The Redis prefix index (its lease tokens follow the leases held).
+        index: The prefix index (its lease tokens follow the leases held).
         registry: Leases and router heartbeats of the namespace.
         metrics: Where lease counters go.
         gate: Whether the index takes writes (no rebuild is tried while it does not).
@@ -66,7 +66,7 @@ class LeaseKeeper:
 
     def __init__(
         self,
-        index: RedisPrefixIndex,
+        index: BridgedIndex,
         registry: WorkerRegistry,
         metrics: IngestMetrics,
         gate: WriteGate,

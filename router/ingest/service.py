@@ -72,7 +72,7 @@ from events.subscriber import (
     WorkerCounters,
     WorkerStream,
 )
-from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.ingest.metrics import IngestMetrics, StreamCollector
 from router.ingest.ownership import RECOVERY_ERRORS, LeaseKeeper
 from router.ingest.worker import IngestServices, WorkerIngest
@@ -119,10 +119,11 @@ class IngestConfig:
 
 
 class IndexIngest:
-    """Folds registered workers' event streams into a Redis prefix index (an ``EventSink``).
+    """Folds registered workers' event streams into a shared prefix index (an ``EventSink``).
 
     Args:
-        index: The Redis prefix index it writes.
+        index: The prefix index it writes (a Redis store in production) through the
+            workers' bridges.
         registry: Registrations and leases of the same namespace.
         config: Periods, timeouts and subscriber settings.
         metrics: Where counters go (a private registry by default).
@@ -130,7 +131,7 @@ class IndexIngest:
 
     def __init__(
         self,
-        index: RedisPrefixIndex,
+        index: BridgedIndex,
         registry: WorkerRegistry,
         config: IngestConfig | None = None,
         metrics: IngestMetrics | None = None,
@@ -138,8 +139,8 @@ class IndexIngest:
         self.index = index
         self.registry = registry
         self.config = config or IngestConfig()
-        index.group_commit = self.config.group_commit
-        index.on_write_error(self._write_failed)
+        index.store.group_commit = self.config.group_commit
+        index.store.on_write_error(self._write_failed)
         self.metrics = metrics or IngestMetrics()
         self._workers: dict[WorkerId, WorkerIngest] = {}
         # NOTE: held while the set of workers changes (add, remove, the maintenance's
@@ -153,7 +154,7 @@ class IndexIngest:
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
         self._renewer = Periodic(self.renew_leases, self.config.maintain_interval_s)
         self._gate = WriteGate(
-            index.client,
+            registry.client,
             self.metrics,
             retry_max_s=self.config.write_retry_max_s,
             log_interval_s=self.config.subscriber.log_interval_s,
@@ -427,7 +428,7 @@ class IndexIngest:
                 if self._is_current(worker):  # not removed since this pass listed it
                     await self._leases.maintain(worker, functools.partial(self._is_current, worker))
             await self._publish_flags()
-            reaped = await self.registry.reap(self.index)
+            reaped = await self.registry.reap(self.index.store)
             self.metrics.reaped.inc(len(reaped))
             self._writable = self._write_errors == self._write_errors_seen
         except RedisError as exc:

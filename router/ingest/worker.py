@@ -28,8 +28,8 @@ from events.identity import WorkerId
 from events.schema import KVEventBatch
 from events.subscriber import EventSubscriber, ReceivedBatch
 from router.errors import OrphanParentError, PrefixIndexError
-from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridge import BridgeCounters
+from router.ingest.bridged_index import BridgedIndex
 from router.ingest.handoff import HandoffError, decode_handoff, encode_handoff
 from router.ingest.metrics import IngestMetrics
 from router.ingest.recovery import KeptStream, Rebuild, RecoveryRules, Restart, StreamPosition
@@ -50,7 +50,7 @@ class IngestServices:
     """What every worker's ingest shares (made by ``IndexIngest.start``).
 
     Attributes:
-        index: The Redis prefix index written.
+        index: The prefix index written, through the workers' bridges.
         metrics: Where counters go.
         subscriber: The event subscriber, asked for replays.
         session: The HTTP session snapshots are fetched with.
@@ -60,7 +60,7 @@ class IngestServices:
         snapshot_chunk_runs: Snapshot runs written per index batch.
     """
 
-    index: RedisPrefixIndex
+    index: BridgedIndex
     metrics: IngestMetrics
     subscriber: EventSubscriber
     session: aiohttp.ClientSession

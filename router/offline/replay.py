@@ -20,24 +20,21 @@ import math
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final
 
 from events.errors import EventDecodeError
-from events.hashing import BlockKey
 from events.identity import WorkerId
 from events.recorder import LogRecord, read_log
 from events.schema import BlockStored
 from events.subscriber import EventSink, ReceivedBatch
 from router.errors import OrphanParentError, RouterError
 from router.index.base import PrefixIndex
-from router.index.redis_index import RedisPrefixIndex
-from router.ingest.bridge import WorkerBridge
+from router.ingest.bridged_index import BridgedIndex
 from router.ingest.recovery import OFFLINE_RULES, Rebuild
 from router.workers.registry import WorkerRegistry
 
 __all__ = [
     "REPLAY_LEASE_TTL_MS",
-    "BridgedIndex",
     "LogSpan",
     "ReplayError",
     "ReplayIngest",
@@ -231,18 +228,6 @@ async def feed_records(
     return summary
 
 
-class BridgedIndex(PrefixIndex, Protocol):
-    """A prefix index that folds events through per-worker engine-hash bridges."""
-
-    def bridge(self, worker_id: WorkerId) -> WorkerBridge:
-        """The worker's bridge (created on first use)."""
-        ...
-
-    async def worker_entries(self, worker_id: WorkerId) -> dict[BlockKey, int]:
-        """Every entry of one worker: router key -> tier mask."""
-        ...
-
-
 class ReplayIngest:
     """The router's recovery rules over an index, with the network taken out (an ``EventSink``).
 
@@ -336,7 +321,7 @@ REPLAY_LEASE_TTL_MS: Final = 7 * 24 * 3600 * 1000
 
 
 def redis_lease_taker(
-    index: RedisPrefixIndex, registry: WorkerRegistry
+    index: PrefixIndex, registry: WorkerRegistry
 ) -> Callable[[WorkerId], Awaitable[None]]:
     """A ``before_first_write`` hook that takes each worker's lease in the namespace.
 

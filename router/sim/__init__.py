@@ -1,7 +1,7 @@
 """The trace simulator: real policies, index and pools, simulated time (``kvroute sim``),
 and the bounds and synthetic traces it is measured with."""
 
-from router.sim.bounds import lru_prefix_depths, pooled_lru_hit_tokens, pooled_lru_hits
+from router.sim.bounds import pooled_lru_hits
 from router.sim.engine import (
     DecisionHook,
     RequestOutcome,
@@ -28,8 +28,6 @@ __all__ = [
     "format_table",
     "ideal_hits",
     "load_trace",
-    "lru_prefix_depths",
-    "pooled_lru_hit_tokens",
     "pooled_lru_hits",
     "shifted_copies",
     "simulate",

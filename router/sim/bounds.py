@@ -17,51 +17,12 @@ request's blocks tail first), so a cached chain is evicted from its end.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Sequence
 
-from events.hashing import root_key, router_block_keys
-from router.cluster.workload import TRACE_BLOCK_TOKENS
-from router.sim.trace import IdealHits, SimError, SimRequest
+from router.cluster.workload import TRACE_BLOCK_TOKENS, lru_prefix_depths
+from router.sim.trace import IdealHits, SimRequest
 
-__all__ = ["lru_prefix_depths", "pooled_lru_hit_tokens", "pooled_lru_hits"]
-
-
-def lru_prefix_depths(requests: Iterable[Sequence[Hashable]], capacity_blocks: int) -> list[int]:
-    """Per request, its prefix hit in blocks on one LRU cache of ``capacity_blocks``.
-
-    Args:
-        requests: Each request's block ids from block 0, in arrival order (an id names the
-            block together with its whole prefix, as trace ids and router keys do).
-        capacity_blocks: Blocks the cache holds; at least 1.
-
-    Returns:
-        One depth per request: how many of its leading blocks were cached on arrival.
-
-    Raises:
-        SimError: ``capacity_blocks`` is below 1.
-    """
-    if capacity_blocks < 1:
-        raise SimError(f"a pooled LRU cache needs at least 1 block, got {capacity_blocks}")
-    cache: OrderedDict[Hashable, None] = OrderedDict()
-    depths: list[int] = []
-    for blocks in requests:
-        depth = 0
-        for block in blocks:
-            if block not in cache:
-                break
-            depth += 1
-        depths.append(depth)
-        # Touched last to first: a request's tail becomes older than its head, as vLLM
-        # frees a finished request's blocks tail first, so a chain is evicted from its end.
-        for block in reversed(blocks):
-            if block in cache:
-                cache.move_to_end(block)
-            else:
-                cache[block] = None
-        while len(cache) > capacity_blocks:
-            cache.popitem(last=False)
-    return depths
+__all__ = ["pooled_lru_hits"]
 
 
 def pooled_lru_hits(requests: Sequence[SimRequest], capacity_tokens: int) -> IdealHits:
@@ -76,7 +37,7 @@ def pooled_lru_hits(requests: Sequence[SimRequest], capacity_tokens: int) -> Ide
         Hit blocks and tokens over all blocks and tokens, like the infinite-cache ideal.
 
     Raises:
-        SimError: The capacity holds no trace block.
+        WorkloadError: The capacity holds no trace block.
     """
     depths = lru_prefix_depths(
         (r.hash_ids for r in requests), capacity_tokens // TRACE_BLOCK_TOKENS
@@ -88,24 +49,3 @@ def pooled_lru_hits(requests: Sequence[SimRequest], capacity_tokens: int) -> Ide
         blocks += len(r.hash_ids)
         tokens += r.num_prompt_tokens
     return IdealHits(blocks, hit_blocks, tokens, hit_tokens)
-
-
-def pooled_lru_hit_tokens(
-    prompts: Iterable[Sequence[int]], block_size: int, capacity_blocks: int
-) -> int:
-    """Prompt tokens one LRU prefix cache of ``capacity_blocks`` blocks would serve.
-
-    The counterpart of :func:`router.cluster.workload.ideal_hit_tokens` for a finite cache:
-    prompts are keyed in blocks of ``block_size`` as the router keys them.
-
-    Args:
-        prompts: Prompts in arrival order.
-        block_size: Tokens per cache block.
-        capacity_blocks: The cluster's blocks (workers x blocks per worker).
-
-    Raises:
-        SimError: ``capacity_blocks`` is below 1.
-    """
-    root = root_key()
-    chains = (router_block_keys(prompt, block_size, root) for prompt in prompts)
-    return sum(lru_prefix_depths(chains, capacity_blocks)) * block_size

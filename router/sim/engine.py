@@ -4,9 +4,10 @@ Each simulated worker is a KV cache (:class:`WorkerCache`, a real ``pool.KVCache
 in ``kvroute sim``) with one prefill queue. Requests arrive at their trace timestamps
 (divided by ``speed``) and are routed by the router's own code: router keys from
 :class:`events.hashing.RouterKeyer`, a lookup in a
-:class:`router.index.memory.MemoryPrefixIndex` fed with the workers' own KV events,
-predicted entries, a :class:`router.load.model.MemoryLoadTracker`, and the router's one
-decision path (:func:`router.routing.decider.decide`). Only the network is missing.
+:class:`router.index.memory.MemoryPrefixIndex` fed with the workers' own KV events (through
+a :class:`router.ingest.bridged_index.BridgedIndex`), predicted entries, a
+:class:`router.load.model.MemoryLoadTracker`, and the router's one decision path
+(:func:`router.routing.decider.decide`). Only the network is missing.
 
 Latency model: a worker prefills one request at a time, in arrival order, taking
 ``uncached tokens / prefill_tokens_per_s``; the request's blocks are allocated when its
@@ -30,6 +31,7 @@ from events.identity import WorkerId
 from events.schema import KVCacheEvent, KVEventBatch
 from router.cluster.workload import TRACE_BLOCK_TOKENS
 from router.index.memory import MemoryPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.load.model import MemoryLoadTracker, finished, prefilled, routed
 from router.routing.decider import DecisionInputs, decide
 from router.routing.policies import Decision, PolicyConfig, RouteRequest, RoutingPolicy
@@ -172,7 +174,7 @@ class _Simulation:
         self.on_decision = on_decision
         self.config = config
         self.keyer = RouterKeyer(config.key_seed)
-        self.index = MemoryPrefixIndex(self.keyer)
+        self.index = BridgedIndex(MemoryPrefixIndex(), self.keyer)
         self.loads = MemoryLoadTracker()
         self.predicted = PredictedEntries(policy.credit_ttl_s) if policy.credit_ttl_s > 0 else None
         self.shares = WorkShares(config.policy.weights.fair_share_half_life_s)

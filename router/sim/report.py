@@ -11,7 +11,7 @@ from typing import Any, Final
 from router.cluster.plot_layout import add_legend, new_figure, save_figure
 from router.cluster.workload import TRACE_BLOCK_TOKENS
 from router.sim.engine import RequestOutcome
-from router.sim.trace import IdealHits, SimRequest
+from router.sim.trace import HitRates, IdealHits, SimRequest
 
 __all__ = [
     "PolicyResult",
@@ -40,7 +40,7 @@ def _imbalance(values: Sequence[int]) -> float:
 
 
 @dataclass(frozen=True, slots=True)
-class PolicyResult:
+class PolicyResult(HitRates):
     """The figures of one policy over one trace.
 
     Attributes:
@@ -82,16 +82,6 @@ class PolicyResult:
     cpu_s: float
     pooled_lru: IdealHits | None = None
     ttft_mean_s: float = 0.0
-
-    @property
-    def hit_rate_blocks(self) -> float:
-        """Hit trace blocks over all trace blocks (comparable with the ideal)."""
-        return self.num_hit_blocks / self.num_blocks if self.num_blocks else 0.0
-
-    @property
-    def hit_rate_tokens(self) -> float:
-        """Hit prompt tokens over all prompt tokens."""
-        return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0
 
     @property
     def ratio_to_ideal(self) -> float:

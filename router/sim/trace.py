@@ -18,7 +18,15 @@ from typing import Final
 from router.cluster.workload import TRACE_BLOCK_TOKENS, TraceRecord, read_trace
 from router.errors import RouterError
 
-__all__ = ["IdealHits", "SimError", "SimRequest", "ideal_hits", "load_trace", "to_requests"]
+__all__ = [
+    "HitRates",
+    "IdealHits",
+    "SimError",
+    "SimRequest",
+    "ideal_hits",
+    "load_trace",
+    "to_requests",
+]
 
 _MAX_TOKEN: Final = 0xFFFF_FFFF
 
@@ -107,8 +115,30 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[SimRequest]:
     return to_requests(records if limit is None else records[:limit])
 
 
+class HitRates:
+    """Hit rates of counts in trace blocks and prompt tokens (a base of the classes that
+    hold those counts: an ideal, a bound, a policy's result)."""
+
+    __slots__ = ()
+
+    num_blocks: int
+    num_hit_blocks: int
+    num_tokens: int
+    num_hit_tokens: int
+
+    @property
+    def hit_rate_blocks(self) -> float:
+        """Hit trace blocks over all trace blocks."""
+        return self.num_hit_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    @property
+    def hit_rate_tokens(self) -> float:
+        """Hit prompt tokens over all prompt tokens."""
+        return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0
+
+
 @dataclass(frozen=True, slots=True)
-class IdealHits:
+class IdealHits(HitRates):
     """What one infinite prefix cache would serve from cache, in trace blocks and tokens.
 
     A block counts when it and every block before it in its request appeared in an
@@ -119,16 +149,6 @@ class IdealHits:
     num_hit_blocks: int
     num_tokens: int
     num_hit_tokens: int
-
-    @property
-    def hit_rate_blocks(self) -> float:
-        """Hit blocks over all trace blocks."""
-        return self.num_hit_blocks / self.num_blocks if self.num_blocks else 0.0
-
-    @property
-    def hit_rate_tokens(self) -> float:
-        """Hit tokens over all prompt tokens."""
-        return self.num_hit_tokens / self.num_tokens if self.num_tokens else 0.0
 
 
 def ideal_hits(requests: Sequence[SimRequest]) -> IdealHits:

@@ -28,7 +28,7 @@ import xxhash
 from events.curve import load_public_key
 from events.identity import WorkerId
 from router.errors import PrefixIndexError
-from router.index.redis_index import RedisPrefixIndex
+from router.index.base import PrefixIndex
 from router.store.connection import RedisClient, gather_bounded, reply_bytes
 from router.store.layout import KeyLayout
 from router.store.scripts import ACQUIRE, HAND_OFF, HEARTBEAT, RELEASE, RENEW, Script
@@ -448,7 +448,7 @@ class WorkerRegistry:
         value = await self.client.get(self.layout.lease(worker_id))
         return None if value is None else reply_bytes(value).decode()
 
-    async def reap(self, index: RedisPrefixIndex) -> list[WorkerId]:
+    async def reap(self, index: PrefixIndex) -> list[WorkerId]:
         """Remove the entries of every worker whose lease lapsed; returns those workers.
 
         Any router replica may run it: it takes the lapsed lease itself (a new epoch, so

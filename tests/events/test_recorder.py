@@ -23,6 +23,7 @@ from events.recorder import (
     EventLogWriter,
     EventRecorder,
     LogRecord,
+    last_batch_seqs,
     read_log,
 )
 from events.schema import encode_batch
@@ -72,6 +73,17 @@ def test_round_trip_and_append(tmp_path: Path) -> None:
     write(path, records[2:])
     assert list(read_log(path)) == records
     assert path.read_bytes().startswith(LOG_MAGIC)
+
+
+def test_last_batch_seqs_reads_how_far_each_worker_is_logged(tmp_path: Path) -> None:
+    path = tmp_path / "events.log"
+    assert last_batch_seqs(path) == {}  # not created yet
+    write(path, [])
+    assert last_batch_seqs(path) == {}  # the magic alone
+    write(path, sample_records())
+    write(path, [LogRecord(4.5, "w0", "batch", 9, encode_batch(batch(9)))])
+    # Resets and resyncs carry no batch; w1 has only a resync.
+    assert last_batch_seqs(path) == {"w0": 9}
 
 
 @pytest.mark.slow

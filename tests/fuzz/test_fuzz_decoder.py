@@ -39,6 +39,7 @@ from events.schema import (
 from router.errors import OrphanParentError
 from router.index.changes import CPU_MASK, GPU_MASK
 from router.index.memory import MemoryPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 
 pytestmark = pytest.mark.slow
 
@@ -294,7 +295,7 @@ async def check_consistent(index: MemoryPrefixIndex) -> None:
 
 def fold_stream(payloads: list[bytes]) -> None:
     async def scenario() -> None:
-        index = MemoryPrefixIndex()
+        index = BridgedIndex(MemoryPrefixIndex())
         for i, payload in enumerate(payloads):
             worker = W0 if i % 3 else WorkerId("w1")
             before = await index_state(index)
@@ -354,7 +355,7 @@ def test_every_malformed_block_stored_is_counted(
     ]
 
     async def scenario() -> None:
-        index = MemoryPrefixIndex()
+        index = BridgedIndex(MemoryPrefixIndex())
         await index.apply(W0, KVEventBatch(ts=0.0, events=list(bad)))
         assert index.bridge(W0).counters.malformed == len(bad)
         assert await index.worker_entries(W0) == {}

@@ -14,6 +14,7 @@ import redis
 
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.store.server import RedisServer, free_port
@@ -84,11 +85,13 @@ def _opener(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
     @asynccontextmanager
     async def factory() -> AsyncIterator[IndexEnv]:
         if url is None:
-            yield IndexEnv(MemoryPrefixIndex())
+            yield IndexEnv(BridgedIndex(MemoryPrefixIndex()))
             return
         client = await connect(url)
         layout = KeyLayout(namespace)
-        index = RedisPrefixIndex(client, layout, group_commit=kind == "redis-group-commit")
+        index = BridgedIndex(
+            RedisPrefixIndex(client, layout, group_commit=kind == "redis-group-commit")
+        )
         try:
             registry = WorkerRegistry(client, layout, lease_ttl_ms=CONTRACT_LEASE_TTL_MS)
             yield IndexEnv(index, registry)

@@ -26,6 +26,7 @@ from events.identity import WorkerId
 from events.schema import BlockStored, KVEventBatch
 from router.cluster.runner import ProcessGroup, wait_healthy
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import RedisConnectError, RedisOptions, connect
 from router.store.layout import KeyLayout
 from router.store.server import RedisServer, free_port
@@ -111,7 +112,7 @@ def test_index_round_trip_over_tls_with_auth(tls_redis: TlsRedis, namespace: str
             await registry.register(WorkerRecord(worker_id="w0", events_endpoint="tcp://x:1"))
             lease = await registry.acquire(WorkerId("w0"))
             assert lease is not None
-            index = RedisPrefixIndex(client, layout)
+            index = BridgedIndex(RedisPrefixIndex(client, layout))
             index.use_lease(WorkerId("w0"), lease.token)
             tokens = list(range(8))
             batch = KVEventBatch(ts=1.0, events=[stored([11, 12], None, tokens)])

@@ -1,4 +1,4 @@
-"""A prefix index under test, whichever kind, and how to clean up a test's namespace."""
+"""A prefix index under test, whichever store, and how to clean up a test's namespace."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
 from events.identity import WorkerId
-from router.index.memory import MemoryPrefixIndex
-from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import RedisClient
 from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRegistry
@@ -16,14 +15,15 @@ from router.workers.registry import WorkerRegistry
 
 @dataclass
 class IndexEnv:
-    """An index under test and how to make it writable for a worker."""
+    """An index under test (a store behind the workers' bridges) and the registry whose
+    leases fence its writes (None: a store in one process, nothing to fence)."""
 
-    index: MemoryPrefixIndex | RedisPrefixIndex
+    index: BridgedIndex
     registry: WorkerRegistry | None = None
 
     async def prepare(self, worker_id: str) -> None:
-        """Take the worker's lease (Redis) so the index accepts its writes."""
-        if self.registry is None or not isinstance(self.index, RedisPrefixIndex):
+        """Take the worker's lease, if the store is fenced, so it accepts the worker's writes."""
+        if self.registry is None:
             return
         lease = await self.registry.acquire(WorkerId(worker_id))
         assert lease is not None
@@ -31,8 +31,7 @@ class IndexEnv:
 
     async def settle(self) -> None:
         """Wait for queued writes (group commit) so reads see every applied batch."""
-        if isinstance(self.index, RedisPrefixIndex):
-            await self.index.flush()
+        await self.index.flush()
 
 
 OpenIndex = Callable[[], AbstractAsyncContextManager[IndexEnv]]

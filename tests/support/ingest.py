@@ -27,6 +27,7 @@ from router.cli.index import check_workers
 from router.front.service import RouterService
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.ingest.metrics import IngestMetrics
 from router.ingest.service import IndexIngest, IngestConfig
 from router.store.connection import RedisClient, connect
@@ -200,7 +201,7 @@ class Stack:
     ) -> None:
         layout = KeyLayout(namespace)
         self.client = client
-        self.index = RedisPrefixIndex(client, layout)
+        self.index = BridgedIndex(RedisPrefixIndex(client, layout))
         self.registry = WorkerRegistry(client, layout, owner=owner, lease_ttl_ms=lease_ttl_ms)
         self.metrics = IngestMetrics()
         self.ingest = IndexIngest(
@@ -262,15 +263,16 @@ async def stack(
         await client.aclose()
 
 
-async def divergent(index: RedisPrefixIndex, *workers: FakeWorker) -> int:
+async def divergent(index: BridgedIndex, *workers: FakeWorker) -> int:
     """Entries by which the index differs from the workers' snapshots (``kvroute index check``)."""
     async with aiohttp.ClientSession() as session:
         targets = [(w.worker_id, w.http_url or "") for w in workers]
-        return sum(c.num_divergent for c in await check_workers(index, session, targets))
+        checks = await check_workers(index.store, index.keyer, session, targets)
+        return sum(c.num_divergent for c in checks)
 
 
 def lookup_is(
-    index: RedisPrefixIndex, prompt: int, expected: dict[str, PrefixMatch]
+    index: BridgedIndex, prompt: int, expected: dict[str, PrefixMatch]
 ) -> Callable[[], Awaitable[bool]]:
     """A predicate: the index's lookup of ``prompt`` equals ``expected`` (worker -> match)."""
 

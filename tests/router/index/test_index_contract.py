@@ -14,7 +14,7 @@ from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBa
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
 from router.errors import OrphanParentError
 from router.index.base import IndexStats, PrefixMatch
-from router.index.redis_index import RedisPrefixIndex
+from router.index.changes import CPU_MASK, GPU_MASK
 from tests.support.index_env import IndexEnv, OpenIndex
 
 BS = 4
@@ -87,6 +87,29 @@ def test_chain_lookup_all_and_candidates(open_index: OpenIndex) -> None:
     run(open_index, body)
 
 
+def test_a_store_writes_router_key_changes(open_any_index: OpenIndex) -> None:
+    """The store itself takes changes of router-key entries: no engine hash, no bridge."""
+
+    async def body(env: IndexEnv) -> None:
+        store = env.index.store
+        changes = store.changes_for(W1)
+        changes.add_new(KEYS[0], KEYS[:3], GPU_MASK)
+        await store.write(W1, changes)
+        await env.settle()
+        assert await store.lookup(KEYS) == {W1: m(3)}
+        changes = store.changes_for(W1)
+        changes.note(KEYS[0], KEYS[1], GPU_MASK, GPU_MASK | CPU_MASK)
+        changes.note(KEYS[0], KEYS[2], GPU_MASK, CPU_MASK)
+        await store.write(W1, changes)
+        await env.settle()
+        assert await store.worker_entries(W1) == {KEYS[0]: 1, KEYS[1]: 3, KEYS[2]: 2}
+        assert await store.lookup(KEYS) == {W1: m(2, 1)}
+        await store.clear_worker(W1)
+        assert await store.lookup(KEYS) == {}
+
+    run(open_any_index, body)
+
+
 def test_removal_cuts_the_prefix_and_duplicates_are_refcounted(open_index: OpenIndex) -> None:
     async def body(env: IndexEnv) -> None:
         idx = env.index
@@ -101,7 +124,7 @@ def test_removal_cuts_the_prefix_and_duplicates_are_refcounted(open_index: OpenI
         await idx.apply(W1, batch(removed([99, 2])))  # unknown and already-removed copies
         assert await idx.lookup(KEYS) == {W1: m(1)}
         # Block 2 stays cached behind the gap but is not indexed (prefix closure) ...
-        assert await idx.stats() == _stats(env, entries=1, keys=1, workers=1)
+        assert await idx.stats() == _stats(entries=1, keys=1, workers=1)
         assert await idx.worker_entries(W1) == {KEYS[0]: 1}
         # ... until block 1 is cached again: then both are indexed again.
         await idx.apply(W1, batch(stored([2], 1, 1)))
@@ -121,7 +144,7 @@ def test_tiers_split_gpu_and_cpu(open_index: OpenIndex) -> None:
         assert await idx.lookup(KEYS) == {W1: m(1, 3)}
         await idx.apply(W2, batch(stored([1], None, 0, medium=None)))  # unspecified = GPU
         assert await idx.lookup(KEYS, [W2]) == {W2: m(1)}
-        assert await idx.stats() == _stats(env, entries=5, keys=4, workers=2)
+        assert await idx.stats() == _stats(entries=5, keys=4, workers=2)
 
     run(open_index, body)
 
@@ -138,7 +161,7 @@ def test_all_blocks_cleared_and_clear_worker(open_index: OpenIndex) -> None:
         # The cleared worker's old hashes are forgotten: its parent 2 is now unknown.
         with pytest.raises(OrphanParentError):
             await idx.apply(W2, batch(stored([3], 2, 2)))
-        assert await idx.stats() == _stats(env, entries=1, keys=1, workers=1)
+        assert await idx.stats() == _stats(entries=1, keys=1, workers=1)
 
     run(open_index, body)
 
@@ -158,7 +181,7 @@ def test_a_worker_of_thousands_of_families_is_cleared(open_index: OpenIndex) -> 
         assert (await idx.stats()).num_entries == 2_002
         await idx.clear_worker(W1)
         assert await idx.worker_entries(W1) == {}
-        assert await idx.stats() == _stats(env, entries=2, keys=2, workers=1)
+        assert await idx.stats() == _stats(entries=2, keys=2, workers=1)
         assert await idx.lookup(KEYS) == {W2: m(2)}
 
     run(open_index, body)
@@ -191,7 +214,7 @@ def test_malformed_events_never_corrupt(open_index: OpenIndex) -> None:
         no_blocks = BlockStored([], 2, [], BS, None, "GPU", None)
         await idx.apply(W1, batch(bad_count, bad_token, bad_size, no_blocks, stored([3], 2, 2)))
         assert await idx.lookup(KEYS) == {W1: m(3)}
-        assert await idx.stats() == _stats(env, entries=3, keys=3, workers=1)
+        assert await idx.stats() == _stats(entries=3, keys=3, workers=1)
 
     run(open_index, body)
 
@@ -261,17 +284,16 @@ def test_bytes_hashes_and_mixed_workers(open_index: OpenIndex) -> None:
     run(open_index, body)
 
 
-def _stats(env: IndexEnv, entries: int, keys: int, workers: int) -> IndexStats:
-    # Memory is known to the Redis implementation only (the server's used_memory).
-    memory = _Positive() if isinstance(env.index, RedisPrefixIndex) else None
-    return IndexStats(entries, keys, workers, memory)  # type: ignore[arg-type]
+def _stats(entries: int, keys: int, workers: int) -> IndexStats:
+    return IndexStats(entries, keys, workers, _UnknownOrPositive())  # type: ignore[arg-type]
 
 
-class _Positive:
-    """Equal to any positive int (a server's memory use is not a fixed number)."""
+class _UnknownOrPositive:
+    """Equal to None or any positive int: a store that knows its memory use (a server's
+    ``used_memory``) reports it, and it is no fixed number."""
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, int) and other > 0
+        return other is None or (isinstance(other, int) and other > 0)
 
     __hash__ = None  # type: ignore[assignment]
 

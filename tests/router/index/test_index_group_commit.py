@@ -11,8 +11,14 @@ from hypothesis import strategies as st
 
 from events.hashing import BlockKey
 from events.identity import WorkerId
+from router.errors import PrefixIndexError
 from router.index.changes import Changes, transition
 from router.index.group_commit import GroupCommit
+from router.index.redis_index import RedisPrefixIndex
+from router.store.connection import connect
+from router.store.layout import KeyLayout
+from router.workers.registry import WorkerRegistry
+from tests.support.index_env import drop_namespace
 
 W = WorkerId("w")
 V = WorkerId("v")
@@ -198,5 +204,54 @@ def test_flush_sends_what_was_folded_in_but_not_sent_on() -> None:
         assert sent == [{W: {5: (0, 1)}}]
         await commits.flush()
         assert sent == [{W: {5: (0, 1)}}]
+
+    asyncio.run(main())
+
+
+def test_only_the_queued_changes_are_held() -> None:
+    async def main() -> None:
+        sent: list[dict[WorkerId, Changes]] = []
+
+        async def send(writes: dict[WorkerId, Changes]) -> dict[WorkerId, Exception]:
+            sent.append(writes)
+            return {}
+
+        queues = GroupCommit(send)
+        queued = queues.queued(W)
+        assert queues.holds(W, queued)
+        assert not queues.holds(W, Changes()) and not queues.holds(V, queued)
+        queued.note(BlockKey(1), BlockKey(2), 0, 1)
+        queues.send_soon()
+        await queues.flush(W)
+        assert not queues.holds(W, queued)  # taken by the sender
+        assert [list(writes) for writes in sent] == [[W]]
+
+    asyncio.run(main())
+
+
+def test_the_redis_store_with_group_commit_refuses_changes_not_queued(
+    redis_url: str, namespace: str
+) -> None:
+    """They would be dropped unwritten: the write raises instead."""
+
+    async def main() -> None:
+        client = await connect(redis_url)
+        layout = KeyLayout(namespace)
+        store = RedisPrefixIndex(client, layout, group_commit=True)
+        try:
+            lease = await WorkerRegistry(client, layout).acquire(W)
+            assert lease is not None
+            store.use_lease(W, lease.token)
+            with pytest.raises(PrefixIndexError, match="not its queued ones"):
+                await store.write(W, change(2, 0, 1))
+            queued = store.changes_for(W)
+            queued.note(BlockKey(1), BlockKey(2), 0, 1)
+            await store.write(W, queued)
+            await store.flush(W)
+            assert await store.worker_entries(W) == {2: 1}
+        finally:
+            await store.close()
+            await drop_namespace(client, layout)
+            await client.aclose()
 
     asyncio.run(main())

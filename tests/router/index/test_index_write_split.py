@@ -12,6 +12,7 @@ from events.identity import WorkerId
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
 from router.index import redis_index
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRegistry
@@ -45,7 +46,7 @@ def test_write_split_over_calls_equals_one_call(
     async def main() -> None:
         client = await connect(redis_url)
         layout = KeyLayout(namespace)
-        index = RedisPrefixIndex(client, layout, group_commit=group_commit)
+        index = BridgedIndex(RedisPrefixIndex(client, layout, group_commit=group_commit))
         registry = WorkerRegistry(client, layout)
         try:
             for worker in WORKERS:

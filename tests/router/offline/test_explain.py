@@ -12,6 +12,7 @@ from events.identity import WorkerId
 from router.cli.explain import main as explain_main
 from router.cli.explain import read_token_file
 from router.index.memory import MemoryPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.load.model import WorkerLoad
 from router.offline.explain import (
     RecordedCandidate,
@@ -27,8 +28,8 @@ W0, W1 = WorkerId("w0"), WorkerId("w1")
 PROMPT = TOKENS[:22]  # five full blocks of four, and two tokens more
 
 
-def _index(tmp_path: Path, at: float) -> MemoryPrefixIndex:
-    index = MemoryPrefixIndex()
+def _index(tmp_path: Path, at: float) -> BridgedIndex:
+    index = BridgedIndex(MemoryPrefixIndex())
     asyncio.run(replay_log(write_log(tmp_path / "events.kvlog", SCENARIO), at, index))
     return index
 

@@ -22,6 +22,7 @@ from router.cli.explain import main as explain_main
 from router.front.config import RouterConfig
 from router.front.service import RouterService
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.offline.explain import RecordedDecision
 from router.offline.replay import REPLAY_LEASE_TTL_MS, redis_lease_taker, replay_log
 from router.store.connection import connect
@@ -66,7 +67,7 @@ def test_explain_of_a_shared_system_prompt_reports_the_live_routers_costs(
         try:
             # The index the router reads is the log replayed into its namespace; the replay
             # holds the workers' leases, so the router's ingest leaves those entries alone.
-            index = RedisPrefixIndex(client, layout)
+            index = BridgedIndex(RedisPrefixIndex(client, layout))
             registry = WorkerRegistry(client, layout, lease_ttl_ms=REPLAY_LEASE_TTL_MS)
             await replay_log(log, time.time(), index, redis_lease_taker(index, registry))
             async with echo_workers(3) as workers:

@@ -17,6 +17,7 @@ from events.recorder import LogRecord
 from router.cli.replay import main as replay_main
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.offline.replay import REPLAY_LEASE_TTL_MS, ReplayError, redis_lease_taker, replay_log
 from router.store.connection import connect
 from router.store.layout import KeyLayout
@@ -47,14 +48,14 @@ async def matched(index: MemoryPrefixIndex | RedisPrefixIndex) -> dict[str, int]
 )
 def test_memory_replay_at_each_moment(tmp_path: Path, at: float, expected: dict[str, int]) -> None:
     log = write_log(tmp_path / "events.kvlog", SCENARIO)
-    index = MemoryPrefixIndex()
+    index = BridgedIndex(MemoryPrefixIndex())
     asyncio.run(replay_log(log, at, index))
     assert asyncio.run(matched(index)) == expected
 
 
 def test_summary_counts_what_was_fed(tmp_path: Path) -> None:
     log = write_log(tmp_path / "events.kvlog", SCENARIO)
-    summary = asyncio.run(replay_log(log, 106.0, MemoryPrefixIndex()))
+    summary = asyncio.run(replay_log(log, 106.0, BridgedIndex(MemoryPrefixIndex())))
     w0, w1 = summary.workers["w0"], summary.workers["w1"]
     assert (w0.num_batches, w0.num_events, w0.num_resyncs, w0.num_resets) == (5, 6, 1, 0)
     assert (w0.last_seq, w0.last_ts, w0.block_size) == (8, 106.0, BS)
@@ -66,7 +67,7 @@ def test_orphan_parent_resyncs_the_worker_like_the_router(tmp_path: Path) -> Non
     # w0's log starts mid-stream: block 2's parent was never seen.
     records = [batch(1.0, "w0", 4, stored(2, 3)), batch(2.0, "w0", 5, stored(3, 4))]
     log = write_log(tmp_path / "late.kvlog", records)
-    index = MemoryPrefixIndex()
+    index = BridgedIndex(MemoryPrefixIndex())
     summary = asyncio.run(replay_log(log, 2.0, index))
     assert summary.workers["w0"].num_orphans == 1
     assert asyncio.run(index.worker_entries(WorkerId("w0"))) == {}
@@ -76,7 +77,7 @@ def test_orphan_parent_resyncs_the_worker_like_the_router(tmp_path: Path) -> Non
 def test_undecodable_payload_is_counted_and_skipped(tmp_path: Path) -> None:
     records = [LogRecord(1.0, "w0", "batch", 0, b"\xc1"), batch(2.0, "w0", 1, stored(0, 1))]
     log = write_log(tmp_path / "bad.kvlog", records)
-    index = MemoryPrefixIndex()
+    index = BridgedIndex(MemoryPrefixIndex())
     summary = asyncio.run(replay_log(log, 2.0, index))
     assert summary.workers["w0"].num_undecodable == 1
     assert asyncio.run(matched(index)) == {"w0": 1}
@@ -114,7 +115,7 @@ def test_replay_matches_a_reference_model(ops: list[tuple[str, str, int]]) -> No
         depth[worker] = n
         seq[worker] += 1
 
-    index = MemoryPrefixIndex()
+    index = BridgedIndex(MemoryPrefixIndex())
     with tempfile.TemporaryDirectory() as tmp:
         asyncio.run(replay_log(write_log(Path(tmp) / "p.kvlog", records), len(ops), index))
     assert asyncio.run(matched(index)) == {w: d for w, d in sorted(depth.items()) if d}
@@ -130,11 +131,11 @@ def test_redis_replay_equals_memory_and_refuses_a_live_namespace(
         client = await connect(redis_url)
         try:
             layout = KeyLayout(namespace)
-            index = RedisPrefixIndex(client, layout)
+            index = BridgedIndex(RedisPrefixIndex(client, layout))
             registry = WorkerRegistry(client, layout, lease_ttl_ms=REPLAY_LEASE_TTL_MS)
             await replay_log(log, 103.5, index, redis_lease_taker(index, registry))
             assert await matched(index) == {"w0": 5, "w1": 1}
-            again = RedisPrefixIndex(client, layout)
+            again = BridgedIndex(RedisPrefixIndex(client, layout))
             other = WorkerRegistry(client, layout, lease_ttl_ms=REPLAY_LEASE_TTL_MS)
             with pytest.raises(ReplayError, match="namespace of its own"):
                 await replay_log(log, 103.5, again, redis_lease_taker(again, other))

@@ -107,7 +107,9 @@ def test_an_absurd_block_size_harms_no_one_and_mismatched_events_are_flagged(
                     await eventually(listed((True, 4)), what="a-huge flagged in /v1/workers")
                     async with aiohttp.ClientSession() as session:
                         targets = [(w.worker_id, w.http_url or "") for w in (huge, w1)]
-                        checks = await check_workers(index, session, targets, svc.registry)
+                        checks = await check_workers(
+                            index.store, index.keyer, session, targets, svc.registry
+                        )
                     assert [(c.worker_id, c.block_size_mismatch) for c in checks] == [
                         ("a-huge", True),
                         ("w1", False),

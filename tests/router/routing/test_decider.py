@@ -23,6 +23,7 @@ from events.schema import KVEventBatch
 from router.cli.sim import pool_cache_factory
 from router.index.base import PrefixMatch
 from router.index.memory import MemoryPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.load.model import WorkerLoad
 from router.offline.explain import RecordedDecision, explain_request
 from router.routing.cost import CostWeights, RecentWork
@@ -84,7 +85,8 @@ candidate = st.tuples(
 
 
 def _index(prefixes: Sequence[tuple[int, int]]) -> MemoryPrefixIndex:
-    index = MemoryPrefixIndex()
+    store = MemoryPrefixIndex()
+    index = BridgedIndex(store)
 
     async def fill() -> None:
         for w, (blocks, cpu) in zip(WORKERS, prefixes, strict=False):
@@ -95,7 +97,7 @@ def _index(prefixes: Sequence[tuple[int, int]]) -> MemoryPrefixIndex:
                     await index.apply(w, KVEventBatch(ts=1.0, events=[event]))
 
     asyncio.run(fill())
-    return index
+    return store
 
 
 def _logged(decision: Decision, num_prompt_tokens: int) -> RecordedDecision:

@@ -15,6 +15,7 @@ from events.schema import BlockStored, KVEventBatch
 from router.cli.index import main as index_main
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import (
     RedisClient,
     RedisConnectError,
@@ -33,7 +34,7 @@ TOKENS = list(range(8))
 async def roundtrip(client: RedisClient, namespace: str = "conn-test") -> None:
     """Write through a lease and look up: the whole index path over this connection."""
     layout = KeyLayout(namespace)
-    index = RedisPrefixIndex(client, layout)
+    index = BridgedIndex(RedisPrefixIndex(client, layout))
     lease = await WorkerRegistry(client, layout).acquire(W)
     assert lease is not None
     index.use_lease(W, lease.token)

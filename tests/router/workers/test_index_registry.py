@@ -18,6 +18,7 @@ from events.schema import BlockStored, KVEventBatch
 from router.errors import PrefixIndexError
 from router.index.base import IndexStats, PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import RedisClient, connect
 from router.store.layout import KeyLayout
 from router.store.scripts import StaleLeaseError
@@ -130,8 +131,8 @@ def test_stale_epoch_cannot_write(redis_target: str, namespace: str) -> None:
     async def body(client: RedisClient, layout: KeyLayout) -> None:
         a = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=300)
         b = WorkerRegistry(client, layout, owner="router-b", lease_ttl_ms=60_000)
-        old_index = RedisPrefixIndex(client, layout)
-        new_index = RedisPrefixIndex(client, layout)
+        old_index = BridgedIndex(RedisPrefixIndex(client, layout))
+        new_index = BridgedIndex(RedisPrefixIndex(client, layout))
         lease_a = await a.acquire(W)
         assert lease_a is not None
         old_index.use_lease(W, lease_a.token)
@@ -155,7 +156,7 @@ def test_stale_epoch_cannot_write(redis_target: str, namespace: str) -> None:
 
 def test_writing_without_a_lease_is_refused(redis_target: str, namespace: str) -> None:
     async def body(client: RedisClient, layout: KeyLayout) -> None:
-        index = RedisPrefixIndex(client, layout)
+        index = BridgedIndex(RedisPrefixIndex(client, layout))
         with pytest.raises(PrefixIndexError, match="no lease"):
             await index.apply(W, stored([1], None, 0))
         index.use_lease(W, "7:nobody")
@@ -172,7 +173,7 @@ def test_lapsed_worker_is_reaped_by_another_replica(redis_target: str, namespace
         silent = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=1500)
         live = WorkerRegistry(client, layout, owner="router-a", lease_ttl_ms=60_000)
         reaper = WorkerRegistry(client, layout, owner="router-b", lease_ttl_ms=60_000)
-        index = RedisPrefixIndex(client, layout)
+        index = BridgedIndex(RedisPrefixIndex(client, layout))
         for worker, registry in ((W, silent), (WorkerId("w2"), live)):
             lease = await registry.acquire(worker)
             assert lease is not None
