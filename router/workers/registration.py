@@ -154,7 +154,8 @@ def _check_host(what: str, host: str) -> str:
     if ip.is_unspecified:
         raise RegistrationError(
             f"{what}: {host!r} is a wildcard (a bind address); the router connects to "
-            "it, so advertise the worker's reachable address, e.g. its IP or host name"
+            "it, so advertise the worker's reachable address, e.g. its IP or host name "
+            "(kvroute worker --advertise-host)"
         )
     return host
 
