@@ -13,12 +13,14 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
 from events.auth import BearerKey, SentKey
+from events.curve import CurveKeyPair, load_public_key, write_keypair
 from pool.worker.cli import WorkerConfig, serve
 from pool.worker.router_registration import RegistrationRefusedError
 from router.front.config import RouterConfig
@@ -154,6 +156,46 @@ def test_a_refusing_router_stops_the_worker_with_its_reason(
             assert "refused this worker (400): invalid worker: url host 'localhost' is " in (
                 str(info.value)
             )
+
+    asyncio.run(scenario())
+
+
+def test_a_curve_worker_registers_its_public_key_with_a_router_that_requires_one(
+    redis_url: str, namespace: str, tmp_path: Path
+) -> None:
+    router_public, router_secret = write_keypair(tmp_path, "router")
+    worker_public, worker_secret = write_keypair(tmp_path, "w-test")
+    client_keys = CurveKeyPair.load(router_secret)
+
+    async def scenario() -> None:
+        async with router(
+            redis_url, namespace, require_curve=True, client_keys=client_keys
+        ) as (svc, client):
+            stop = asyncio.Event()
+            config = registering(
+                svc.url, curve_secret_key=str(worker_secret), curve_allow=str(router_public)
+            )
+            worker = asyncio.ensure_future(serve(config, stop))
+
+            async def listed() -> bool:
+                assert not worker.done(), worker
+                return bool(await registered(client))
+
+            await eventually(listed, "the CURVE worker's registration", timeout_s=TIMEOUT_S)
+            (view,) = await registered(client)
+            assert view["server_key"] == load_public_key(worker_public).decode()
+            body = {"prompt": "over an encrypted stream", "max_tokens": 2}
+            async with client.post("/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            applied = 'kvroute_ingest_batches_total{outcome="applied",worker="w-test"}'
+
+            async def ingested() -> bool:
+                async with client.get("/metrics") as resp:
+                    return applied in await resp.text()
+
+            await eventually(ingested, "the worker's events, over CURVE", timeout_s=TIMEOUT_S)
+            stop.set()
+            await asyncio.wait_for(worker, TIMEOUT_S)
 
     asyncio.run(scenario())
 
