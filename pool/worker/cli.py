@@ -444,7 +444,8 @@ async def serve(
         logger.info("draining: finishing running and queued requests")
     finally:
         if registered is not None and registration is not None:
-            registered.cancel()
+            registered.cancel()  # a no-op once it ended (registered, refused or stopped)
+            await asyncio.gather(registered, return_exceptions=True)
             if _registered(registered):
                 await registration.deregister()
         drained = await asyncio.to_thread(engine.stop, _DRAIN_TIMEOUT_S)
