@@ -1,5 +1,6 @@
 """Bearer-token authentication shared by the router and the worker: where keys come from,
-how a request's ``Authorization`` header is checked, and whether a bind stays on this host.
+how a request's ``Authorization`` header is checked (and what a process sends as one), and
+whether a bind stays on this host or is a wildcard.
 
 A key is given by a flag (``--admin-key KEY``), a file flag (``--admin-key-file PATH``, the
 first line of the file) or, when neither flag is given, an environment variable
@@ -29,10 +30,13 @@ __all__ = [
     "AuthKeyError",
     "BearerKey",
     "KeySpec",
+    "SentKey",
     "add_key_arguments",
     "challenge",
     "is_loopback",
+    "is_wildcard",
     "load_key",
+    "load_sent_key",
 ]
 
 _TOKEN: Final = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
@@ -59,11 +63,7 @@ class BearerKey:
     __slots__ = ("_digest", "source")
 
     def __init__(self, secret: str, source: str) -> None:
-        if not _TOKEN.fullmatch(secret):
-            raise AuthKeyError(
-                f"the key from {source} is empty or has characters a bearer token cannot "
-                "carry; use letters, digits and -._~+/ (e.g. `openssl rand -hex 32`)"
-            )
+        _check_token(secret, source)
         # NOTE: only the digest is kept; comparing digests of equal length hides the
         # secret's length from timing as well as its content.
         self._digest = _digest(secret.encode())
@@ -84,6 +84,31 @@ class BearerKey:
         return f"BearerKey(source={self.source!r})"
 
 
+class SentKey:
+    """A bearer token this process sends (to a router it registers with), and its source.
+
+    Its repr never shows the secret; :attr:`authorization` is the header value to send.
+
+    Raises:
+        AuthKeyError: As :class:`BearerKey`.
+    """
+
+    __slots__ = ("_secret", "source")
+
+    def __init__(self, secret: str, source: str) -> None:
+        _check_token(secret, source)
+        self._secret = secret
+        self.source = source
+
+    @property
+    def authorization(self) -> str:
+        """The ``Authorization`` header value carrying the key."""
+        return f"Bearer {self._secret}"
+
+    def __repr__(self) -> str:
+        return f"SentKey(source={self.source!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class KeySpec:
     """The names one key goes by on the command line and in the environment.
@@ -94,11 +119,13 @@ class KeySpec:
         env: The environment variable holding the key (``KVROUTE_ADMIN_KEY``);
             ``ENV_FILE`` names a file holding it.
         what: What the key protects, for help texts (``"prefix-cache reset and snapshot"``).
+        is_sent: The key is one this process sends (:class:`SentKey`), not one it checks.
     """
 
     flag: str
     env: str
     what: str
+    is_sent: bool = False
 
     @property
     def file_flag(self) -> str:
@@ -140,7 +167,8 @@ def add_key_arguments(parser: argparse.ArgumentParser, spec: KeySpec) -> None:
         dest=spec.dest,
         metavar="KEY",
         default=None,
-        help=f"bearer token required on {spec.what} (visible in the process list: prefer "
+        help=f"bearer token {'sent for' if spec.is_sent else 'required on'} {spec.what} "
+        f"(visible in the process list: prefer "
         f"{spec.file_flag} or ${spec.env}; default: ${spec.env}, else the file named by "
         f"${spec.file_env}, else none)",
     )
@@ -174,18 +202,43 @@ def load_key(
         AuthKeyError: Both sources of one kind are given (two flags, or two variables), a
             file cannot be read, or the key is malformed.
     """
-    env = os.environ if environ is None else environ
+    found = _find_key(spec, value, file, os.environ if environ is None else environ)
+    return None if found is None else BearerKey(*found)
+
+
+def load_sent_key(
+    spec: KeySpec,
+    value: str | None,
+    file: str | os.PathLike[str] | None,
+    environ: Mapping[str, str] | None = None,
+) -> SentKey | None:
+    """A key this process sends, found as :func:`load_key` finds one it checks.
+
+    Raises:
+        AuthKeyError: As :func:`load_key`.
+    """
+    found = _find_key(spec, value, file, os.environ if environ is None else environ)
+    return None if found is None else SentKey(*found)
+
+
+def _find_key(
+    spec: KeySpec,
+    value: str | None,
+    file: str | os.PathLike[str] | None,
+    env: Mapping[str, str],
+) -> tuple[str, str] | None:
+    """``(secret, source)`` of the key given by a flag, a file flag or the environment."""
     if value is not None and file is not None:
         raise AuthKeyError(f"give {spec.flag} or {spec.file_flag}, not both")
     if value is not None:
-        return BearerKey(value, spec.flag)
+        return value, spec.flag
     if file is not None:
         return _read_key_file(file, spec.file_flag)
     env_value, env_file = env.get(spec.env), env.get(spec.file_env)
     if env_value is not None and env_file is not None:
         raise AuthKeyError(f"set ${spec.env} or ${spec.file_env}, not both")
     if env_value is not None:
-        return BearerKey(env_value, f"${spec.env}")
+        return env_value, f"${spec.env}"
     if env_file is not None:
         return _read_key_file(env_file, f"${spec.file_env}")
     return None
@@ -222,13 +275,36 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def _read_key_file(path: str | os.PathLike[str], source: str) -> BearerKey:
+def is_wildcard(host: str) -> bool:
+    """Whether a listen address is a wildcard (every interface): ``""``, ``*``,
+    ``0.0.0.0`` or ``::`` (bracketed or not).
+
+    A wildcard is where a server binds, never where another host can reach it.
+    """
+    name = host.strip().removeprefix("[").removesuffix("]")
+    if name in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_unspecified
+    except ValueError:
+        return False
+
+
+def _read_key_file(path: str | os.PathLike[str], source: str) -> tuple[str, str]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise AuthKeyError(f"cannot read the key file {str(path)!r} ({source}): {exc}") from exc
     lines = text.splitlines()
-    return BearerKey(lines[0].strip() if lines else "", f"{source} {path}")
+    return (lines[0].strip() if lines else ""), f"{source} {path}"
+
+
+def _check_token(secret: str, source: str) -> None:
+    if not _TOKEN.fullmatch(secret):
+        raise AuthKeyError(
+            f"the key from {source} is empty or has characters a bearer token cannot "
+            "carry; use letters, digits and -._~+/ (e.g. `openssl rand -hex 32`)"
+        )
 
 
 def _bearer_token(authorization: str | None) -> str | None:

@@ -7,6 +7,12 @@ with port 0 or ``tcp://127.0.0.1:*``)::
     {"worker_id": "w0", "http": "http://127.0.0.1:8100", "events": "tcp://127.0.0.1:5557",
      "replay": null}
 
+These are the addresses other processes dial: with ``--advertise-host`` its host replaces
+the bound one (a worker bound to ``0.0.0.0`` announces ``http://worker-a:8100``). With
+``--register-url`` the worker registers those addresses with that router (``PUT
+/v1/workers/{id}``, retried until the router answers) and removes its registration when it
+drains; a wildcard address without ``--advertise-host`` is then refused at start.
+
 Logs go to stderr. SIGTERM or SIGINT drains the worker: new requests get 503, running and
 queued ones finish, queued event batches are sent, then the process exits 0.
 
@@ -15,7 +21,8 @@ dashes as underscores; ``KVROUTE_WORKER_SERVED_MODEL_NAME`` takes names separate
 commas) as its default, except the bearer keys: ``--admin-key`` and
 ``--api-key`` (or their ``-file`` forms) fall back to ``$KVROUTE_ADMIN_KEY`` and
 ``$KVROUTE_API_KEY`` (or ``$..._FILE``), the names the router reads too
-(:mod:`events.auth`).
+(:mod:`events.auth`), and ``--router-admin-key`` (the key sent to ``--register-url``) to
+``$KVROUTE_ROUTER_ADMIN_KEY`` (or ``$..._FILE``).
 """
 
 from __future__ import annotations
@@ -34,7 +41,17 @@ from typing import Any, Final
 
 import torch
 
-from events.auth import ADMIN_KEY, API_KEY, AuthKeyError, add_key_arguments, is_loopback, load_key
+from events.auth import (
+    ADMIN_KEY,
+    API_KEY,
+    AuthKeyError,
+    KeySpec,
+    SentKey,
+    add_key_arguments,
+    is_loopback,
+    load_key,
+    load_sent_key,
+)
 from events.chat_template import ChatTemplateError, load_chat_template
 from events.cli.flags import help_text as flag_help
 from events.curve import CurveKeyError, CurveKeyPair, CurveServerConfig, load_public_key
@@ -44,10 +61,12 @@ from events.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 from pool.block_pool import MEDIUM_GPU
 from pool.errors import PoolError
 from pool.kv_cache_manager import KVCacheConfig, KVCacheManager
+from pool.worker.addresses import WorkerAddresses, check_advertise_host
 from pool.worker.engine import Engine, EngineConfig
 from pool.worker.guards import ADMIN_PATHS, INFERENCE_PATHS, AccessKeys
 from pool.worker.http import DEFAULT_MAX_BODY_BYTES, DEFAULT_MODEL_NAME, WorkerHTTP, WorkerInfo
 from pool.worker.model import DecoderModel, ModelConfig
+from pool.worker.router_registration import RouterRegistration, registration_body
 
 __all__ = [
     "WorkerConfig",
@@ -71,6 +90,9 @@ class WorkerConfig:
     Attributes:
         worker_id: The worker's id in the cluster (flag ``--id``).
         host: HTTP listen address.
+        advertise_host: The host others dial to reach this worker, put in place of the
+            bound host of the HTTP URL and the ``tcp://`` endpoints it announces;
+            ``None`` announces the bound addresses.
         port: HTTP port (0: any free port).
         events: Where the event PUB socket binds; ``None`` publishes nothing.
         replay: Where the replay ROUTER socket binds; ``None`` disables replay.
@@ -104,12 +126,17 @@ class WorkerConfig:
         curve_allow: Comma-separated public key files of the clients allowed to
             subscribe; ``None`` admits any client that knows the server's public key.
         max_body_bytes: Largest HTTP request body accepted (larger: a JSON 413).
+        register_url: A router's base URL to register this worker with at start (and
+            remove it from on drain); ``None`` registers nowhere.
         keys: Bearer keys of the admin and inference endpoints (flags ``--admin-key``,
             ``--api-key`` and their ``-file`` forms); none by default.
+        router_key: The router's admin key, sent to ``register_url`` (flags
+            ``--router-admin-key`` and its ``-file`` form).
     """
 
     worker_id: str = "worker-0"
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
     port: int = 8100
     events: str | None = "tcp://127.0.0.1:5557"
     replay: str | None = None
@@ -136,7 +163,20 @@ class WorkerConfig:
     curve_secret_key: str | None = None
     curve_allow: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    register_url: str | None = None
     keys: AccessKeys = field(default_factory=AccessKeys)
+    router_key: SentKey | None = None
+
+    def __post_init__(self) -> None:
+        if self.advertise_host is not None:
+            object.__setattr__(self, "advertise_host", check_advertise_host(self.advertise_host))
+        if self.register_url is not None and not self.register_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(
+                f"--register-url {self.register_url!r}: expected the router's base URL, "
+                "http(s)://HOST:PORT"
+            )
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -162,11 +202,21 @@ _FLAGS: Final[dict[str, str]] = {"worker_id": "id"}
 """Flags whose name differs from their config field."""
 _ALIASES: Final[dict[str, tuple[str, ...]]] = {"served_model_name": ("--model-name",)}
 """Config field -> older flag spellings, still accepted but not shown."""
-_KEY_FIELD: Final = "keys"
-"""The config field set by the key flags of :func:`events.auth.add_key_arguments`."""
+_KEY_FIELDS: Final = frozenset({"keys", "router_key"})
+"""The config fields set by key flags (:func:`events.auth.add_key_arguments`, and
+:data:`ROUTER_ADMIN_KEY`'s)."""
+ROUTER_ADMIN_KEY: Final = KeySpec(
+    "--router-admin-key",
+    "KVROUTE_ROUTER_ADMIN_KEY",
+    "registering with --register-url: the router's --admin-key",
+    is_sent=True,
+)
+"""The router's admin key, which this worker sends when it registers itself."""
 
 _DEFAULT_TEXT: Final[dict[str, str]] = {
     "host": "127.0.0.1, loopback only",
+    "advertise_host": "the bound host",
+    "register_url": "none, the router is told of the worker otherwise",
     "replay": "none",
     "topic": "empty",
     "weights": "random weights from --seed",
@@ -180,7 +230,11 @@ _DEFAULT_TEXT: Final[dict[str, str]] = {
 
 _HELP: Final[dict[str, str]] = {
     "worker_id": "worker id in the cluster",
-    "host": "HTTP listen address",
+    "host": "HTTP listen address (0.0.0.0 or :: listens on every interface)",
+    "advertise_host": "host name or IP other machines reach this worker at (a compose "
+    "service or pod DNS name): it replaces the bound host in the HTTP URL and tcp:// event "
+    "and replay endpoints the worker announces and registers; needed to register a "
+    "worker bound to a wildcard",
     "port": "HTTP port; 0 picks a free one (printed on the ready line)",
     "events": "ZeroMQ PUB endpoint the KV events bind to (tcp://HOST:* picks a port); "
     "'none' disables events",
@@ -216,6 +270,9 @@ _HELP: Final[dict[str, str]] = {
     "allowed to connect (needs --curve-secret-key)",
     "max_body_bytes": "largest HTTP request body accepted, in bytes; a larger one gets a JSON "
     "413 error (a JSON prompt of N token ids takes about 7 x N bytes)",
+    "register_url": "router base URL (http://router:8000) to register this worker with at "
+    "start (PUT /v1/workers/ID, retried until the router answers) and to remove it from "
+    "when it drains; sends --router-admin-key",
 }
 
 
@@ -227,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM-compatible prefix caching, an OpenAI-style HTTP API and live KV events.",
     )
     for f in dataclasses.fields(WorkerConfig):
-        if f.name == _KEY_FIELD:
+        if f.name in _KEY_FIELDS:
             continue
         name = _FLAGS.get(f.name, f.name)
         flag = "--" + name.replace("_", "-")
@@ -267,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
     add_key_arguments(parser, ADMIN_KEY)
     add_key_arguments(parser, API_KEY)
+    add_key_arguments(parser, ROUTER_ADMIN_KEY)
     parser.add_argument(
         "--log-level", default="INFO", help=flag_help("DEBUG, INFO, WARNING or ERROR", "INFO")
     )
@@ -282,9 +340,9 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
     values = {
         f.name: getattr(args, f.name)
         for f in dataclasses.fields(WorkerConfig)
-        if f.name != _KEY_FIELD
+        if f.name not in _KEY_FIELDS
     }
-    for name in ("events", "replay"):
+    for name in ("events", "replay", "advertise_host", "register_url"):
         if values[name] in ("", "none"):
             values[name] = None
     values["served_model_name"] = tuple(values["served_model_name"])
@@ -292,7 +350,10 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         admin=load_key(ADMIN_KEY, args.admin_key, args.admin_key_file),
         api=load_key(API_KEY, args.api_key, args.api_key_file),
     )
-    return WorkerConfig(**values, keys=keys)
+    router_key = load_sent_key(
+        ROUTER_ADMIN_KEY, args.router_admin_key, args.router_admin_key_file
+    )
+    return WorkerConfig(**values, keys=keys, router_key=router_key)
 
 
 async def serve(
@@ -305,13 +366,19 @@ async def serve(
     Args:
         config: The worker's settings.
         stop: Set it to drain and stop the worker.
-        on_ready: Called once listening with ``{"worker_id", "http", "events", "replay"}``.
+        on_ready: Called once listening with ``{"worker_id", "http", "events", "replay"}``,
+            the advertised addresses.
 
     Raises:
         TokenizerError, ModelError, EndpointError, OSError: Bad settings or a bind failed.
+        RegistrationRefusedError: ``register_url`` is set and the worker cannot be
+            registered (a wildcard address without ``advertise_host``, no events) or the
+            router refused it.
     """
     _check_device(config.device)
     curve = _curve(config)
+    if config.register_url is not None:  # refuse a wildcard before loading anything
+        _registration(config, curve, _addresses(config, config.port, config.events, config.replay))
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     tokenizer = load_tokenizer(config.tokenizer)
@@ -353,28 +420,34 @@ async def serve(
     http = WorkerHTTP(engine, tokenizer, info, config.max_body_bytes, config.keys, template)
     engine.start()
     engine_exited = asyncio.ensure_future(asyncio.to_thread(engine.join))
+    registration: RouterRegistration | None = None
+    registered: asyncio.Future[bool] | None = None
     try:
         port = await http.start(config.host, config.port)
-        ready = {
-            "worker_id": config.worker_id,
-            "http": f"http://{config.host}:{port}",
-            "events": None if publisher is None else publisher.address,
-            "replay": None if publisher is None else publisher.replay_address,
-        }
+        addresses = _addresses(
+            config,
+            port,
+            None if publisher is None else publisher.address,
+            None if publisher is None else publisher.replay_address,
+        )
+        ready = {"worker_id": config.worker_id, **addresses.as_dict()}
         logger.info("worker ready: %s", ready)
-        exposure = exposure_warning(config.host, config.keys)
-        if exposure is not None:
-            logger.warning("%s", exposure)
+        for warning in (exposure_warning(config.host, config.keys), _wildcard_note(addresses)):
+            if warning is not None:
+                logger.warning("%s", warning)
         if on_ready is not None:
             on_ready(ready)
-        stop_asked = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({engine_exited, stop_asked}, return_when=asyncio.FIRST_COMPLETED)
-        stop_asked.cancel()
-        if not stop.is_set():
-            failure = engine.failure or "the engine loop ended"
-            raise PoolError(f"{failure} (traceback above); the worker exits")
+        if config.register_url is not None:
+            registration = _registration(config, curve, addresses)
+            registered = asyncio.ensure_future(registration.register(stop))
+        await _run_until_stopped(engine, engine_exited, stop, registered)
         logger.info("draining: finishing running and queued requests")
     finally:
+        if registered is not None and registration is not None:
+            registered.cancel()  # a no-op once it ended (registered, refused or stopped)
+            await asyncio.gather(registered, return_exceptions=True)
+            if _registered(registered):
+                await registration.deregister()
         drained = await asyncio.to_thread(engine.stop, _DRAIN_TIMEOUT_S)
         if drained:
             await engine_exited
@@ -384,6 +457,72 @@ async def serve(
         if publisher is not None:
             publisher.close()
     logger.info("worker %s stopped", config.worker_id)
+
+
+async def _run_until_stopped(
+    engine: Engine,
+    engine_exited: asyncio.Future[Any],
+    stop: asyncio.Event,
+    registered: asyncio.Future[bool] | None,
+) -> None:
+    """Wait for ``stop``; raise if the engine loop ends first or the router refuses us."""
+    stop_asked = asyncio.ensure_future(stop.wait())
+    watched: set[asyncio.Future[Any]] = {engine_exited, stop_asked}
+    if registered is not None:
+        watched.add(registered)
+    try:
+        while not stop.is_set():
+            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if engine_exited in done and not stop.is_set():
+                failure = engine.failure or "the engine loop ended"
+                raise PoolError(f"{failure} (traceback above); the worker exits")
+            if registered is not None and registered in done:
+                registered.result()  # a refusal raises; registered: keep serving
+                watched.discard(registered)
+    finally:
+        stop_asked.cancel()
+
+
+def _registered(registered: asyncio.Future[bool]) -> bool:
+    """Whether a registration task ended registered (not cancelled, refused or stopped)."""
+    done = registered.done() and not registered.cancelled()
+    return done and registered.exception() is None and registered.result()
+
+
+def _addresses(
+    config: WorkerConfig, port: int, events: str | None, replay: str | None
+) -> WorkerAddresses:
+    """The worker's addresses as announced: bound ones with the advertised host put in."""
+    bound = WorkerAddresses.bound(config.host, port, events, replay)
+    return bound.advertised(config.advertise_host)
+
+
+def _registration(
+    config: WorkerConfig, curve: CurveServerConfig | None, addresses: WorkerAddresses
+) -> RouterRegistration:
+    """The registration with ``config.register_url`` of a worker at ``addresses``."""
+    assert config.register_url is not None
+    body = registration_body(
+        config.worker_id,
+        addresses,
+        topic=config.topic,
+        block_size=config.block_size,
+        models=config.model_names,
+        server_key=None if curve is None else curve.keypair.public_key.decode(),
+    )
+    return RouterRegistration(config.register_url, body, config.router_key)
+
+
+def _wildcard_note(addresses: WorkerAddresses) -> str | None:
+    """The warning for announced addresses that still name a wildcard, else ``None``."""
+    wildcards = addresses.wildcards
+    if not wildcards:
+        return None
+    return (
+        f"announcing {', '.join(wildcards)}: a wildcard listens on every interface but "
+        "nobody can connect to it; register this worker by its reachable host, or set "
+        "--advertise-host to it"
+    )
 
 
 def exposure_warning(host: str, keys: AccessKeys) -> str | None:

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq.utils.z85
 
-from events.auth import is_loopback
+from events.auth import is_loopback, is_wildcard
 from events.curve import Z85_KEY_LEN
 from events.identity import WorkerId
 from router.errors import RouterError
@@ -154,7 +154,8 @@ def _check_host(what: str, host: str) -> str:
     if ip.is_unspecified:
         raise RegistrationError(
             f"{what}: {host!r} is a wildcard (a bind address); the router connects to "
-            "it, so advertise the worker's reachable address, e.g. its IP or host name"
+            "it, so advertise the worker's reachable address, e.g. its IP or host name "
+            "(kvroute worker --advertise-host)"
         )
     return host
 
@@ -306,15 +307,6 @@ def parse_allowed_net(text: str) -> Network | str:
     return text.rstrip(".").lower()
 
 
-def _is_wildcard(host: str) -> bool:
-    if host in ("", "*"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_unspecified
-    except ValueError:
-        return False
-
-
 @dataclass(frozen=True)
 class RegistrationPolicy:
     """What one router admits beyond a record's own validity.
@@ -375,13 +367,13 @@ class RegistrationPolicy:
         host, port = url_host_port(url)
         if port != own_port:
             return
-        local = is_loopback(own_host) or _is_wildcard(own_host)
+        local = is_loopback(own_host) or is_wildcard(own_host)
         if host.lower() == own_host.lower().strip("[]") or (is_loopback(host) and local):
             raise RegistrationError(
                 f"url {url!r} is this router's own address: a worker's URL must point at "
                 "the worker's HTTP server"
             )
-        if _is_wildcard(own_host) and host.lower() == socket.gethostname().lower():
+        if is_wildcard(own_host) and host.lower() == socket.gethostname().lower():
             raise RegistrationError(f"url {url!r} is this router's own address (its host name)")
 
     def _check_allowed(self, what: str, host: str) -> None:
