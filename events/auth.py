@@ -154,6 +154,22 @@ ADMIN_KEY: Final = KeySpec(
 """The key of the administrative endpoints (router and worker alike)."""
 API_KEY: Final = KeySpec("--api-key", "KVROUTE_API_KEY", "the inference endpoints")
 """The key of the inference endpoints (router and worker alike)."""
+WORKER_API_KEY: Final = KeySpec(
+    "--worker-api-key",
+    "KVROUTE_WORKER_API_KEY",
+    "requests forwarded to workers: their --api-key (it replaces a client's forwarded "
+    "Authorization)",
+    is_sent=True,
+)
+"""The workers' inference key, which a router sends with each forwarded request."""
+WORKER_ADMIN_KEY: Final = KeySpec(
+    "--worker-admin-key",
+    "KVROUTE_WORKER_ADMIN_KEY",
+    "reading kvroute workers' GET /v1/snapshot: their --admin-key",
+    is_sent=True,
+)
+"""The workers' admin key, which a router (or ``kvroute index check``) sends to read a
+worker's snapshot."""
 
 
 def add_key_arguments(parser: argparse.ArgumentParser, spec: KeySpec) -> None:

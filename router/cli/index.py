@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 import aiohttp
 import msgspec
 
+from events.auth import WORKER_ADMIN_KEY, AuthKeyError, add_key_arguments, load_sent_key
 from events.cli.flags import add_flag
 from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
@@ -177,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--seed", type=int, default=0, help="router key seed the cluster uses (default: 0)"
     )
+    add_key_arguments(check, WORKER_ADMIN_KEY)
     add_flag(
         check,
         "--router",
@@ -293,9 +295,15 @@ async def _check(args: argparse.Namespace, client: RedisClient, layout: KeyLayou
         targets = [(r.worker_id, r.http_url) for r in records if r.has_snapshot and r.http_url]
     if not targets and args.router is None:
         raise RouterError("no kvroute worker to check: pass --worker ID=HTTP_URL")
-    async with aiohttp.ClientSession() as session:
+    try:
+        key = load_sent_key(WORKER_ADMIN_KEY, args.worker_admin_key, args.worker_admin_key_file)
+    except AuthKeyError as exc:
+        raise RouterError(str(exc)) from None
+    headers = {} if key is None else {"Authorization": key.authorization}
+    async with aiohttp.ClientSession(headers=headers) as workers:
         registry = WorkerRegistry(client, layout)
-        checks = await check_workers(index, RouterKeyer(args.seed), session, targets, registry)
+        checks = await check_workers(index, RouterKeyer(args.seed), workers, targets, registry)
+    async with aiohttp.ClientSession() as session:
         accuracy = {} if args.router is None else await _router_accuracy(session, args.router)
     low = sorted(
         w for w, a in accuracy.items()

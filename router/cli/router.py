@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import logging
@@ -29,7 +30,16 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 import msgspec
 
-from events.auth import ADMIN_KEY, API_KEY, AuthKeyError, add_key_arguments, load_key
+from events.auth import (
+    ADMIN_KEY,
+    API_KEY,
+    WORKER_ADMIN_KEY,
+    WORKER_API_KEY,
+    AuthKeyError,
+    add_key_arguments,
+    load_key,
+    load_sent_key,
+)
 from events.cli.flags import add_flag, renamed_dests
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
@@ -279,8 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind, meaning in _flags():
         add_flag(p, flag, aliases=_ALIASES.get(flag, ()), type=kind, meaning=meaning)
     add_cost_arguments(p)
-    add_key_arguments(p, ADMIN_KEY)
-    add_key_arguments(p, API_KEY)
+    for spec in (ADMIN_KEY, API_KEY, WORKER_API_KEY, WORKER_ADMIN_KEY):
+        add_key_arguments(p, spec)
     p.add_argument(
         "--worker",
         action="append",
@@ -433,6 +443,10 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
             load_key(spec, pick(spec.dest, None), pick(spec.file_dest, None))
             for spec in (ADMIN_KEY, API_KEY)
         )
+        worker_api_key, worker_admin_key = (
+            load_sent_key(spec, pick(spec.dest, None), pick(spec.file_dest, None))
+            for spec in (WORKER_API_KEY, WORKER_ADMIN_KEY)
+        )
     except (RegistrationError, AuthKeyError) as exc:
         raise RouterCliError(str(exc)) from None
     return RouterConfig(
@@ -446,7 +460,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         tokenizers=tokenizers,
         decision_log=pick("decision_log", None),
         limits=limits,
-        proxy=proxy,
+        proxy=dataclasses.replace(proxy, worker_key=worker_api_key),
         breaker=breaker,
         lease_ttl_s=float(pick("lease_ttl_s", 10.0)),
         predicted_max_entries=int(
@@ -459,6 +473,7 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         replica_id=_replica_id(pick("replica_id", None, "KVROUTE_REPLICA_ID")),
         admin_key=admin_key,
         api_key=api_key,
+        worker_admin_key=worker_admin_key,
         allow_worker_nets=allowed,
         require_curve=require_curve,
         accuracy=accuracy,
@@ -519,7 +534,12 @@ async def _serve(args: argparse.Namespace) -> int:
         exposed = exposure_warning(config.host, *guards(config))
         if exposed is not None:
             logger.warning("%s", exposed)
-        if config.proxy.forward_authorization and config.api_key is not None:
+        if config.proxy.forward_authorization and config.proxy.worker_key is not None:
+            logger.warning(
+                "--forward-authorization with --worker-api-key: workers receive the "
+                "--worker-api-key, not the clients' Authorization headers"
+            )
+        elif config.proxy.forward_authorization and config.api_key is not None:
             logger.warning(
                 "--forward-authorization with --api-key: every worker receives the "
                 "router's API key in the clients' Authorization headers"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from events.auth import BearerKey
+from events.auth import BearerKey, SentKey
 from events.curve import CurveKeyPair
 from events.subscriber import SubscriberConfig
 from router.front.accuracy import AccuracyConfig
@@ -83,6 +83,9 @@ class RouterConfig:
             :mod:`router.front.access`.
         api_key: Bearer key of the inference endpoints (``None``: open); the admin key
             is accepted there too.
+        worker_admin_key: Sent to kvroute workers to read their ``GET /v1/snapshot``
+            (their ``--admin-key``); None: sent nothing. The workers' API key, for
+            forwarded requests, is ``proxy.worker_key``.
         allow_worker_nets: Networks (CIDR) and host names workers may be at; empty: any.
         require_curve: Admit only workers registered with a CURVE ``server_key``.
         replay_timeout_s: Longest silence accepted from a worker's replay endpoint.
@@ -120,6 +123,7 @@ class RouterConfig:
     client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)
     admin_key: BearerKey | None = None
     api_key: BearerKey | None = None
+    worker_admin_key: SentKey | None = None
     allow_worker_nets: tuple[str, ...] = ()
     require_curve: bool = False
     replay_timeout_s: float = SubscriberConfig().replay_timeout_s

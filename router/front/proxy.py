@@ -49,6 +49,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from events.auth import SentKey
 from events.identity import WorkerId
 from router.errors import RouterError
 from router.front.breaker import CircuitBreakers
@@ -117,6 +118,8 @@ class ProxyConfig:
         forward_authorization: Pass the client's ``Authorization`` header on to the
             worker; off by default, as it holds the client's credentials (the router's
             own key, when it has one) and any worker may be a stranger's.
+        worker_key: The workers' API key, sent as ``Authorization`` with every forwarded
+            request (in place of a forwarded client's).
     """
 
     connect_timeout_s: float = 2.0
@@ -125,6 +128,7 @@ class ProxyConfig:
     max_attempts: int = 2
     max_response_bytes: int = 64 * 1024 * 1024
     forward_authorization: bool = False
+    worker_key: SentKey | None = None
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -319,6 +323,8 @@ class WorkerProxy:
         if self.config.forward_authorization:
             names = (*names, "Authorization")
         sent = {h: request.headers[h] for h in names if h in request.headers}
+        if self.config.worker_key is not None:
+            sent["Authorization"] = self.config.worker_key.authorization
         sent.update(headers or {})
         sent.update(_BODY_HEADERS)
         if hops is not None:

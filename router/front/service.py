@@ -244,6 +244,7 @@ class RouterService:
                     replay_timeout_s=cfg.replay_timeout_s, replay_deadline_s=cfg.replay_deadline_s
                 ),
                 client_keys=cfg.client_keys,
+                worker_admin_key=cfg.worker_admin_key,
             ),
             self.ingest_metrics,
         )

@@ -61,6 +61,7 @@ import msgspec
 import zmq
 from redis.exceptions import RedisError
 
+from events.auth import SentKey
 from events.curve import CurveClientConfig, CurveKeyPair
 from events.errors import EventsError
 from events.identity import WorkerId
@@ -106,6 +107,8 @@ class IngestConfig:
         subscriber: Settings of the event subscriber.
         client_keys: The router's CURVE key pair, presented to workers registered with a
             ``server_key`` (a fresh one by default: admitted by workers without an allow-list).
+        worker_admin_key: The workers' admin key, sent with every request the ingest makes
+            of a worker (its snapshot, its lifetime); None: no ``Authorization``.
     """
 
     maintain_interval_s: float = 3.0
@@ -116,6 +119,7 @@ class IngestConfig:
     group_commit: bool = True
     subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
     client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)
+    worker_admin_key: SentKey | None = None
 
 
 class IndexIngest:
@@ -206,7 +210,10 @@ class IndexIngest:
 
     async def start(self, records: Sequence[WorkerRecord] = ()) -> None:
         """Register ``records``, subscribe to every registered worker, start maintenance."""
-        self._session = aiohttp.ClientSession()
+        key = self.config.worker_admin_key
+        self._session = aiohttp.ClientSession(
+            headers={} if key is None else {"Authorization": key.authorization}
+        )
         self._lifetimes = LifetimeTracker(self._session, self.config.lifetime_timeout_s)
         self._subscriber = EventSubscriber(self, self.config.subscriber)
         self._services = IngestServices(
