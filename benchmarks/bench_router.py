@@ -161,7 +161,7 @@ def gathered_inputs(routed: Routed) -> DecisionInputs:
     """The inputs the service gathered for a decision, rebuilt from its candidates (the
     bench's index holds GPU blocks only, and no predicted entries: dry runs credit none)."""
     decision = routed.decision
-    keys = list(routed.keys)
+    keys = list(routed.keys.base_keys)
     workers = [c.worker_id for c in decision.candidates]
     matches = {
         c.worker_id: PrefixMatch(c.matched_tokens // BLOCK_SIZE, c.matched_tokens // BLOCK_SIZE)

@@ -37,6 +37,12 @@ ROUTER_ORDER: Final = (
 ROUTER_LEAVES: Final = frozenset({"errors", "tasks"})
 """What any folder of ``router`` may import."""
 
+DYNAMIC_IMPORTERS: Final = frozenset({"import_module", "native", "native_or"})
+"""Calls whose string arguments name a module they import (``importlib.import_module``,
+``events.native``'s C module lookups)."""
+
+PACKAGES: Final = ("events", "pool", "router")
+
 
 def module_name(path: Path) -> str:
     """The dotted name of a module file of the repository (a package's ``__init__`` kept)."""
@@ -46,10 +52,19 @@ def module_name(path: Path) -> str:
 def imported_modules(name: str, source: str) -> Iterator[tuple[int, str]]:
     """``(line, dotted name)`` of every module that module ``name`` (whose text is
     ``source``) imports, anywhere in the file; ``from a import b`` yields ``a.b`` (``b``
-    may be a module)."""
+    may be a module), and a call of :data:`DYNAMIC_IMPORTERS` each string argument that
+    names a module of :data:`PACKAGES`."""
     package = name.split(".")[:-1]
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in DYNAMIC_IMPORTERS:
+                for arg in node.args:
+                    value = arg.value if isinstance(arg, ast.Constant) else None
+                    if isinstance(value, str) and value.split(".")[0] in PACKAGES:
+                        yield node.lineno, value
+        elif isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
         elif isinstance(node, ast.ImportFrom):
@@ -143,8 +158,11 @@ def test_the_check_finds_lazy_relative_and_upward_imports() -> None:
         "import router\n"
         "def late() -> None:\n"
         "    from router.ingest import bridge\n"
+        "pack = native('router.store._resp', 'pack_args')\n"
+        "runs = native_or(len, 'router.ingest._native._runs', 'store_run')\n"
     )
-    assert router_violations("router.workers.probe", source) == [
+    assert sorted(router_violations("router.workers.probe", source)) == [
+        "router.workers.probe:10 imports router.ingest._native._runs",
         "router.workers.probe:5 imports router.front.app",
         "router.workers.probe:6 imports router",
         "router.workers.probe:8 imports router.ingest.bridge",

@@ -55,9 +55,11 @@ class PrefixIndex(Protocol):
 
     Invariant: after ``write`` of a worker's changes in order, the entries of that worker
     are the ``new`` masks of every key its changes touched (a key whose mask went to 0
-    has no entry). A shared store is fenced: only the holder of a worker's lease writes
-    that worker's entries (:meth:`use_lease`); a store in one process has no other
-    writer to fence off and takes any write.
+    has no entry). Writers keep each worker's entries prefix-closed (a key has an entry
+    only while every key before it in its chain has one, as the engine-hash bridge does):
+    a store may find a match's depth by binary search. A shared store is fenced: only
+    the holder of a worker's lease writes that worker's entries (:meth:`use_lease`); a
+    store in one process has no other writer to fence off and takes any write.
 
     Attributes:
         group_commit: Queue writes and send every worker's queued changes together

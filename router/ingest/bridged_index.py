@@ -6,9 +6,11 @@ knows nothing of engine hashes; :class:`BridgedIndex` keeps each worker's
 (:func:`~router.ingest.bridge.fold_batch`) and hands the changes to the store.
 
 Invariant: a worker's bridge describes exactly the entries the store holds for it: the
-bridge is reset whenever the store clears the worker, and dropped with its lease (a
-bridge handed over with a lease is adopted whole, see :meth:`BridgedIndex.adopt_bridge`).
-The bridges live in this process; after a restart, resync rebuilds them.
+bridge is reset whenever the store clears the worker through it, and dropped with its
+lease (a bridge handed over with a lease is adopted whole, see
+:meth:`BridgedIndex.adopt_bridge`). Where the store lost entries behind the bridge's back
+(Redis restarted empty), :meth:`BridgedIndex.rewrite_worker` writes them again. The
+bridges live in this process; after a restart, resync rebuilds them.
 """
 
 from __future__ import annotations
@@ -117,11 +119,37 @@ class BridgedIndex:
         """Write the worker's entries under this lease token (see ``PrefixIndex.use_lease``)."""
         self.store.use_lease(worker_id, token)
 
-    def forget_lease(self, worker_id: WorkerId) -> None:
-        """Stop writing for the worker: its lease and queued writes go, and its bridge."""
+    def forget_lease(self, worker_id: WorkerId, *, keep_bridge: bool = False) -> None:
+        """Stop writing for the worker: its lease and queued writes go, and (unless
+        ``keep_bridge``: for :meth:`rewrite_worker` under a new lease) its bridge."""
         self.store.forget_lease(worker_id)
-        self._bridges.pop(worker_id, None)
+        if not keep_bridge:
+            self._bridges.pop(worker_id, None)
         self._sinks.pop(worker_id, None)
+
+    async def rewrite_worker(self, worker_id: WorkerId) -> int:
+        """Write one worker's entries again from its bridge, which still holds them all,
+        after the store lost some or all of them (Redis restarted empty, a shard lost its
+        data).
+
+        What the store holds of the worker is dropped first, so its entries end exactly
+        the bridge's.
+
+        Returns:
+            The number of entries written.
+
+        Raises:
+            StaleLeaseError: The store no longer writes for the worker (lease lost).
+        """
+        store = self.store
+        await store.clear_worker(worker_id)
+        entries = self.bridge(worker_id).entries()
+        changes = store.changes_for(worker_id)
+        for key, (tag, mask) in entries.items():
+            changes.note(tag, key, 0, mask)
+        await store.write(worker_id, changes)
+        await store.flush(worker_id)
+        return len(entries)
 
     async def flush(self, worker_id: WorkerId | None = None) -> None:
         """Wait for the queued writes of a worker (or all; see ``PrefixIndex.flush``)."""

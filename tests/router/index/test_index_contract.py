@@ -110,6 +110,27 @@ def test_a_store_writes_router_key_changes(open_any_index: OpenIndex) -> None:
     run(open_any_index, body)
 
 
+def test_entries_the_store_lost_are_written_again_from_the_bridge(
+    open_any_index: OpenIndex,
+) -> None:
+    async def body(env: IndexEnv) -> None:
+        idx = env.index
+        await idx.apply(W1, batch(stored([1, 2, 3], None, 0), stored([4], 3, 3, medium="CPU")))
+        await idx.apply(W2, batch(stored([1, 2], None, 0)))
+        await env.settle()
+        held = await idx.worker_entries(W1)
+        await idx.store.clear_worker(W1)  # lost behind the bridge's back
+        assert await idx.lookup(KEYS) == {W2: m(2)}
+        assert await idx.rewrite_worker(W1) == len(held) == 4
+        assert await idx.worker_entries(W1) == held
+        assert await idx.lookup(KEYS) == {W1: m(3, 1), W2: m(2)}
+        await idx.apply(W1, batch(removed([2])))  # the bridge goes on from there
+        await env.settle()
+        assert await idx.lookup(KEYS) == {W1: m(1), W2: m(2)}
+
+    run(open_any_index, body)
+
+
 def test_removal_cuts_the_prefix_and_duplicates_are_refcounted(open_index: OpenIndex) -> None:
     async def body(env: IndexEnv) -> None:
         idx = env.index
