@@ -125,11 +125,15 @@ _NULLABLE: Final[dict[str, dict[str, None]]] = {
 
 
 
+_TokenIds: Final[Any] = native("events._wire", "TokenIds")  # None where not built
+
+
 def _encode_other(value: Any) -> Any:
     """Token ids held as ``TokenIds`` (a decoded batch sent on) encode as their list."""
-    if not isinstance(value, Sequence):
-        raise NotImplementedError(f"cannot encode {type(value).__name__}")
-    return list(value)
+    if type(value) is not _TokenIds:
+        # What msgspec raises without a hook.
+        raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")
+    return value.tolist()
 
 
 _encoder: Final = msgspec.msgpack.Encoder(enc_hook=_encode_other)
@@ -144,7 +148,7 @@ def _bind_native() -> _NativeDecode | None:
     if bind is None:
         return None
     bind(KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared, _raw_decoder.decode)
-    Sequence.register(cast("type[Any]", native("events._wire", "TokenIds")))
+    Sequence.register(_TokenIds)
     return cast("_NativeDecode", native("events._wire", "decode"))
 
 
