@@ -17,7 +17,9 @@ Each figure is the median over repeats of block events/s; ratio = figure / raw b
 
 A second table gives the CPU cost per message of each step either side pays (pyzmq's
 multipart calls beside :func:`events.framing.send_frames` / ``recv_frames``, encode,
-decode), timed in one process over inproc PUB/SUB (no I/O thread involved).
+decode: ``decode_batch`` as it runs, in C where ``events._wire`` was built, beside its
+Python spec ``python_decode_batch``), timed in one process over inproc PUB/SUB (no I/O
+thread involved).
 
 Run: ``python -m benchmarks.bench_events`` (``--quick`` for a seconds-long smoke run).
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import select
 import statistics
 import subprocess
@@ -38,11 +41,17 @@ from typing import IO, Final
 
 import zmq
 
-from benchmarks.environment import describe
+from benchmarks.environment import describe, native_text
 from events.endpoints import Endpoint
 from events.framing import pack_seq, recv_frames, send_frames, unpack_seq
 from events.publisher import EventPublisher, PublisherConfig
-from events.schema import BlockStored, KVEventBatch, decode_batch, encode_batch
+from events.schema import (
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    python_decode_batch,
+)
 from events.subscriber import EventSubscriber, ReceivedBatch, SubscriberConfig, WorkerStream
 
 __all__ = ["main"]
@@ -334,6 +343,10 @@ def measure_steps(num_blocks: int, count: int) -> dict[str, float]:
         for _ in chunk:
             decode_batch(payload)
 
+    def decode_spec() -> None:
+        for _ in chunk:
+            python_decode_batch(payload)
+
     try:
         while not sub.poll(10):  # a subscription takes effect on a later send
             send_frames(pub, chunk[0])
@@ -346,11 +359,17 @@ def measure_steps(num_blocks: int, count: int) -> dict[str, float]:
             "recv_frames": timed(recv, before=send),
             "encode_batch": timed(encode),
             "decode_batch": timed(decode),
+            "python_decode_batch": timed(decode_spec),
         }
     finally:
         pub.close(linger=0)
         sub.close(linger=0)
         ctx.term()
+
+
+def _load() -> str:
+    """The 1, 5 and 15-minute load averages (a busy box reads above its CPU count)."""
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def print_steps(counts: dict[int, int]) -> None:
@@ -386,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     counts = {1: 10_000, 32: 2_000} if args.quick else {1: 100_000, 32: 20_000}
 
-    print("bench_events:", describe(("pyzmq", "msgspec"), extra=f"libzmq {zmq.zmq_version()}"))
+    extra = f"libzmq {zmq.zmq_version()}, {native_text()}, load average {_load()}"
+    print("bench_events:", describe(("pyzmq", "msgspec"), extra=extra))
     print(
         f"tcp loopback, sender and receiver in two processes, median of {repeats} runs"
         f"{' (--quick)' if args.quick else ''}"
@@ -422,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"targets missed for: {', '.join(missed)}")
 
     print_steps(counts)
+    print(f"load average at the end: {_load()} (other processes share the cores)")
     return 0
 
 

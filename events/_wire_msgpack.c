@@ -6,48 +6,6 @@
  */
 #include "_wire.h"
 
-int read_int(Reader *r, uint64_t *value, int *negative)
-{
-    if (!need(r, 1))
-        return DECLINE;
-    uint8_t head = *r->p++;
-    *negative = 0;
-    if (head <= 0x7f) {
-        *value = head;
-        return OK;
-    }
-    if (head >= 0xe0) {
-        *value = (uint64_t)(int64_t)(int8_t)head;
-        *negative = 1;
-        return OK;
-    }
-    int width;
-    int is_signed;
-    switch (head) {
-    case 0xcc: width = 1; is_signed = 0; break;
-    case 0xcd: width = 2; is_signed = 0; break;
-    case 0xce: width = 4; is_signed = 0; break;
-    case 0xcf: width = 8; is_signed = 0; break;
-    case 0xd0: width = 1; is_signed = 1; break;
-    case 0xd1: width = 2; is_signed = 1; break;
-    case 0xd2: width = 4; is_signed = 1; break;
-    case 0xd3: width = 8; is_signed = 1; break;
-    default: return DECLINE;
-    }
-    uint64_t raw;
-    if (read_be(r, width, &raw) != OK)
-        return DECLINE;
-    if (is_signed) {
-        int shift = 64 - 8 * width;
-        int64_t signed_value = (int64_t)(raw << shift) >> shift; /* sign-extend */
-        *value = (uint64_t)signed_value;
-        *negative = signed_value < 0;
-    } else {
-        *value = raw;
-    }
-    return OK;
-}
-
 PyObject *int_object(uint64_t value, int negative)
 {
     return negative ? PyLong_FromLongLong((long long)value)
