@@ -14,6 +14,7 @@ tokens per block) it times four pairings in the same run:
 The receiver's clock starts when the sender announces its first measured seq and stops
 when the last one is delivered. High-water marks are unlimited, so nothing is dropped.
 Each figure is the median over repeats of block events/s; ratio = figure / raw baseline.
+Beside it, the CPU time the receiving process spent per batch (median over repeats).
 
 A second table gives the CPU cost per message of each step either side pays (pyzmq's
 multipart calls beside :func:`events.framing.send_frames` / ``recv_frames``, encode,
@@ -273,15 +274,32 @@ BASELINE: Final = PAIRINGS[0]
 TARGET_ROW: Final = PAIRINGS[2]
 
 
-def measure(pairing: Pairing, num_blocks: int, count: int) -> float:
-    """Block events/s of one run."""
+@dataclass(frozen=True)
+class Sample:
+    """One run of a pairing.
+
+    Attributes:
+        rate: Block events/s.
+        receiver_cpu_us: CPU the receiving process spent per batch (all its threads,
+            libzmq's I/O thread included), in µs: what the receiver costs, which a busy
+            box inflates less than it slows the rate.
+    """
+
+    rate: float
+    receiver_cpu_us: float
+
+
+def measure(pairing: Pairing, num_blocks: int, count: int) -> Sample:
+    """One run of ``pairing``."""
     sender = _Sender(pairing.sender, num_blocks, count)
     try:
+        began = time.process_time()
         elapsed = pairing.receive(sender)
+        cpu_s = time.process_time() - began
         sender.finish()
     finally:
         sender.proc.kill()
-    return count * num_blocks / elapsed
+    return Sample(count * num_blocks / elapsed, cpu_s / count * 1e6)
 
 
 def measure_steps(num_blocks: int, count: int) -> dict[str, float]:
@@ -413,22 +431,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"| {'blocks/batch':>12} | {'path':<36} | {'block events/s':>14} "
-        f"| {'batches/s':>9} | {'ratio':>5} |"
+        f"| {'batches/s':>9} | {'ratio':>5} | {'receiver CPU µs/batch':>21} |"
     )
-    print(f"|{'-' * 13}:|{'-' * 38}|{'-' * 15}:|{'-' * 10}:|{'-' * 6}:|")
+    print(f"|{'-' * 13}:|{'-' * 38}|{'-' * 15}:|{'-' * 10}:|{'-' * 6}:|{'-' * 22}:|")
     missed = []
     for num_blocks, count in counts.items():
         # Rows interleaved within each repeat, so load changes hit every row alike.
-        samples: dict[Pairing, list[float]] = {p: [] for p in PAIRINGS}
+        samples: dict[Pairing, list[Sample]] = {p: [] for p in PAIRINGS}
         for _ in range(repeats):
             for pairing in PAIRINGS:
                 samples[pairing].append(measure(pairing, num_blocks, count))
-        baseline = statistics.median(samples[BASELINE])
+        baseline = statistics.median(s.rate for s in samples[BASELINE])
         for pairing in PAIRINGS:
-            rate = statistics.median(samples[pairing])
+            rate = statistics.median(s.rate for s in samples[pairing])
+            cpu_us = statistics.median(s.receiver_cpu_us for s in samples[pairing])
             print(
                 f"| {num_blocks:>12} | {pairing.label:<36} | {rate:>14,.0f} | "
-                f"{rate / num_blocks:>9,.0f} | {rate / baseline:>5.2f} |"
+                f"{rate / num_blocks:>9,.0f} | {rate / baseline:>5.2f} | {cpu_us:>21.2f} |"
             )
             if pairing == TARGET_ROW and (
                 rate < TARGET_EVENTS_PER_S or rate / baseline < TARGET_RATIO
