@@ -133,6 +133,16 @@ def test_router_keys_of_decoded_token_ids_are_those_of_the_list(
     assert python_block_keys(decoded, block_size, parent) == expected
 
 
+def test_a_large_batch_is_read_in_c_exactly() -> None:
+    # 8,192 blocks of 16 tokens (a long prompt in one event), every token-id width.
+    tokens = [(i * 2_654_435_761) % 2**32 >> (i % 4 * 8) for i in range(8_192 * 16)]
+    event = BlockStored(list(range(8_192)), 3, tokens, 16, 1, "CPU", "a", group_idx=0)
+    payload = encode_batch(KVEventBatch(2.5, [event] * 4, 1))
+    ours = c_decode(payload)
+    assert ours is not None and ours == python_decode_batch(payload)
+    assert encode_batch(ours) == payload
+
+
 def test_fields_newer_than_ours_are_skipped_in_c_as_the_spec_skips_them() -> None:
     payload = pack([1.5, [{**EVENT, "future": [1, {"a": b"x", "b": [None, 2.5]}]}], 3])
     ours = c_decode(payload)
