@@ -5,13 +5,15 @@ Python) into a batch equal to the spec's, re-encoding to the very payload bytes,
 token ids a ``TokenIds`` whose router keys are those of the list; every other payload
 (other shapes, malformed, truncated, lying lengths, random bytes) is either read the same
 or declined (``None``), so :func:`decode_batch` accepts, rejects and counts exactly what
-the spec does; ``TokenIds`` behaves as the list it stands for; nothing leaks.
+the spec does; ``TokenIds`` behaves as the list it stands for (``events tail --json``
+included); nothing leaks.
 """
 
 from __future__ import annotations
 
 import array
 import copy
+import json
 import math
 import pickle
 import struct
@@ -24,9 +26,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from events.cli.events import event_rows
 from events.errors import EventDecodeError
 from events.hashing import python_block_keys, router_block_keys
+from events.identity import WorkerId
 from events.native import native
+from events.recorder import LogRecord
 from events.schema import (
     BlockStored,
     KVEventBatch,
@@ -335,3 +340,14 @@ def test_token_ids_are_read_only() -> None:
     with pytest.raises(TypeError):
         struct.pack_into("I", tokens, 0, 5)  # asks for a writable buffer
     assert tokens == [1, 2]
+
+
+def test_events_tail_rows_of_a_batch_decoded_in_c_are_json() -> None:
+    payload = encode_batch(
+        KVEventBatch(1.5, [BlockStored([7, b"\x01\x02"], None, [1, 2, 3, 4], 2, None, "GPU", None)])
+    )
+    record = LogRecord(2.0, WorkerId("w0"), "batch", 0, payload)
+    assert type(record.decode().events[0].token_ids) is TokenIds
+    (row,) = event_rows(record)
+    assert json.loads(json.dumps(row))["token_ids"] == [1, 2, 3, 4]
+    assert row["block_hashes"] == [7, "0102"]
