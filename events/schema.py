@@ -123,8 +123,6 @@ _NULLABLE: Final[dict[str, dict[str, None]]] = {
     "AllBlocksCleared": {},
 }
 
-
-
 _TokenIds: Final[Any] = native("events._wire", "TokenIds")  # None where not built
 
 
@@ -144,6 +142,7 @@ _NativeDecode: TypeAlias = Callable[[bytes | memoryview], KVEventBatch | None]
 
 
 def _bind_native() -> _NativeDecode | None:
+    """The C decoder, told the classes it builds, where ``events._wire`` is used; else None."""
     bind = native("events._wire", "bind")
     if bind is None:
         return None
