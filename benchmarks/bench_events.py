@@ -14,10 +14,13 @@ tokens per block) it times four pairings in the same run:
 The receiver's clock starts when the sender announces its first measured seq and stops
 when the last one is delivered. High-water marks are unlimited, so nothing is dropped.
 Each figure is the median over repeats of block events/s; ratio = figure / raw baseline.
+Beside it, the CPU time the receiving process spent per batch (median over repeats).
 
 A second table gives the CPU cost per message of each step either side pays (pyzmq's
 multipart calls beside :func:`events.framing.send_frames` / ``recv_frames``, encode,
-decode), timed in one process over inproc PUB/SUB (no I/O thread involved).
+decode: ``decode_batch`` as it runs, in C where ``events._wire`` was built, beside its
+Python spec ``python_decode_batch``), timed in one process over inproc PUB/SUB (no I/O
+thread involved).
 
 Run: ``python -m benchmarks.bench_events`` (``--quick`` for a seconds-long smoke run).
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import select
 import statistics
 import subprocess
@@ -38,11 +42,17 @@ from typing import IO, Final
 
 import zmq
 
-from benchmarks.environment import describe
+from benchmarks.environment import describe, native_text
 from events.endpoints import Endpoint
 from events.framing import pack_seq, recv_frames, send_frames, unpack_seq
 from events.publisher import EventPublisher, PublisherConfig
-from events.schema import BlockStored, KVEventBatch, decode_batch, encode_batch
+from events.schema import (
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    python_decode_batch,
+)
 from events.subscriber import EventSubscriber, ReceivedBatch, SubscriberConfig, WorkerStream
 
 __all__ = ["main"]
@@ -264,15 +274,32 @@ BASELINE: Final = PAIRINGS[0]
 TARGET_ROW: Final = PAIRINGS[2]
 
 
-def measure(pairing: Pairing, num_blocks: int, count: int) -> float:
-    """Block events/s of one run."""
+@dataclass(frozen=True)
+class Sample:
+    """One run of a pairing.
+
+    Attributes:
+        rate: Block events/s.
+        receiver_cpu_us: CPU the receiving process spent per batch (all its threads,
+            libzmq's I/O thread included), in µs: what the receiver costs, which a busy
+            box inflates less than it slows the rate.
+    """
+
+    rate: float
+    receiver_cpu_us: float
+
+
+def measure(pairing: Pairing, num_blocks: int, count: int) -> Sample:
+    """One run of ``pairing``."""
     sender = _Sender(pairing.sender, num_blocks, count)
     try:
+        began = time.process_time()
         elapsed = pairing.receive(sender)
+        cpu_s = time.process_time() - began
         sender.finish()
     finally:
         sender.proc.kill()
-    return count * num_blocks / elapsed
+    return Sample(count * num_blocks / elapsed, cpu_s / count * 1e6)
 
 
 def measure_steps(num_blocks: int, count: int) -> dict[str, float]:
@@ -334,6 +361,10 @@ def measure_steps(num_blocks: int, count: int) -> dict[str, float]:
         for _ in chunk:
             decode_batch(payload)
 
+    def decode_spec() -> None:
+        for _ in chunk:
+            python_decode_batch(payload)
+
     try:
         while not sub.poll(10):  # a subscription takes effect on a later send
             send_frames(pub, chunk[0])
@@ -346,11 +377,17 @@ def measure_steps(num_blocks: int, count: int) -> dict[str, float]:
             "recv_frames": timed(recv, before=send),
             "encode_batch": timed(encode),
             "decode_batch": timed(decode),
+            "python_decode_batch": timed(decode_spec),
         }
     finally:
         pub.close(linger=0)
         sub.close(linger=0)
         ctx.term()
+
+
+def _load() -> str:
+    """The 1, 5 and 15-minute load averages (a busy box reads above its CPU count)."""
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def print_steps(counts: dict[int, int]) -> None:
@@ -386,29 +423,31 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     counts = {1: 10_000, 32: 2_000} if args.quick else {1: 100_000, 32: 20_000}
 
-    print("bench_events:", describe(("pyzmq", "msgspec"), extra=f"libzmq {zmq.zmq_version()}"))
+    extra = f"libzmq {zmq.zmq_version()}, {native_text()}, load average {_load()}"
+    print("bench_events:", describe(("pyzmq", "msgspec"), extra=extra))
     print(
         f"tcp loopback, sender and receiver in two processes, median of {repeats} runs"
         f"{' (--quick)' if args.quick else ''}"
     )
     print(
         f"| {'blocks/batch':>12} | {'path':<36} | {'block events/s':>14} "
-        f"| {'batches/s':>9} | {'ratio':>5} |"
+        f"| {'batches/s':>9} | {'ratio':>5} | {'receiver CPU µs/batch':>21} |"
     )
-    print(f"|{'-' * 13}:|{'-' * 38}|{'-' * 15}:|{'-' * 10}:|{'-' * 6}:|")
+    print(f"|{'-' * 13}:|{'-' * 38}|{'-' * 15}:|{'-' * 10}:|{'-' * 6}:|{'-' * 22}:|")
     missed = []
     for num_blocks, count in counts.items():
         # Rows interleaved within each repeat, so load changes hit every row alike.
-        samples: dict[Pairing, list[float]] = {p: [] for p in PAIRINGS}
+        samples: dict[Pairing, list[Sample]] = {p: [] for p in PAIRINGS}
         for _ in range(repeats):
             for pairing in PAIRINGS:
                 samples[pairing].append(measure(pairing, num_blocks, count))
-        baseline = statistics.median(samples[BASELINE])
+        baseline = statistics.median(s.rate for s in samples[BASELINE])
         for pairing in PAIRINGS:
-            rate = statistics.median(samples[pairing])
+            rate = statistics.median(s.rate for s in samples[pairing])
+            cpu_us = statistics.median(s.receiver_cpu_us for s in samples[pairing])
             print(
                 f"| {num_blocks:>12} | {pairing.label:<36} | {rate:>14,.0f} | "
-                f"{rate / num_blocks:>9,.0f} | {rate / baseline:>5.2f} |"
+                f"{rate / num_blocks:>9,.0f} | {rate / baseline:>5.2f} | {cpu_us:>21.2f} |"
             )
             if pairing == TARGET_ROW and (
                 rate < TARGET_EVENTS_PER_S or rate / baseline < TARGET_RATIO
@@ -422,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"targets missed for: {', '.join(missed)}")
 
     print_steps(counts)
+    print(f"load average at the end: {_load()} (other processes share the cores)")
     return 0
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from events.hashing import NATIVE_KEYS
+from events.schema import NATIVE_DECODE
 from router.ingest._native.runs import NATIVE_RUNS
 
 __all__ = ["describe", "native_text"]
@@ -16,7 +17,7 @@ __all__ = ["describe", "native_text"]
 
 def native_text() -> str:
     """Whether kvroute's C modules ran (``KVROUTE_PURE_PYTHON=1`` or no compiler: off)."""
-    return f"C modules {'on' if NATIVE_KEYS and NATIVE_RUNS else 'off'}"
+    return f"C modules {'on' if NATIVE_KEYS and NATIVE_RUNS and NATIVE_DECODE else 'off'}"
 
 
 def describe(

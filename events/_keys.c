@@ -6,7 +6,8 @@
  * 17-128 bytes (block sizes 5-32, the common ones) are hashed here, written from the
  * XXH3 specification; every other length calls xxhash.xxh3_64_intdigest, so the two
  * paths can never disagree on what is outside the short-input range. tests/test_native.py
- * checks this module against the Python package byte for byte.
+ * checks this module against the Python package byte for byte. Token ids held in a buffer
+ * of native uint32 (events._wire.TokenIds, array('I')) are hashed where they lie.
  *
  * Errors are those of the Python function: OverflowError for a token id outside uint32,
  * TypeError for a token id that is not an int.
@@ -156,6 +157,31 @@ static int read_tokens(PyObject *const *items, Py_ssize_t count, uint32_t *out)
     return 0;
 }
 
+/* The key of the block whose token ids are at bytes (nbytes long), chained from *prev;
+ * 0, or -1 with an exception set. */
+static int chain_block(const uint8_t *bytes, size_t nbytes, uint64_t *prev)
+{
+#if KEYS_NATIVE_XXH3
+    if (nbytes > 16 && nbytes <= 128) {
+        *prev = xxh3_17to128(bytes, nbytes, *prev) & KEY_MASK;
+        return 0;
+    }
+#endif
+    int64_t digest = xxh3_python(bytes, nbytes, *prev);
+    if (digest < 0)
+        return -1;
+    *prev = (uint64_t)digest;
+    return 0;
+}
+
+/* Whether view holds native uint32s, C-contiguous (events._wire.TokenIds, array('I')):
+ * hashed where they lie, with no int to read. */
+static int is_uint32_buffer(const Py_buffer *view)
+{
+    return view->itemsize == 4 && view->ndim == 1 && view->format != NULL &&
+           strcmp(view->format, "I") == 0;
+}
+
 static PyObject *block_keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
@@ -173,15 +199,27 @@ static PyObject *block_keys(PyObject *module, PyObject *const *args, Py_ssize_t 
     uint64_t prev = PyLong_AsUnsignedLongLong(args[2]);
     if (prev == (uint64_t)-1 && PyErr_Occurred())
         return NULL;
-    PyObject *seq = PySequence_Fast(args[0], "token_ids must be a sequence");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t num_blocks = PySequence_Fast_GET_SIZE(seq) / block_size;
-    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    Py_buffer view = {.obj = NULL};
+    PyObject *seq = NULL;
+    Py_ssize_t num_tokens;
+    if (!PyList_CheckExact(args[0]) && PyObject_CheckBuffer(args[0]) &&
+        PyObject_GetBuffer(args[0], &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0 &&
+        is_uint32_buffer(&view)) {
+        num_tokens = view.len / 4;
+    } else {
+        if (view.obj != NULL)
+            PyBuffer_Release(&view);
+        PyErr_Clear(); /* a buffer of another layout: read it as a sequence */
+        seq = PySequence_Fast(args[0], "token_ids must be a sequence");
+        if (seq == NULL)
+            return NULL;
+        num_tokens = PySequence_Fast_GET_SIZE(seq);
+    }
+    Py_ssize_t num_blocks = num_tokens / block_size;
     PyObject *keys = PyList_New(num_blocks);
     uint32_t stack[STACK_TOKENS];
     uint32_t *tokens = stack;
-    if (keys != NULL && block_size > STACK_TOKENS) {
+    if (keys != NULL && seq != NULL && block_size > STACK_TOKENS) {
         tokens = PyMem_Malloc((size_t)block_size * sizeof(uint32_t));
         if (tokens == NULL)
             PyErr_NoMemory();
@@ -190,20 +228,17 @@ static PyObject *block_keys(PyObject *module, PyObject *const *args, Py_ssize_t 
         goto fail;
     size_t nbytes = (size_t)block_size * sizeof(uint32_t);
     for (Py_ssize_t b = 0; b < num_blocks; b++) {
-        if (read_tokens(items + b * block_size, block_size, tokens) < 0)
-            goto fail;
-        const uint8_t *bytes = (const uint8_t *)tokens;
-#if KEYS_NATIVE_XXH3
-        if (nbytes > 16 && nbytes <= 128) {
-            prev = xxh3_17to128(bytes, nbytes, prev) & KEY_MASK;
-        } else
-#endif
-        {
-            int64_t digest = xxh3_python(bytes, nbytes, prev);
-            if (digest < 0)
+        const uint8_t *bytes;
+        if (seq == NULL) {
+            bytes = (const uint8_t *)view.buf + (size_t)b * nbytes;
+        } else {
+            if (read_tokens(PySequence_Fast_ITEMS(seq) + b * block_size, block_size,
+                            tokens) < 0)
                 goto fail;
-            prev = (uint64_t)digest;
+            bytes = (const uint8_t *)tokens;
         }
+        if (chain_block(bytes, nbytes, &prev) < 0)
+            goto fail;
         PyObject *key = PyLong_FromUnsignedLongLong(prev);
         if (key == NULL)
             goto fail;
@@ -211,13 +246,17 @@ static PyObject *block_keys(PyObject *module, PyObject *const *args, Py_ssize_t 
     }
     if (tokens != stack)
         PyMem_Free(tokens);
-    Py_DECREF(seq);
+    if (view.obj != NULL)
+        PyBuffer_Release(&view);
+    Py_XDECREF(seq);
     return keys;
 fail:
     if (tokens != stack && tokens != NULL)
         PyMem_Free(tokens);
+    if (view.obj != NULL)
+        PyBuffer_Release(&view);
     Py_XDECREF(keys);
-    Py_DECREF(seq);
+    Py_XDECREF(seq);
     return NULL;
 }
 

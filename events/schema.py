@@ -6,19 +6,28 @@ class name, fields in declaration order, optional fields omitted when ``None``.
 Decoding accepts that shape and the legacy one (each event a positional array
 ``[tag, field1, ...]``), ignoring unknown map keys and extra trailing array elements and
 treating absent fields as ``None``. Anything else raises :class:`EventDecodeError`.
+
+:func:`python_decode_batch` is that decoder, the spec. Where the C module ``events._wire``
+was built, :func:`decode_batch` reads the common shape (what vLLM >= 0.33 and kvroute send)
+in C first, straight from the bytes, and gives the rest to the spec: the same batch, except
+that a ``BlockStored``'s ``token_ids`` is then a ``TokenIds`` (native uint32s packed in one
+object, equal to the list of the same ints; :func:`events.hashing.router_block_keys` hashes
+it without reading an int).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Final, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeAlias, cast
 
 import msgspec
 
 from events.errors import EventDecodeError
+from events.native import native
 
 __all__ = [
     "MAX_PAYLOAD_BYTES",
+    "NATIVE_DECODE",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -27,6 +36,7 @@ __all__ = [
     "WireHash",
     "decode_batch",
     "encode_batch",
+    "python_decode_batch",
 ]
 
 WireHash: TypeAlias = int | bytes
@@ -44,13 +54,14 @@ class BlockStored(KVCacheEvent):
     """A run of consecutive blocks of one request became full and was cached.
 
     NOTE: ``token_ids`` holds ``len(block_hashes) * block_size`` tokens, the blocks'
-    tokens concatenated; ``parent_block_hash`` is the hash of the block before the first
-    one, ``None`` when the run starts at block 0.
+    tokens concatenated (a list, or a ``TokenIds`` from the C decoder: read it as a
+    sequence); ``parent_block_hash`` is the hash of the block before the first one,
+    ``None`` when the run starts at block 0.
     """
 
     block_hashes: list[WireHash]
     parent_block_hash: WireHash | None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -112,9 +123,37 @@ _NULLABLE: Final[dict[str, dict[str, None]]] = {
     "AllBlocksCleared": {},
 }
 
-_encoder: Final = msgspec.msgpack.Encoder()
+_TokenIds: Final[Any] = native("events._wire", "TokenIds")  # None where not built
+
+
+def _encode_other(value: Any) -> Any:
+    """Token ids held as ``TokenIds`` (a decoded batch sent on) encode as their list."""
+    if type(value) is not _TokenIds:
+        # What msgspec raises without a hook.
+        raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")
+    return value.tolist()
+
+
+_encoder: Final = msgspec.msgpack.Encoder(enc_hook=_encode_other)
 _raw_decoder: Final = msgspec.msgpack.Decoder()
 _fast_decoder: Final = msgspec.msgpack.Decoder(KVEventBatch)
+
+_NativeDecode: TypeAlias = Callable[[bytes | memoryview], KVEventBatch | None]
+
+
+def _bind_native() -> _NativeDecode | None:
+    """The C decoder, told the classes it builds, where ``events._wire`` is used; else None."""
+    bind = native("events._wire", "bind")
+    if bind is None:
+        return None
+    bind(KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared, _raw_decoder.decode)
+    Sequence.register(_TokenIds)
+    return cast("_NativeDecode", native("events._wire", "decode"))
+
+
+_native_decode: Final = _bind_native()
+NATIVE_DECODE: Final = _native_decode is not None
+"""Whether :func:`decode_batch` reads the common shape in C (``events._wire``)."""
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -126,6 +165,33 @@ def decode_batch(
     payload: bytes | memoryview, on_unknown: Callable[[str], None] | None = None
 ) -> KVEventBatch:
     """Decode a msgpack batch payload in either the map or the legacy array shape.
+
+    Where ``events._wire`` was built, the common shape is read in C and the rest by
+    :func:`python_decode_batch`: the same batches and the same errors as that function
+    alone, ``token_ids`` aside (see the module docstring).
+
+    Args:
+        payload: The third frame of a KV event message.
+        on_unknown: As for :func:`python_decode_batch`.
+
+    Returns:
+        The decoded batch; absent optional fields are ``None``.
+
+    Raises:
+        EventDecodeError: As :func:`python_decode_batch`.
+    """
+    if _native_decode is not None and len(payload) <= MAX_PAYLOAD_BYTES:
+        batch = _native_decode(payload)
+        if batch is not None:
+            return batch
+    return python_decode_batch(payload, on_unknown)
+
+
+def python_decode_batch(
+    payload: bytes | memoryview, on_unknown: Callable[[str], None] | None = None
+) -> KVEventBatch:
+    """Decode a msgpack batch payload in either the map or the legacy array shape: the
+    spec of :func:`decode_batch`, and what it runs where ``events._wire`` was not built.
 
     Args:
         payload: The third frame of a KV event message.

@@ -80,7 +80,7 @@ def event_rows(record: LogRecord, batch: KVEventBatch | None = None) -> list[dic
         if isinstance(event, BlockStored):
             row.update(
                 parent_block_hash=_hash(event.parent_block_hash),
-                token_ids=event.token_ids,
+                token_ids=list(event.token_ids),
                 block_size=event.block_size,
                 lora_name=event.lora_name,
             )

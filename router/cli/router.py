@@ -44,6 +44,7 @@ from events.cli.flags import add_flag, renamed_dests
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
 from events.hashing import NATIVE_KEYS
+from events.schema import NATIVE_DECODE
 from router.cli.cost_flags import add_cost_arguments, cost_weights_from
 from router.errors import PrefixIndexError, RouterError
 from router.front.access import exposure_warning
@@ -549,11 +550,11 @@ async def _serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         async with await RouterService.open(config) as service:
-            if not (NATIVE_KEYS and NATIVE_RUNS):
+            if not (NATIVE_KEYS and NATIVE_RUNS and NATIVE_DECODE):
                 logger.warning(
                     "kvroute's C modules were not built (no C compiler at install time): "
-                    "router keys and the index ingest run in Python, slower per block; "
-                    "reinstall kvroute where gcc and the Python headers are present"
+                    "event decoding, router keys and the index ingest run in Python, slower "
+                    "per block; reinstall kvroute where gcc and the Python headers are present"
                 )
             # Long-lived startup objects leave the GC's scans: collections triggered by
             # per-request garbage then stay short (bench_router: p50 at 64 workers).

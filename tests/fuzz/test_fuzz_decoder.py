@@ -18,7 +18,6 @@ Coverage-guided fuzzing of the same decoder with atheris is in ``test_fuzz_ather
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import msgspec
 import pytest
@@ -40,6 +39,13 @@ from router.errors import OrphanParentError
 from router.index.changes import CPU_MASK, GPU_MASK
 from router.index.memory import MemoryPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
+from tests.support.event_payloads import (
+    any_payload,
+    batches,
+    legacy_payload,
+    small_hashes,
+    stored,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -50,148 +56,6 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 W0 = WorkerId("w0")
-
-# -- strategies -------------------------------------------------------------------------
-
-hashes = st.one_of(
-    st.integers(min_value=0, max_value=2**64 - 1),
-    st.integers(min_value=-(2**63), max_value=-1),  # pre-0.10.2 engines: Python hash()
-    st.binary(min_size=16, max_size=32),
-)
-small_hashes = st.integers(min_value=0, max_value=7)  # collide often: parents, duplicates
-media = st.sampled_from(["GPU", "CPU", "STORAGE", None])
-
-
-@st.composite
-def stored(draw: st.DrawFn, hash_values: st.SearchStrategy[Any] = hashes) -> BlockStored:
-    block_size = draw(st.integers(min_value=1, max_value=4))
-    block_hashes = draw(st.lists(hash_values, min_size=1, max_size=4))
-    tokens = draw(
-        st.lists(
-            st.integers(min_value=0, max_value=50),
-            min_size=block_size * len(block_hashes),
-            max_size=block_size * len(block_hashes),
-        )
-    )
-    return BlockStored(
-        block_hashes=block_hashes,
-        parent_block_hash=draw(st.none() | hash_values),
-        token_ids=tokens,
-        block_size=block_size,
-        lora_id=None,
-        medium=draw(media),
-        lora_name=draw(st.none() | st.sampled_from(["a", "b"])),
-        group_idx=draw(st.none() | st.integers(min_value=0, max_value=1)),
-    )
-
-
-def removed(hash_values: st.SearchStrategy[Any] = hashes) -> st.SearchStrategy[BlockRemoved]:
-    return st.builds(
-        BlockRemoved,
-        block_hashes=st.lists(hash_values, min_size=1, max_size=4),
-        medium=media,
-    )
-
-
-def events(hash_values: st.SearchStrategy[Any] = hashes) -> st.SearchStrategy[Any]:
-    return st.one_of(stored(hash_values), removed(hash_values), st.just(AllBlocksCleared()))
-
-
-def batches(hash_values: st.SearchStrategy[Any] = hashes) -> st.SearchStrategy[KVEventBatch]:
-    return st.builds(
-        KVEventBatch,
-        ts=st.floats(allow_nan=False, allow_infinity=False, width=64),
-        events=st.lists(events(hash_values), max_size=5),
-        data_parallel_rank=st.none() | st.integers(min_value=0, max_value=7),
-    )
-
-
-def legacy_payload(batch: KVEventBatch) -> bytes:
-    """The legacy array shape: every event ``[tag, field1, ...]`` with all fields."""
-    raw: list[Any] = []
-    for event in batch.events:
-        fields = [getattr(event, name) for name in type(event).__struct_fields__]
-        raw.append([type(event).__name__, *fields])
-    return msgspec.msgpack.encode([batch.ts, raw, batch.data_parallel_rank])
-
-
-@st.composite
-def valid_payloads(draw: st.DrawFn) -> bytes:
-    batch = draw(batches())
-    return legacy_payload(batch) if draw(st.booleans()) else encode_batch(batch)
-
-
-@st.composite
-def byte_mutants(draw: st.DrawFn) -> bytes:
-    data = bytearray(draw(valid_payloads()))
-    for _ in range(draw(st.integers(min_value=1, max_value=4))):
-        op = draw(st.sampled_from(["flip", "truncate", "insert", "delete", "splice"]))
-        pos = draw(st.integers(min_value=0, max_value=max(len(data) - 1, 0)))
-        if op == "flip" and data:
-            data[pos] ^= 1 << draw(st.integers(min_value=0, max_value=7))
-        elif op == "truncate":
-            del data[pos:]
-        elif op == "insert":
-            data[pos:pos] = draw(st.binary(min_size=1, max_size=8))
-        elif op == "delete":
-            del data[pos : pos + draw(st.integers(min_value=1, max_value=8))]
-        else:
-            data[pos:pos] = draw(valid_payloads())[: draw(st.integers(0, 16))]
-    return bytes(data)
-
-
-odd_values = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(min_value=-(2**63), max_value=2**64 - 1),
-    st.floats(allow_nan=True),
-    st.text(max_size=8),
-    st.binary(max_size=8),
-    st.lists(st.integers(min_value=-5, max_value=5), max_size=3),
-    st.dictionaries(st.text(max_size=3), st.integers(-(2**63), 2**64 - 1), max_size=2),
-)
-
-
-@st.composite
-def object_mutants(draw: st.DrawFn) -> bytes:
-    """A valid batch decoded to plain objects, one part replaced, re-encoded."""
-    raw = msgspec.msgpack.decode(draw(valid_payloads()))
-    target = draw(st.sampled_from(["batch", "ts", "rank", "event", "field", "tag", "extra"]))
-    event_list = raw[1]
-    if target == "batch":
-        raw = draw(odd_values)
-    elif target == "ts":
-        raw[0] = draw(odd_values)
-    elif target == "rank":
-        raw.append(draw(odd_values)) if len(raw) < 3 else raw.__setitem__(2, draw(odd_values))
-    elif not event_list:
-        raw[1] = draw(odd_values)
-    else:
-        i = draw(st.integers(min_value=0, max_value=len(event_list) - 1))
-        event = event_list[i]
-        if target == "event":
-            event_list[i] = draw(odd_values)
-        elif isinstance(event, dict):
-            keys = sorted(event)
-            key = draw(st.sampled_from(keys))
-            if target == "field":
-                event[key] = draw(odd_values)
-            elif target == "tag":
-                event["type"] = draw(odd_values | st.sampled_from(["Future", "blockstored"]))
-            elif draw(st.booleans()):
-                event[draw(st.text(max_size=6))] = draw(odd_values)
-            else:
-                del event[key]
-        else:
-            pos = draw(st.integers(min_value=0, max_value=len(event) - 1))
-            if target == "extra":
-                event.append(draw(odd_values))
-            else:
-                event[pos] = draw(odd_values)
-    return msgspec.msgpack.encode(raw)
-
-
-any_payload = st.one_of(st.binary(max_size=256), byte_mutants(), object_mutants())
 
 # -- decoder and framing ------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import router.ingest.bridge as bridge_module
 from events.hashing import NATIVE_KEYS, BlockKey, RouterKeyer, python_block_keys
 from events.native import PURE_PYTHON
-from events.schema import AllBlocksCleared, BlockRemoved, BlockStored
+from events.schema import NATIVE_DECODE, AllBlocksCleared, BlockRemoved, BlockStored
 from router.index.changes import Changes
 from router.ingest._native.runs import NATIVE_RUNS, dict_map, remove_run_py, store_run_py
 from router.ingest._native.words import COPY_LANES, CPU_SHIFT, GPU_SHIFT, KEY_LANES
@@ -41,7 +41,12 @@ def _built(module: str) -> bool:
     return True
 
 
-BUILT = all(map(_built, ("events._keys", "router.ingest._native._runs", "router.store._resp")))
+BUILT = all(
+    map(
+        _built,
+        ("events._keys", "events._wire", "router.ingest._native._runs", "router.store._resp"),
+    )
+)
 needs_native = pytest.mark.skipif(not BUILT, reason="C modules not built (no C compiler)")
 
 
@@ -55,7 +60,7 @@ def test_the_c_modules_are_built_and_used_where_a_compiler_exists() -> None:
     # An install with a compiler that silently fell back to Python would be slower on
     # the ingest's hot path: catch a broken build here.
     assert BUILT
-    assert (not PURE_PYTHON, not PURE_PYTHON) == (NATIVE_KEYS, NATIVE_RUNS)
+    assert (not PURE_PYTHON,) * 3 == (NATIVE_KEYS, NATIVE_RUNS, NATIVE_DECODE)
 
 
 @pytest.mark.slow
@@ -63,11 +68,12 @@ def test_kvroute_pure_python_runs_the_references() -> None:
     code = (
         "from events.hashing import NATIVE_KEYS; "
         "from router.ingest._native.runs import NATIVE_RUNS; "
-        "print(NATIVE_KEYS, NATIVE_RUNS)"
+        "from events.schema import NATIVE_DECODE; "
+        "print(NATIVE_KEYS, NATIVE_RUNS, NATIVE_DECODE)"
     )
     env = {**os.environ, "KVROUTE_PURE_PYTHON": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert out.stdout.split() == ["False", "False"], out.stderr
+    assert out.stdout.split() == ["False", "False", "False"], out.stderr
 
 
 def outcome(call: Callable[[], Any]) -> tuple[str, Any]:
