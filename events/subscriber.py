@@ -44,6 +44,7 @@ from events.curve import configure_client
 from events.errors import EventDecodeError, FramingError
 from events.framing import parse_message, recv_frames
 from events.identity import WorkerId
+from events.liveness import apply_liveness
 from events.rate_limited_log import RateLimitedLog
 from events.replay_client import ReplayClient
 from events.schema import decode_batch
@@ -98,6 +99,9 @@ class _Worker:
     # NOTE: set when the connection to the worker dropped (it may have restarted): the
     # next live batch asks the stream's restart probe first, whatever its seq.
     probe_next: bool = False
+    # NOTE: time.monotonic() of the last live message received, or of the subscription
+    # or the last resubscribe when later (what idle_s measures from).
+    heard_s: float = field(default_factory=time.monotonic)
 
 
 class EventSubscriber:
@@ -121,7 +125,10 @@ class EventSubscriber:
         self._failure: BaseException | None = None
         self._warn = RateLimitedLog(self._config.log_interval_s, _log)
         self._replay_client = ReplayClient(
-            self._context, self._config.replay_timeout_s, self._config.replay_deadline_s
+            self._context,
+            self._config.replay_timeout_s,
+            self._config.replay_deadline_s,
+            self._config.liveness,
         )
 
     @property
@@ -136,6 +143,56 @@ class EventSubscriber:
     def counters(self, worker_id: WorkerId) -> WorkerCounters:
         """A snapshot of ``worker_id``'s counters."""
         return self._worker(worker_id).counters.snapshot()
+
+    def idle_s(self, worker_id: WorkerId) -> float:
+        """Seconds since ``worker_id``'s live stream last delivered a message (or since it
+        was subscribed or resubscribed, when later)."""
+        return time.monotonic() - self._worker(worker_id).heard_s
+
+    def resubscribe(self, worker_id: WorkerId) -> None:
+        """Drop the connection to the worker's events endpoint and make it again.
+
+        For a stream found behind its publisher while its connection looks open (the
+        publisher's side of it is gone). What was queued on the old connection is lost;
+        the next live batch shows the loss as a gap, replayed as any other. The first
+        batch after it asks the stream's restart probe (as after any reconnect).
+
+        Raises:
+            SubscriberError: The worker is not subscribed.
+        """
+        worker = self._worker(worker_id)
+        endpoint = worker.stream.endpoint
+        with contextlib.suppress(zmq.ZMQError):  # not connected now: connect anyway
+            worker.sock.disconnect(endpoint)
+        worker.sock.connect(endpoint)
+        worker.probe_next = worker.stream.restart_probe is not None
+        worker.heard_s = time.monotonic()
+        worker.counters.num_resubscribes += 1
+        _log.info("worker %s: resubscribed to %s", worker_id, endpoint)
+
+    async def catch_up(self, worker_id: WorkerId, from_seq: int) -> int | None:
+        """Ask the worker's replay endpoint for what it published from ``from_seq`` on and
+        deliver the batches not delivered yet (as a gap's replay would).
+
+        A publisher that sent nothing since answers with the end of replay alone, so this
+        checks, at the cost of one request, whether a quiet stream missed batches.
+        Serialised with the worker's live stream.
+
+        Returns:
+            The number of batches delivered; ``None`` when the replay failed (then
+            ``on_resync_needed`` was signalled) or there is no replay endpoint.
+
+        Raises:
+            SubscriberError: The worker is not subscribed.
+        """
+        worker = self._worker(worker_id)
+        if worker.stream.replay_endpoint is None:
+            return None
+        async with worker.lock:
+            before = worker.counters.num_batches
+            if not await self._replay(worker, from_seq, through=from_seq - 1, redeliver=False):
+                return None
+            return worker.counters.num_batches - before
 
     async def add_worker(self, stream: WorkerStream) -> None:
         """Subscribe to a worker's stream and start reading it.
@@ -152,6 +209,7 @@ class EventSubscriber:
         try:
             sock.linger = 0
             sock.rcvhwm = self._config.hwm
+            apply_liveness(sock, self._config.liveness)
             if stream.curve is not None:
                 configure_client(sock, stream.curve)
             monitor = sock.get_monitor_socket(
@@ -309,6 +367,7 @@ class EventSubscriber:
         sock, drain, max_drain = worker.sock, worker.drain, self._config.max_drain
         while True:
             frames: list[bytes] = await sock.recv_multipart()
+            worker.heard_s = time.monotonic()
             async with worker.lock:
                 await self._on_live(worker, frames)
                 # Drain what is already queued without a future per message.

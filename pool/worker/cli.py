@@ -37,6 +37,8 @@ import torch
 from events.auth import ADMIN_KEY, API_KEY, AuthKeyError, add_key_arguments, is_loopback, load_key
 from events.chat_template import ChatTemplateError, load_chat_template
 from events.cli.flags import help_text as flag_help
+from events.cli.liveness import DEFAULTS as LIVENESS_DEFAULTS
+from events.cli.liveness import LIVENESS_HELP, liveness_from
 from events.curve import CurveKeyError, CurveKeyPair, CurveServerConfig, load_public_key
 from events.endpoints import Endpoint, EndpointError
 from events.publisher import EventPublisher, PublisherConfig
@@ -104,6 +106,10 @@ class WorkerConfig:
         curve_allow: Comma-separated public key files of the clients allowed to
             subscribe; ``None`` admits any client that knows the server's public key.
         max_body_bytes: Largest HTTP request body accepted (larger: a JSON 413).
+        event_heartbeat_interval_s: ZeroMQ heartbeat interval of the event and replay
+            sockets (0: off).
+        event_heartbeat_timeout_s: Silence after a heartbeat that drops a connection.
+        event_tcp_keepalive_idle_s: Idle time before TCP keepalive probes (0: off).
         keys: Bearer keys of the admin and inference endpoints (flags ``--admin-key``,
             ``--api-key`` and their ``-file`` forms); none by default.
     """
@@ -136,6 +142,9 @@ class WorkerConfig:
     curve_secret_key: str | None = None
     curve_allow: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    event_heartbeat_interval_s: float = LIVENESS_DEFAULTS["event_heartbeat_interval_s"]
+    event_heartbeat_timeout_s: float = LIVENESS_DEFAULTS["event_heartbeat_timeout_s"]
+    event_tcp_keepalive_idle_s: float = LIVENESS_DEFAULTS["event_tcp_keepalive_idle_s"]
     keys: AccessKeys = field(default_factory=AccessKeys)
 
     @property
@@ -216,6 +225,7 @@ _HELP: Final[dict[str, str]] = {
     "allowed to connect (needs --curve-secret-key)",
     "max_body_bytes": "largest HTTP request body accepted, in bytes; a larger one gets a JSON "
     "413 error (a JSON prompt of N token ids takes about 7 x N bytes)",
+    **LIVENESS_HELP,
 }
 
 
@@ -246,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                 help=help_text,
             )
             continue
-        kind: Callable[[str], Any] = int if isinstance(f.default, int) else str
+        kind: Callable[[str], Any] = (
+            float if isinstance(f.default, float) else int if isinstance(f.default, int) else str
+        )
         extra: dict[str, Any] = {"choices": HASH_ALGOS} if f.name == "hash_algo" else {}
         default: Any = f.default if raw is None else kind(raw)
         if isinstance(f.default, tuple):  # names, as vLLM's flag takes them
@@ -333,6 +345,7 @@ async def serve(
                 replay_endpoint=Endpoint.binding(config.replay) if config.replay else None,
                 topic=config.topic.encode(),
                 curve=curve,
+                liveness=liveness_from(lambda name, _: getattr(config, name)),
             )
         )
     engine = Engine(

@@ -31,6 +31,8 @@ import msgspec
 
 from events.auth import ADMIN_KEY, API_KEY, AuthKeyError, add_key_arguments, load_key
 from events.cli.flags import add_flag, renamed_dests
+from events.cli.liveness import DEFAULTS as LIVENESS_DEFAULTS
+from events.cli.liveness import LIVENESS_HELP, liveness_from
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
 from events.hashing import NATIVE_KEYS
@@ -192,6 +194,14 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
         ("--replay-deadline-s", float, "seconds a whole replay may take, however steadily its "
          "replies come; past it or the timeout the worker is resynced (default: "
          f"{RouterConfig.replay_deadline_s:g})"),
+        *((f"--{dest.replace('_', '-')}", float,
+           f"{meaning} (default: {LIVENESS_DEFAULTS[dest]:g})")
+          for dest, meaning in LIVENESS_HELP.items()),
+        ("--event-idle-check-s", float, "seconds a worker's event stream may stay quiet before "
+         "its position is checked against its publisher's (a kvroute worker's next seq in "
+         "GET /health; a replay from the last seq seen for others): missed batches are "
+         "replayed or the worker resynced, and the connection made again; 0 turns it off "
+         f"(default: {RouterConfig.event_idle_check_s:g})"),
         ("--route-hold-s", float, "seconds a POST /v1/route decision counts as load on its worker "
          "(the gateway sends the request itself; default: 2)"),
         ("--max-attempts", int, "workers a request is tried on at most, the chosen one "
@@ -409,6 +419,10 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
             ttl_s=float(pick("session_ttl_s", _SESSIONS.ttl_s)),
             max_entries=int(pick("session_max_entries", _SESSIONS.max_entries)),
         )
+        event_liveness = liveness_from(pick)
+        event_idle_check_s = float(pick("event_idle_check_s", RouterConfig.event_idle_check_s))
+        if event_idle_check_s < 0:
+            raise ValueError(f"--event-idle-check-s must be >= 0, got {event_idle_check_s:g}")
         tokenizers = TokenizerSources.from_flags(
             _strings(pick("tokenizer", None)),
             _strings(pick("tokenize_via_engine", None)),
@@ -455,6 +469,8 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         route_hold_s=float(pick("route_hold_s", 2.0)),
         replay_timeout_s=float(pick("replay_timeout_s", RouterConfig.replay_timeout_s)),
         replay_deadline_s=float(pick("replay_deadline_s", RouterConfig.replay_deadline_s)),
+        event_liveness=event_liveness,
+        event_idle_check_s=event_idle_check_s,
         client_keys=_client_keys(client_key),
         replica_id=_replica_id(pick("replica_id", None, "KVROUTE_REPLICA_ID")),
         admin_key=admin_key,

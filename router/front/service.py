@@ -239,8 +239,11 @@ class RouterService:
             self.registry,
             IngestConfig(
                 maintain_interval_s=cfg.lease_ttl_s / 3,
+                idle_check_s=cfg.event_idle_check_s,
                 subscriber=SubscriberConfig(
-                    replay_timeout_s=cfg.replay_timeout_s, replay_deadline_s=cfg.replay_deadline_s
+                    replay_timeout_s=cfg.replay_timeout_s,
+                    replay_deadline_s=cfg.replay_deadline_s,
+                    liveness=cfg.event_liveness,
                 ),
                 client_keys=cfg.client_keys,
             ),

@@ -104,6 +104,10 @@ class FakeWorker:
         self.chains = CachedChains(BS)
         self.skip_live_seqs = skip_live_seqs if skip_live_seqs is not None else set()
         self.hide_snapshot = False  # serve an empty snapshot (a buggy worker)
+        # NOTE: while set, GET /v1/snapshot hangs until release_snapshot() (or close()).
+        self.hold_snapshot = False
+        self.snapshot_requests = 0
+        self._snapshot_released = asyncio.Event()
         self.last_batch: KVEventBatch | None = None
         self.publisher = self._new_publisher(
             "tcp://127.0.0.1:*", "tcp://127.0.0.1:*" if replay else None
@@ -133,6 +137,9 @@ class FakeWorker:
         return self
 
     async def _snapshot(self, _: web.Request) -> web.Response:
+        self.snapshot_requests += 1
+        if self.hold_snapshot:
+            await self._snapshot_released.wait()
         runs = [] if self.hide_snapshot else self.chains.runs()
         body = {
             "worker_id": self.worker_id,
@@ -159,6 +166,11 @@ class FakeWorker:
         self.chains = CachedChains(BS)
         self.publisher = self._new_publisher(address, replay_address)
 
+    def release_snapshot(self) -> None:
+        """Let the held snapshot requests (and later ones) be answered."""
+        self.hold_snapshot = False
+        self._snapshot_released.set()
+
     def record(self) -> WorkerRecord:
         return WorkerRecord(
             worker_id=self.worker_id,
@@ -170,6 +182,7 @@ class FakeWorker:
         )
 
     async def close(self) -> None:
+        self.release_snapshot()  # or the server's cleanup waits for the held handlers
         self.publisher.close()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -187,7 +200,8 @@ async def fake_workers(*workers: FakeWorker) -> AsyncIterator[tuple[FakeWorker, 
 
 
 class Stack:
-    """One router replica's ingest: Redis client, index, registry, ingest."""
+    """One router replica's ingest: Redis client, index, registry, ingest (``config``:
+    more :class:`IngestConfig` settings)."""
 
     def __init__(
         self,
@@ -197,6 +211,7 @@ class Stack:
         lease_ttl_ms: int = 5_000,
         maintain_interval_s: float = 0.2,
         owner: str | None = None,
+        **config: Any,
     ) -> None:
         layout = KeyLayout(namespace)
         self.client = client
@@ -206,7 +221,7 @@ class Stack:
         self.ingest = IndexIngest(
             self.index,
             self.registry,
-            IngestConfig(maintain_interval_s=maintain_interval_s),
+            IngestConfig(maintain_interval_s=maintain_interval_s, **config),
             self.metrics,
         )
 
@@ -317,7 +332,12 @@ class LifetimeWorker(FakeWorker):
         if self.health == "silent":
             await self._released.wait()  # the client times out first; close() releases
         return web.json_response(
-            {"status": "ok", "worker_id": self.worker_id, "lifetime_id": self.lifetime_id}
+            {
+                "status": "ok",
+                "worker_id": self.worker_id,
+                "lifetime_id": self.lifetime_id,
+                "next_seq": self.publisher.next_seq,
+            }
         )
 
     def restart_publisher(self) -> None:
