@@ -18,8 +18,9 @@ checked within ``idle_s``) is asked where its publisher is, with no lock held:
   is none). Whenever batches were missed the connection is dropped and made again
   (``EventSubscriber.resubscribe``): the one in place evidently lost them.
 
-Each check is counted by outcome in ``kvroute_ingest_idle_checks_total`` and every
-outcome but ``current`` logged.
+Each check is counted by outcome in ``kvroute_ingest_idle_checks_total``; each one that
+found batches missed or a restart is logged (``current`` and ``unknown``, which a quiet
+worker gives every round, are not).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ class IdleWatchdog:
         elif silence is Silence.CATCH_UP:
             outcome = await self._catch_up(worker, -1 if seen is None else seen)
         self._metrics.idle_checks.labels(wid, outcome).inc()
-        if outcome != "current":
+        if outcome not in ("current", "unknown"):
             log.warning(
                 "worker %s: its stream was quiet for %.0f s or more; position check: %s "
                 "(last seq seen %s, publisher %s)",
