@@ -532,6 +532,7 @@ class WorkerIngest:
             await self._replay(0, clear=False)
         else:
             self.needs_rebuild = True  # replayed from seq 0 at its next batch
+        await self._after_wait()
 
     async def _reload(self, how: Rebuild) -> None:
         """Clear the worker, then load its snapshot or keep what arrives from now on."""

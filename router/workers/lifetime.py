@@ -101,10 +101,6 @@ class LifetimeTracker:
         """The id recorded for ``worker_id`` (``None``: unknown)."""
         return self._recorded.get(worker_id)
 
-    async def record(self, record: WorkerRecord) -> None:
-        """Record the id the worker reports now (read it *before* fetching a snapshot)."""
-        self.adopt(record.worker_id, await self.current(record))
-
     async def changed(self, record: WorkerRecord) -> bool:
         """Asked on a seq jump: does the worker report another lifetime than the recorded one?
 
