@@ -74,7 +74,7 @@ _HANDSHAKE_FAILED: Final = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-_MONITORED: Final = _HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
+_MONITORED: Final = _HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 _monitor_ids = itertools.count()
 
 
@@ -99,6 +99,10 @@ class _Worker:
     # NOTE: set when the connection to the worker dropped (it may have restarted): the
     # next live batch asks the stream's restart probe first, whatever its seq.
     probe_next: bool = False
+    # NOTE: dropped is set when the connection to the worker dropped; reconnected when it
+    # was made again since (cleared by take_reconnected).
+    dropped: bool = False
+    reconnected: bool = False
     # NOTE: time.monotonic() of the last live message received, or of the subscription
     # or the last resubscribe when later (what idle_s measures from).
     heard_s: float = field(default_factory=time.monotonic)
@@ -148,6 +152,14 @@ class EventSubscriber:
         """Seconds since ``worker_id``'s live stream last delivered a message (or since it
         was subscribed or resubscribed, when later)."""
         return time.monotonic() - self._worker(worker_id).heard_s
+
+    def take_reconnected(self, worker_id: WorkerId) -> bool:
+        """Whether the connection to the worker dropped and was made again since the last
+        call: what it published in between was lost, and shows only at its next batch
+        (or at a position check)."""
+        worker = self._worker(worker_id)
+        reconnected, worker.reconnected = worker.reconnected, False
+        return reconnected
 
     def resubscribe(self, worker_id: WorkerId) -> None:
         """Drop the connection to the worker's events endpoint and make it again.
@@ -386,6 +398,10 @@ class EventSubscriber:
                 # The worker may come back as a new publisher lifetime whose first batches
                 # are lost; seqs cannot always tell (see _on_live).
                 worker.probe_next = stream.restart_probe is not None
+                worker.dropped = True
+                continue
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                worker.reconnected, worker.dropped = worker.dropped, False
                 continue
             worker.counters.num_handshake_failures += 1
             self._warn.warning(

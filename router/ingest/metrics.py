@@ -161,10 +161,10 @@ class IngestMetrics:
         )
         self.idle_checks = Counter(
             "kvroute_ingest_idle_checks",
-            "Position checks of streams quiet for longer than the idle bound, by outcome: "
-            "current (nothing missed), replayed (missed batches replayed; resubscribed), "
-            "resynced (missed and not replayable; resubscribed), restarted (a new "
-            "publisher lifetime; reset), unknown (nothing could tell).",
+            "Position checks of streams quiet for longer than the idle bound or just "
+            "reconnected, by outcome: current (nothing missed), replayed (missed batches "
+            "replayed), resynced (missed and not replayable), restarted (a new publisher "
+            "lifetime; reset), unknown (nothing could tell).",
             ["worker", "outcome"],
             registry=r,
         )

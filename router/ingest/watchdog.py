@@ -6,7 +6,9 @@ went quiet would stay wrong in the index for good. Heartbeats
 (:mod:`events.liveness`) make the connection come back; this makes the index catch up.
 
 Every held worker whose live stream delivered nothing for ``idle_s`` (and that was not
-checked within ``idle_s``) is asked where its publisher is, with no lock held:
+checked within ``idle_s``), or whose connection dropped and was made again since the last
+round (a heartbeat timeout, a reset: what it published meanwhile was lost), is asked where
+its publisher is, with no lock held:
 
 * a kvroute worker reports its lifetime id and next seq in ``GET /health``; a vLLM
   engine its lifetime (``process_start_time_seconds``), where it has an HTTP URL;
@@ -15,8 +17,9 @@ checked within ``idle_s``) is asked where its publisher is, with no lock held:
   seen, which returns nothing when nothing was missed (``current``) or the missed
   batches (``replayed``); the worker's reset as after any unseen restart
   (``restarted``); a resync as after any loss (``resynced``: the replay failed, or there
-  is none). Whenever batches were missed the connection is dropped and made again
-  (``EventSubscriber.resubscribe``): the one in place evidently lost them.
+  is none). When a quiet stream missed batches its connection is dropped and made again
+  (``EventSubscriber.resubscribe``): the one in place evidently lost them. (Not after a
+  reconnection, whose connection is new.)
 
 Each check is counted by outcome in ``kvroute_ingest_idle_checks_total``; each one that
 found batches missed or a restart is logged (``current`` and ``unknown``, which a quiet
@@ -72,25 +75,31 @@ class IdleWatchdog:
         # NOTE: worker id -> time.monotonic() of its last check.
         self._checked: dict[WorkerId, float] = {}
 
-    def due(self, worker: WorkerIngest) -> bool:
-        """Whether ``worker`` is held, not busy, and quiet for ``idle_s`` since it was
-        heard from and since its last check."""
+    def why_due(self, worker: WorkerIngest) -> str | None:
+        """Why ``worker`` is to be checked now: ``"quiet"`` (for ``idle_s`` since it was
+        heard from and since its last check) or ``"reconnected"`` (since the last round);
+        ``None`` when it is not, or not held, or busy."""
         if worker.lease is None or worker.is_busy:
-            return False
+            return None
+        if self._subscriber.take_reconnected(worker.worker_id):
+            return "reconnected"
         since_check = time.monotonic() - self._checked.get(worker.worker_id, float("-inf"))
         quiet = self._subscriber.idle_s(worker.worker_id)
-        return min(quiet, since_check) >= self._idle_s
+        return "quiet" if min(quiet, since_check) >= self._idle_s else None
 
     async def check(self, workers: Iterable[WorkerIngest]) -> None:
         """Check every due worker among ``workers``, concurrently."""
-        due = [w for w in workers if self.due(w)]
-        await asyncio.gather(*(self._check_one(w) for w in due))
+        due = [(w, why) for w in workers if (why := self.why_due(w)) is not None]
+        await asyncio.gather(*(self._check_one(w, why) for w, why in due))
 
     def forget(self, worker_id: WorkerId) -> None:
         """Drop what is kept about a worker no longer ingested."""
         self._checked.pop(worker_id, None)
 
-    async def _check_one(self, worker: WorkerIngest) -> None:
+    async def _check_one(self, worker: WorkerIngest, why: str) -> None:
+        """Check ``worker``'s position and act on it. Only a quiet stream's connection is
+        made again when batches were missed: a connection just made again is new, and
+        one that delivers may only be behind by what is in flight."""
         wid = worker.worker_id
         self._checked[wid] = time.monotonic()
         reported = await self._lifetimes.report(worker.record)
@@ -106,31 +115,25 @@ class IdleWatchdog:
         outcome = silence.value
         if silence is Silence.RESTARTED:
             assert reported is not None
-            self._subscriber.resubscribe(wid)
             self._run_apart(worker, functools.partial(worker.check_lifetime, reported.lifetime_id))
         elif silence is Silence.BEHIND:
-            self._subscriber.resubscribe(wid)
             self._run_apart(worker, functools.partial(worker.resync, "idle_behind"))
             outcome = "resynced"
         elif silence is Silence.CATCH_UP:
-            outcome = await self._catch_up(worker, -1 if seen is None else seen)
+            delivered = await self._subscriber.catch_up(wid, 0 if seen is None else seen + 1)
+            outcome = {0: "current", None: "resynced"}.get(delivered, "replayed")
         self._metrics.idle_checks.labels(wid, outcome).inc()
-        if outcome not in ("current", "unknown"):
-            log.warning(
-                "worker %s: its stream was quiet for %.0f s or more; position check: %s "
-                "(last seq seen %s, publisher %s)",
-                wid,
-                self._idle_s,
-                outcome,
-                seen,
-                reported,
-            )
-
-    async def _catch_up(self, worker: WorkerIngest, seen: int) -> str:
-        """Replay from the seq after ``seen``; the outcome's name."""
-        wid = worker.worker_id
-        delivered = await self._subscriber.catch_up(wid, seen + 1)
-        if delivered == 0:
-            return "current"
-        self._subscriber.resubscribe(wid)
-        return "resynced" if delivered is None else "replayed"
+        if outcome in ("current", "unknown"):
+            return
+        if why == "quiet":
+            self._subscriber.resubscribe(wid)
+        log.warning(
+            "worker %s: position check (%s): %s (last seq applied %s, publisher %s)",
+            wid,
+            f"its stream was quiet for {self._idle_s:.0f} s or more"
+            if why == "quiet"
+            else "its connection dropped and was made again",
+            outcome,
+            seen,
+            reported,
+        )
