@@ -18,6 +18,13 @@ Each worker's reader task is supervised: an unexpected failure is logged with th
 id, counted, and the reader restarts after a backoff (doubling up to a cap), first asking
 the sink for a resync (the batch in flight may be lost).
 
+Connections are kept honest by heartbeats and TCP keepalive (:mod:`events.liveness`), and
+a caller that watches for quiet streams (the router's idle watchdog) gets the hooks it
+needs: how long a stream has been quiet (:meth:`EventSubscriber.idle_s`), whether its
+connection was made again (:meth:`EventSubscriber.take_reconnected`), a catch-up replay
+from a seq (:meth:`EventSubscriber.catch_up`) and a new connection
+(:meth:`EventSubscriber.resubscribe`).
+
 The stream, sink and counter types live in :mod:`events.subscription` and are re-exported
 here.
 """
@@ -103,6 +110,9 @@ class _Worker:
     # was made again since (cleared by take_reconnected).
     dropped: bool = False
     reconnected: bool = False
+    # NOTE: a task other than the reader that holds `lock` while it delivers (catch_up):
+    # the sink's replay requests from it are served in place, as the reader's are.
+    holder: asyncio.Task[object] | None = None
     # NOTE: time.monotonic() of the last live message received, or of the subscription
     # or the last resubscribe when later (what idle_s measures from).
     heard_s: float = field(default_factory=time.monotonic)
@@ -188,7 +198,8 @@ class EventSubscriber:
 
         A publisher that sent nothing since answers with the end of replay alone, so this
         checks, at the cost of one request, whether a quiet stream missed batches.
-        Serialised with the worker's live stream.
+        Serialised with the worker's live stream. The sink may ask for a replay while the
+        batches are delivered (:meth:`request_replay`), as from a live batch.
 
         Returns:
             The number of batches delivered; ``None`` when the replay failed (then
@@ -201,10 +212,15 @@ class EventSubscriber:
         if worker.stream.replay_endpoint is None:
             return None
         async with worker.lock:
-            before = worker.counters.num_batches
-            if not await self._replay(worker, from_seq, through=from_seq - 1, redeliver=False):
-                return None
-            return worker.counters.num_batches - before
+            worker.holder = asyncio.current_task()
+            try:
+                before = worker.counters.num_batches
+                done = await self._replay(
+                    worker, from_seq, through=from_seq - 1, redeliver=False, nested_ok=True
+                )
+            finally:
+                worker.holder = None
+            return worker.counters.num_batches - before if done else None
 
     async def add_worker(self, stream: WorkerStream) -> None:
         """Subscribe to a worker's stream and start reading it.
@@ -299,7 +315,8 @@ class EventSubscriber:
             SubscriberError: The worker is not subscribed.
         """
         worker = self._worker(worker_id)
-        if asyncio.current_task() in worker.tasks:
+        task = asyncio.current_task()
+        if task in worker.tasks or (task is not None and task is worker.holder):
             return await self._redeliver(worker, from_seq, release)
         async with worker.lock:
             return await self._redeliver(worker, from_seq, release)
@@ -563,11 +580,14 @@ class EventSubscriber:
         through: int,
         redeliver: bool,
         release: AbstractAsyncContextManager[object] | None = None,
+        nested_ok: bool = False,
     ) -> bool:
         """Replay from ``from_seq``; it must reach at least ``through`` to succeed.
 
         The replies are fetched inside ``release`` (the caller's locks released), then
-        delivered in order.
+        delivered in order. With ``nested_ok`` the sink may ask for a replay of its own
+        while they are delivered (the rest of them then skipped as duplicates where that
+        one delivered them); else that is a ``replay_nested`` resync.
         """
         stream = worker.stream
         if worker.replaying:
@@ -585,6 +605,7 @@ class EventSubscriber:
                 )
             for exc in result.malformed:
                 self._malformed(worker, exc)
+            worker.replaying = not nested_ok
             for seq, payload in result.batches:
                 if redeliver or worker.last_seq is None or seq > worker.last_seq:
                     await self._deliver(worker, seq, payload, time.time(), replayed=True)

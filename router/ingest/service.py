@@ -263,6 +263,8 @@ class IndexIngest:
         await self._maintainer.stop()
         await self._renewer.stop()
         await self._watcher.stop()
+        if self._watchdog is not None:
+            await self._watchdog.close()
         await self._leases.close()
         with contextlib.suppress(RedisError):
             await self.registry.leave()  # the others own our workers from their next pass
@@ -341,12 +343,12 @@ class IndexIngest:
         """Stop reading ``worker``'s stream, drop its entries and release its lease."""
         wid = worker.worker_id
         del self._workers[wid]
+        if self._watchdog is not None:
+            self._watchdog.forget(wid)
         if self._subscriber is not None:
             await self._subscriber.remove_worker(wid)
         if self._lifetimes is not None:
             self._lifetimes.forget(wid)
-        if self._watchdog is not None:
-            self._watchdog.forget(wid)
         self.index.expect_block_size(wid, 0)
         with contextlib.suppress(KeyError):
             self.metrics.block_size_mismatch.remove(wid)
@@ -469,7 +471,7 @@ class IndexIngest:
     async def _check_idle(self) -> None:
         """The idle watchdog's round over the workers ingested (see its module)."""
         assert self._watchdog is not None
-        await self._watchdog.check(w for w in list(self._workers.values()) if self._is_current(w))
+        self._watchdog.check(w for w in list(self._workers.values()) if self._is_current(w))
 
     def _redis_failed(self, exc: RedisError, what: str) -> None:
         if is_out_of_memory(exc):

@@ -72,8 +72,10 @@ class IdleWatchdog:
         self._metrics = metrics
         self._idle_s = idle_s
         self._run_apart = run_apart
-        # NOTE: worker id -> time.monotonic() of its last check.
+        # NOTE: worker id -> time.monotonic() of its last check; the checks in flight,
+        # one per worker at most, each in a task of its own (a slow one delays no other).
         self._checked: dict[WorkerId, float] = {}
+        self._inflight: dict[WorkerId, asyncio.Task[None]] = {}
 
     def why_due(self, worker: WorkerIngest) -> str | None:
         """Why ``worker`` is to be checked now: ``"quiet"`` (for ``idle_s`` since it was
@@ -87,14 +89,38 @@ class IdleWatchdog:
         quiet = self._subscriber.idle_s(worker.worker_id)
         return "quiet" if min(quiet, since_check) >= self._idle_s else None
 
-    async def check(self, workers: Iterable[WorkerIngest]) -> None:
-        """Check every due worker among ``workers``, concurrently."""
-        due = [(w, why) for w in workers if (why := self.why_due(w)) is not None]
-        await asyncio.gather(*(self._check_one(w, why) for w, why in due))
+    def check(self, workers: Iterable[WorkerIngest]) -> None:
+        """Start a check of every due worker among ``workers`` not being checked now."""
+        for worker in workers:
+            wid = worker.worker_id
+            if wid in self._inflight or (why := self.why_due(worker)) is None:
+                continue
+            task = asyncio.create_task(self._run(worker, why), name=f"kvroute-idle-check[{wid}]")
+            self._inflight[wid] = task
+
+    async def close(self) -> None:
+        """Stop the checks in flight."""
+        tasks = list(self._inflight.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, worker: WorkerIngest, why: str) -> None:
+        try:
+            await self._check_one(worker, why)
+        except Exception:  # a bug: the next round checks the worker again
+            log.exception("worker %s: position check failed", worker.worker_id)
+        finally:
+            if self._inflight.get(worker.worker_id) is asyncio.current_task():
+                del self._inflight[worker.worker_id]
 
     def forget(self, worker_id: WorkerId) -> None:
-        """Drop what is kept about a worker no longer ingested."""
+        """Drop what is kept about a worker no longer ingested (its check in flight is
+        cancelled)."""
         self._checked.pop(worker_id, None)
+        task = self._inflight.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
 
     async def _check_one(self, worker: WorkerIngest, why: str) -> None:
         """Check ``worker``'s position and act on it. Only a quiet stream's connection is

@@ -132,3 +132,27 @@ def test_a_kvroute_worker_without_replay_is_resynced_from_its_snapshot(
             assert await divergent(s.index, w1) == 0
 
     asyncio.run(main())
+
+
+def test_a_vllm_stream_never_heard_live_is_rebuilt_by_the_check(
+    redis_url: str, namespace: str
+) -> None:
+    """Nothing of it came live since its lease was taken, so the first batch the check
+    delivers asks for the rebuild (a replay from seq 0) from inside that delivery."""
+
+    async def main() -> None:
+        skip = set(range(100))  # nothing is sent live
+        async with (
+            fake_workers(make_worker("vllm", skip)) as (w1,),
+            stack(redis_url, namespace, idle_check_s=IDLE_S) as s,
+        ):
+            await s.ingest.start([w1.record()])
+            w1.publish(stored(1, 0, 4))
+            w1.publish(stored(2, 0, 3))
+            await eventually(lookup_is(s.index, 2, {"w1": match(3)}), what="the idle check")
+            assert await lookup_is(s.index, 1, {"w1": match(4)})()
+            assert s.count("idle_checks", worker="w1", outcome="replayed") >= 1
+            assert s.total("resyncs", worker="w1") == 0
+            assert stream_count(s, "batches", "w1") >= 2
+
+    asyncio.run(main())
