@@ -16,7 +16,7 @@ from router.front.accuracy import AccuracyConfig
 from router.front.breaker import BreakerConfig
 from router.front.proxy import ProxyConfig
 from router.front.tokenization import TokenizerSources
-from router.ingest.service import IngestConfig
+from router.ingest.watchdog import DEFAULT_IDLE_CHECK_S
 from router.routing.policies import DEFAULT_POLICY, PolicyConfig
 from router.routing.sessions import SessionConfig
 from router.workers.registry import WorkerRecord
@@ -130,7 +130,7 @@ class RouterConfig:
     replay_timeout_s: float = SubscriberConfig().replay_timeout_s
     replay_deadline_s: float = SubscriberConfig().replay_deadline_s
     event_liveness: SocketLiveness = field(default_factory=SocketLiveness)
-    event_idle_check_s: float = IngestConfig().idle_check_s
+    event_idle_check_s: float = DEFAULT_IDLE_CHECK_S
     accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     otel: bool = False

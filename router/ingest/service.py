@@ -78,7 +78,7 @@ from events.subscriber import (
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.metrics import IngestMetrics, StreamCollector
 from router.ingest.ownership import RECOVERY_ERRORS, LeaseKeeper
-from router.ingest.watchdog import IdleWatchdog
+from router.ingest.watchdog import DEFAULT_IDLE_CHECK_S, IdleWatchdog
 from router.ingest.worker import IngestServices, WorkerIngest
 from router.ingest.write_gate import WriteGate, is_out_of_memory
 from router.tasks.periodic import Periodic
@@ -118,7 +118,7 @@ class IngestConfig:
     maintain_interval_s: float = 3.0
     snapshot_timeout_s: float = 10.0
     lifetime_timeout_s: float = 2.0
-    idle_check_s: float = 30.0
+    idle_check_s: float = DEFAULT_IDLE_CHECK_S
     write_retry_max_s: float = 10.0
     snapshot_chunk_runs: int = 512
     group_commit: bool = True

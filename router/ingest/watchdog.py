@@ -33,6 +33,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Final
 
 from events.identity import WorkerId
 from events.subscriber import EventSubscriber
@@ -41,9 +42,13 @@ from router.ingest.recovery import Silence
 from router.ingest.worker import WorkerIngest
 from router.workers.lifetime import LifetimeTracker
 
-__all__ = ["IdleWatchdog"]
+__all__ = ["DEFAULT_IDLE_CHECK_S", "IdleWatchdog"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_IDLE_CHECK_S: Final = 30.0
+"""Quiet seconds after which a stream is checked: the backstop for losses nothing else
+shows (a reconnected stream is checked at once)."""
 
 
 class IdleWatchdog:

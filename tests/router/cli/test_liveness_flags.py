@@ -11,7 +11,7 @@ import pytest
 from events.liveness import SocketLiveness
 from router.cli.router import RouterCliError, config_from_args
 from router.cli.router import build_parser as router_parser
-from router.ingest.service import IngestConfig
+from router.ingest.watchdog import DEFAULT_IDLE_CHECK_S
 
 FLAGS = [
     "--event-heartbeat-interval-s", "2",
@@ -23,7 +23,7 @@ FLAGS = [
 def test_the_router_takes_them_from_flags_and_its_config_file(tmp_path: Path) -> None:
     config = config_from_args(router_parser().parse_args(FLAGS), "redis://x")
     assert config.event_liveness == SocketLiveness(2.0, 8.0, 0.0)
-    assert config.event_idle_check_s == IngestConfig().idle_check_s
+    assert config.event_idle_check_s == DEFAULT_IDLE_CHECK_S
     file = tmp_path / "router.json"
     file.write_text(json.dumps({"event_heartbeat_interval_s": 1, "event_idle_check_s": 0}))
     args = router_parser().parse_args(["--config", str(file)])
