@@ -240,6 +240,9 @@ class LeaseKeeper:
                 async with worker.lock.hold():
                     if worker.lease is lease and not worker.is_waiting and when(worker):
                         await _guarded(worker, step)
+            except asyncio.CancelledError:
+                worker.needs_rebuild = True  # left half done: no handoff of this state
+                raise
             except Exception as exc:  # a bug: the worker is rebuilt later
                 log.exception("worker %s: a recovery step failed", wid)
                 worker.failed(exc)
