@@ -301,15 +301,18 @@ def complete(url: str, prompt: list[int], max_tokens: int = 1) -> dict[str, Any]
     return asyncio.run(post())
 
 
-def post_json(url: str, body: dict[str, Any]) -> tuple[int, dict[str, str], Any, float]:
-    """POST ``body``: the status, the headers, the JSON answer and the seconds it took."""
+def post_json(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], Any, float]:
+    """POST ``body`` (with ``headers``): the status, the headers, the JSON answer and the
+    seconds it took."""
 
     async def post() -> tuple[int, dict[str, str], Any, float]:
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         start = time.monotonic()
         async with (
             aiohttp.ClientSession(timeout=timeout) as session,
-            session.post(url, json=body) as resp,
+            session.post(url, json=body, headers=headers) as resp,
         ):
             answer = await resp.json(content_type=None)
             return resp.status, dict(resp.headers), answer, time.monotonic() - start
