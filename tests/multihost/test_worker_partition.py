@@ -171,9 +171,10 @@ def test_latency_and_loss_on_a_link(tmp_path: Path) -> None:
         reason = netem_unavailable(cluster.network)
         if reason is not None:
             pytest.skip(f"{reason}; the flapping-link test stands in for loss")
-        cluster.host("w0").run(
+        shaped = cluster.host("w0").run(
             ["tc", "qdisc", "add", "dev", "eth0", "root", "netem", "delay", "50ms", "loss", "5%"]
         )
+        assert shaped.returncode == 0, shaped.stderr
         router = start(cluster)
         with cluster.load([router], clients=2) as load:
             load.wait_for(20)
