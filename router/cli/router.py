@@ -214,12 +214,12 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          f"(default: {_PROXY.connect_timeout_s:g})"),
         ("--proxy-first-byte-timeout-s", float, "seconds a worker may stay silent (before its "
          "first byte, or mid-answer) before it is probed with GET /health; if that gets no "
-         "answer the worker is given up and the request retried elsewhere. A long prompt's "
+         "answer the worker is given up, with every request to it silent since the probe "
+         "began, and each is retried elsewhere if it got no byte yet. A long prompt's "
          "prefill comes before the first byte, and a non-streamed answer comes whole after "
          "its completion, so a worker that answers the probe is waited on: this bounds "
          "failover from a frozen or cut-off worker (in about this + the connect timeout), "
-         "not the length of a request. The default, 30, outlasts the prefill of a long "
-         "prompt, so busy workers are rarely probed, and still fails over in seconds "
+         "not the length of a request; a busy worker costs one probe per this much silence "
          f"(default: {_PROXY.first_byte_timeout_s:g})"),
         ("--proxy-total-timeout-s", float, "seconds one proxied request may take, every "
          "attempt and the whole stream included; past it the request is ended (504 if "

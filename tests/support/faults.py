@@ -301,6 +301,25 @@ def complete(url: str, prompt: list[int], max_tokens: int = 1) -> dict[str, Any]
     return asyncio.run(post())
 
 
+def post_json(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], Any, float]:
+    """POST ``body`` (with ``headers``): the status, the headers, the JSON answer and the
+    seconds it took."""
+
+    async def post() -> tuple[int, dict[str, str], Any, float]:
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        start = time.monotonic()
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(url, json=body, headers=headers) as resp,
+        ):
+            answer = await resp.json(content_type=None)
+            return resp.status, dict(resp.headers), answer, time.monotonic() - start
+
+    return asyncio.run(post())
+
+
 def family_prompts(seed: int, count: int, length: int = 6 * BLOCK_SIZE) -> list[list[int]]:
     """Prompts in 4 families sharing their first half (so prefixes are cached and routed)."""
     rng = random.Random(seed)
@@ -315,6 +334,7 @@ def family_prompts(seed: int, count: int, length: int = 6 * BLOCK_SIZE) -> list[
 class Load:
     """Closed-loop clients in a background thread, recording every request's outcome.
 
+    Each request's time from sending to its outcome is kept in ``durations_s``, in order.
     Outcomes: ``"200"``, ``"<status> <error type>"`` for a JSON error body, ``"connection"``
     for a refused or dropped connection (the router process died), ``"bad <status>"`` for
     an error without a JSON message and ``"hang"`` for no answer in time.
@@ -332,6 +352,7 @@ class Load:
     seed: int = 0
     runner: Callable[[Callable[[], None]], None] = field(default=lambda body: body())
     outcomes: Counter[str] = field(default_factory=Counter)
+    durations_s: list[float] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -377,7 +398,10 @@ class Load:
                 return
             url = self.urls[(k + n) % len(self.urls)] if len(self.urls) > 1 else self.urls[0]
             body = {"prompt": rng.choice(prompts), "max_tokens": 2}
-            self.outcomes[await self._one(session, url, body)] += 1
+            start = time.monotonic()
+            outcome = await self._one(session, url, body)
+            self.durations_s.append(time.monotonic() - start)
+            self.outcomes[outcome] += 1
 
     async def _one(self, session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
         try:

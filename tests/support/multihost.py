@@ -19,10 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from router.store.server import find_redis_server, ping
+from router.store.server import find_redis_server, free_port, ping
 from tests.support.faults import CLIENT, REDIS, Cluster, Load
 from tests.support.netns import Host, Network
 from tests.support.polling import wait_until
+from tests.support.redis_cluster import ClusterNode, cluster_args, form_cluster
 
 REDIS_START_S = 30.0
 T = TypeVar("T")
@@ -34,10 +35,13 @@ class MultiHostCluster(Cluster):
     Args:
         log_dir: Where each process logs.
         num_workers: kvroute workers ``w0 .. w{n-1}``, on hosts ``w0 ..``.
+        redis_masters: 1: one Redis server; more: a Redis Cluster of that many masters,
+            on hosts ``redis``, ``redis1`` .. (its URL names the first).
     """
 
-    def __init__(self, log_dir: Path, num_workers: int = 3) -> None:
+    def __init__(self, log_dir: Path, num_workers: int = 3, redis_masters: int = 1) -> None:
         super().__init__(log_dir, num_workers)
+        self.redis_masters = redis_masters
         self.network = Network()
         self.hosts: dict[str, Host] = {}
 
@@ -60,15 +64,24 @@ class MultiHostCluster(Cluster):
         """Closed-loop clients on the client host (enter it to start them)."""
         return Load(urls, clients=clients, seed=seed, runner=self.host(CLIENT).call)
 
-    def start_redis(self, *extra: str, name: str = REDIS, port: int | None = None) -> None:
-        """Start an empty ``redis-server`` on host ``name`` and wait for its ``PING``.
+    def start_redis(self) -> None:
+        """Start the empty Redis (or Redis Cluster, formed and ``ok``) of the cluster."""
+        if self.redis_masters == 1:
+            self.start_redis_server(REDIS)
+            return
+        nodes = []
+        for i in range(self.redis_masters):
+            name = REDIS if i == 0 else f"{REDIS}{i}"
+            bus_port = next(p for p in iter(free_port, None) if p != self.redis_port)
+            node = ClusterNode(self.address(name), self.redis_port, bus_port)
+            self.start_redis_server(name, *cluster_args(node, f"nodes-{name}.conf"))
+            nodes.append(node)
+        self.call(form_cluster, nodes, REDIS_START_S)
 
-        Args:
-            extra: More ``redis-server`` arguments (e.g. cluster mode).
-            name: The process's (and its host's) name.
-            port: Its port; the cluster's Redis port by default.
-        """
-        port = self.redis_port if port is None else port
+    def start_redis_server(self, name: str, *extra: str) -> None:
+        """Start an empty ``redis-server`` on host ``name``, on the cluster's Redis port,
+        and wait for its ``PING``; ``extra``: more ``redis-server`` arguments."""
+        port = self.redis_port
         address = self.address(name)
         argv = [
             find_redis_server(), "--bind", address, "--port", str(port), "--save", "",
