@@ -37,27 +37,25 @@ def context() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
     ctx.destroy(linger=0)
 
 
+@pytest.mark.parametrize(
+    ("liveness", "expected"),
+    [
+        (
+            SocketLiveness(2.5, 10.0, 45.0),
+            {zmq.HEARTBEAT_IVL: 2500, zmq.HEARTBEAT_TIMEOUT: 10000, zmq.HEARTBEAT_TTL: 10000,
+             zmq.TCP_KEEPALIVE: 1, zmq.TCP_KEEPALIVE_IDLE: 45, zmq.TCP_KEEPALIVE_INTVL: 15,
+             zmq.TCP_KEEPALIVE_CNT: KEEPALIVE_PROBES},
+        ),
+        # Zero: heartbeats off, keepalive as the system has it.
+        (SocketLiveness(0.0, 0.0, 0.0), {zmq.HEARTBEAT_IVL: 0, zmq.TCP_KEEPALIVE: -1}),
+    ],
+)  # fmt: skip
 def test_the_options_are_set_in_milliseconds_and_seconds(
-    context: zmq.Context[zmq.Socket[bytes]],
+    context: zmq.Context[zmq.Socket[bytes]], liveness: SocketLiveness, expected: dict[int, int]
 ) -> None:
     sock = context.socket(zmq.SUB)
-    apply_liveness(sock, SocketLiveness(2.5, 10.0, 45.0))
-    assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 2500
-    assert sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) == 10000
-    assert sock.getsockopt(zmq.HEARTBEAT_TTL) == 10000
-    assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1
-    assert sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == 45
-    assert sock.getsockopt(zmq.TCP_KEEPALIVE_INTVL) == 15
-    assert sock.getsockopt(zmq.TCP_KEEPALIVE_CNT) == KEEPALIVE_PROBES
-
-
-def test_zero_leaves_heartbeats_and_keepalive_off(
-    context: zmq.Context[zmq.Socket[bytes]],
-) -> None:
-    sock = context.socket(zmq.SUB)
-    apply_liveness(sock, SocketLiveness(0.0, 0.0, 0.0))
-    assert sock.getsockopt(zmq.HEARTBEAT_IVL) == 0
-    assert sock.getsockopt(zmq.TCP_KEEPALIVE) == -1  # the system's setting
+    apply_liveness(sock, liveness)
+    assert {option: sock.getsockopt(option) for option in expected} == expected
 
 
 @pytest.mark.parametrize(

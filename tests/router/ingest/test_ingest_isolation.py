@@ -201,3 +201,36 @@ def test_a_hung_snapshot_endpoint_delays_no_other_worker(redis_url: str, namespa
             assert dict(await s.index.lookup(keys(1))) == {}  # its old lifetime is gone
 
     asyncio.run(main())
+
+
+def test_a_router_closed_while_a_snapshot_hangs_hands_nothing_half_done_on(
+    redis_url: str, namespace: str
+) -> None:
+    """a-hung's reset waits on its snapshot when router a closes: its lease goes on
+    without a handoff (its entries were cleared for the reset), and router b rebuilds
+    it from the snapshot, exactly."""
+
+    async def main() -> None:
+        async with fake_workers(LifetimeWorker("a-hung")) as (hung,):
+            async with stack(redis_url, namespace, [hung.record()], owner="a") as a:
+                await a.handshake(hung)
+                hung.publish(stored(1, 0, 4))
+                await eventually(lookup_is(a.index, 1, {"a-hung": match(4)}), what="indexed")
+                hung.hold_snapshot = True
+                asked = hung.snapshot_requests
+                hung.restart_publisher()  # quiet: the maintenance's lifetime check resets it
+
+                async def snapshot_hangs() -> bool:
+                    return hung.snapshot_requests > asked
+
+                await eventually(snapshot_hangs, what="a-hung's snapshot request")
+                hung.publish(stored(2, 0, 3))
+            assert a.count("handoffs", worker="a-hung", outcome="sent") == 0
+            hung.release_snapshot()
+            async with stack(redis_url, namespace, [hung.record()], owner="b") as b:
+                assert b.count("handoffs", worker="a-hung", outcome="resumed") == 0
+                await eventually(lookup_is(b.index, 2, {"a-hung": match(3)}), what="rebuilt")
+                assert dict(await b.index.lookup(keys(1))) == {}
+                assert await divergent(b.index, hung) == 0
+
+    asyncio.run(main())
