@@ -29,6 +29,7 @@ from events.curve import CurveServerConfig, EventAuthenticator, configure_server
 from events.endpoints import Endpoint
 from events.errors import EventsError, FramingError
 from events.framing import END_OF_REPLAY_SEQ, pack_seq, recv_frames, send_frames, unpack_seq
+from events.liveness import SocketLiveness, apply_liveness
 from events.schema import KVEventBatch, encode_batch
 
 __all__ = ["EventPublisher", "PublisherClosedError", "PublisherConfig"]
@@ -57,6 +58,8 @@ class PublisherConfig:
             subscriber sees a gap and replays).
         linger_ms: How long :meth:`EventPublisher.close` lets queued messages drain.
         curve: CURVE server keys and client allow-list for both sockets; ``None`` = plain.
+        liveness: Heartbeats and TCP keepalive on both sockets' connections, so a
+            subscriber that vanished without closing is dropped (and its queue freed).
     """
 
     endpoint: Endpoint = field(default_factory=lambda: Endpoint.binding("tcp://127.0.0.1:5557"))
@@ -67,6 +70,7 @@ class PublisherConfig:
     hwm: int = 100_000
     linger_ms: int = 500
     curve: CurveServerConfig | None = None
+    liveness: SocketLiveness = field(default_factory=SocketLiveness)
 
     def __post_init__(self) -> None:
         if self.buffer_steps < 1 or self.max_queue_size < 1 or self.hwm < 0:
@@ -148,6 +152,7 @@ class EventPublisher:
         self._pub = self._context.socket(zmq.PUB)
         self._pub.sndhwm = config.hwm
         self._pub.linger = config.linger_ms
+        apply_liveness(self._pub, config.liveness)
         if config.curve is not None:
             configure_server(self._pub, config.curve)
         address = config.endpoint.attach(self._pub)
@@ -157,6 +162,7 @@ class EventPublisher:
         self._replay.sndhwm = config.replay_hwm
         self._replay.linger = 0
         self._replay.router_mandatory = True
+        apply_liveness(self._replay, config.liveness)
         if config.curve is not None:
             configure_server(self._replay, config.curve)
         return address, config.replay_endpoint.attach(self._replay)

@@ -22,6 +22,7 @@ import zmq.asyncio
 from events.curve import CurveClientConfig, configure_client
 from events.errors import EventDecodeError, FramingError
 from events.framing import END_OF_REPLAY_SEQ, pack_seq, recv_frames, unpack_seq
+from events.liveness import SocketLiveness, apply_liveness
 
 __all__ = ["ReplayClient", "ReplayResult"]
 
@@ -52,12 +53,20 @@ class ReplayClient:
         context: The ZeroMQ context the sockets are made in (owned by the caller).
         timeout_s: Longest silence accepted from a replay endpoint before giving up.
         deadline_s: Longest a whole replay may take, however steadily replies come.
+        liveness: Heartbeats and TCP keepalive of the request's connection.
     """
 
-    def __init__(self, context: zmq.asyncio.Context, timeout_s: float, deadline_s: float) -> None:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        timeout_s: float,
+        deadline_s: float,
+        liveness: SocketLiveness | None = None,
+    ) -> None:
         self._context = context
         self._timeout_s = timeout_s
         self._deadline_s = deadline_s
+        self._liveness = liveness or SocketLiveness()
 
     async def fetch(
         self, endpoint: str, curve: CurveClientConfig | None, from_seq: int, *, through: int
@@ -79,6 +88,7 @@ class ReplayClient:
         try:
             dealer.linger = 0
             dealer.rcvhwm = 0  # bounded by the publisher's buffer; never truncate a replay
+            apply_liveness(dealer, self._liveness)
             if curve is not None:
                 configure_client(dealer, curve)
             try:

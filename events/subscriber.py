@@ -18,6 +18,13 @@ Each worker's reader task is supervised: an unexpected failure is logged with th
 id, counted, and the reader restarts after a backoff (doubling up to a cap), first asking
 the sink for a resync (the batch in flight may be lost).
 
+Connections are kept honest by heartbeats and TCP keepalive (:mod:`events.liveness`), and
+a caller that watches for quiet streams (the router's idle watchdog) gets the hooks it
+needs: how long a stream has been quiet (:meth:`EventSubscriber.idle_s`), whether its
+connection was made again (:meth:`EventSubscriber.take_reconnected`), a catch-up replay
+from a seq (:meth:`EventSubscriber.catch_up`) and a new connection
+(:meth:`EventSubscriber.resubscribe`).
+
 The stream, sink and counter types live in :mod:`events.subscription` and are re-exported
 here.
 """
@@ -44,6 +51,7 @@ from events.curve import configure_client
 from events.errors import EventDecodeError, FramingError
 from events.framing import parse_message, recv_frames
 from events.identity import WorkerId
+from events.liveness import apply_liveness
 from events.rate_limited_log import RateLimitedLog
 from events.replay_client import ReplayClient
 from events.schema import decode_batch
@@ -73,7 +81,7 @@ _HANDSHAKE_FAILED: Final = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-_MONITORED: Final = _HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
+_MONITORED: Final = _HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 _monitor_ids = itertools.count()
 
 
@@ -98,6 +106,16 @@ class _Worker:
     # NOTE: set when the connection to the worker dropped (it may have restarted): the
     # next live batch asks the stream's restart probe first, whatever its seq.
     probe_next: bool = False
+    # NOTE: dropped is set when the connection to the worker dropped; reconnected when it
+    # was made again since (cleared by take_reconnected).
+    dropped: bool = False
+    reconnected: bool = False
+    # NOTE: a task other than the reader that holds `lock` while it delivers (catch_up):
+    # the sink's replay requests from it are served in place, as the reader's are.
+    holder: asyncio.Task[object] | None = None
+    # NOTE: time.monotonic() of the last live message received, or of the subscription
+    # or the last resubscribe when later (what idle_s measures from).
+    heard_s: float = field(default_factory=time.monotonic)
 
 
 class EventSubscriber:
@@ -121,7 +139,10 @@ class EventSubscriber:
         self._failure: BaseException | None = None
         self._warn = RateLimitedLog(self._config.log_interval_s, _log)
         self._replay_client = ReplayClient(
-            self._context, self._config.replay_timeout_s, self._config.replay_deadline_s
+            self._context,
+            self._config.replay_timeout_s,
+            self._config.replay_deadline_s,
+            self._config.liveness,
         )
 
     @property
@@ -136,6 +157,70 @@ class EventSubscriber:
     def counters(self, worker_id: WorkerId) -> WorkerCounters:
         """A snapshot of ``worker_id``'s counters."""
         return self._worker(worker_id).counters.snapshot()
+
+    def idle_s(self, worker_id: WorkerId) -> float:
+        """Seconds since ``worker_id``'s live stream last delivered a message (or since it
+        was subscribed or resubscribed, when later)."""
+        return time.monotonic() - self._worker(worker_id).heard_s
+
+    def take_reconnected(self, worker_id: WorkerId) -> bool:
+        """Whether the connection to the worker dropped and was made again since the last
+        call: what it published in between was lost, and shows only at its next batch
+        (or at a position check)."""
+        worker = self._worker(worker_id)
+        reconnected, worker.reconnected = worker.reconnected, False
+        return reconnected
+
+    def resubscribe(self, worker_id: WorkerId) -> None:
+        """Drop the connection to the worker's events endpoint and make it again.
+
+        For a stream found behind its publisher while its connection looks open (the
+        publisher's side of it is gone). What was queued on the old connection is lost;
+        the next live batch shows the loss as a gap, replayed as any other. The first
+        batch after it asks the stream's restart probe (as after any reconnect).
+
+        Raises:
+            SubscriberError: The worker is not subscribed.
+        """
+        worker = self._worker(worker_id)
+        endpoint = worker.stream.endpoint
+        with contextlib.suppress(zmq.ZMQError):  # not connected now: connect anyway
+            worker.sock.disconnect(endpoint)
+        worker.sock.connect(endpoint)
+        worker.probe_next = worker.stream.restart_probe is not None
+        worker.heard_s = time.monotonic()
+        worker.counters.num_resubscribes += 1
+        _log.info("worker %s: resubscribed to %s", worker_id, endpoint)
+
+    async def catch_up(self, worker_id: WorkerId, from_seq: int) -> int | None:
+        """Ask the worker's replay endpoint for what it published from ``from_seq`` on and
+        deliver the batches not delivered yet (as a gap's replay would).
+
+        A publisher that sent nothing since answers with the end of replay alone, so this
+        checks, at the cost of one request, whether a quiet stream missed batches.
+        Serialised with the worker's live stream. The sink may ask for a replay while the
+        batches are delivered (:meth:`request_replay`), as from a live batch.
+
+        Returns:
+            The number of batches delivered; ``None`` when the replay failed (then
+            ``on_resync_needed`` was signalled) or there is no replay endpoint.
+
+        Raises:
+            SubscriberError: The worker is not subscribed.
+        """
+        worker = self._worker(worker_id)
+        if worker.stream.replay_endpoint is None:
+            return None
+        async with worker.lock:
+            worker.holder = asyncio.current_task()
+            try:
+                before = worker.counters.num_batches
+                done = await self._replay(
+                    worker, from_seq, through=from_seq - 1, redeliver=False, nested_ok=True
+                )
+            finally:
+                worker.holder = None
+            return worker.counters.num_batches - before if done else None
 
     async def add_worker(self, stream: WorkerStream) -> None:
         """Subscribe to a worker's stream and start reading it.
@@ -152,6 +237,7 @@ class EventSubscriber:
         try:
             sock.linger = 0
             sock.rcvhwm = self._config.hwm
+            apply_liveness(sock, self._config.liveness)
             if stream.curve is not None:
                 configure_client(sock, stream.curve)
             monitor = sock.get_monitor_socket(
@@ -229,7 +315,8 @@ class EventSubscriber:
             SubscriberError: The worker is not subscribed.
         """
         worker = self._worker(worker_id)
-        if asyncio.current_task() in worker.tasks:
+        task = asyncio.current_task()
+        if task in worker.tasks or (task is not None and task is worker.holder):
             return await self._redeliver(worker, from_seq, release)
         async with worker.lock:
             return await self._redeliver(worker, from_seq, release)
@@ -309,6 +396,7 @@ class EventSubscriber:
         sock, drain, max_drain = worker.sock, worker.drain, self._config.max_drain
         while True:
             frames: list[bytes] = await sock.recv_multipart()
+            worker.heard_s = time.monotonic()
             async with worker.lock:
                 await self._on_live(worker, frames)
                 # Drain what is already queued without a future per message.
@@ -327,6 +415,10 @@ class EventSubscriber:
                 # The worker may come back as a new publisher lifetime whose first batches
                 # are lost; seqs cannot always tell (see _on_live).
                 worker.probe_next = stream.restart_probe is not None
+                worker.dropped = True
+                continue
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                worker.reconnected, worker.dropped = worker.dropped, False
                 continue
             worker.counters.num_handshake_failures += 1
             self._warn.warning(
@@ -488,11 +580,14 @@ class EventSubscriber:
         through: int,
         redeliver: bool,
         release: AbstractAsyncContextManager[object] | None = None,
+        nested_ok: bool = False,
     ) -> bool:
         """Replay from ``from_seq``; it must reach at least ``through`` to succeed.
 
         The replies are fetched inside ``release`` (the caller's locks released), then
-        delivered in order.
+        delivered in order. With ``nested_ok`` the sink may ask for a replay of its own
+        while they are delivered (the rest of them then skipped as duplicates where that
+        one delivered them); else that is a ``replay_nested`` resync.
         """
         stream = worker.stream
         if worker.replaying:
@@ -510,6 +605,7 @@ class EventSubscriber:
                 )
             for exc in result.malformed:
                 self._malformed(worker, exc)
+            worker.replaying = not nested_ok
             for seq, payload in result.batches:
                 if redeliver or worker.last_seq is None or seq > worker.last_seq:
                     await self._deliver(worker, seq, payload, time.time(), replayed=True)

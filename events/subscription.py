@@ -19,6 +19,7 @@ import msgspec
 from events.curve import CurveClientConfig
 from events.errors import EventsError
 from events.identity import WorkerId
+from events.liveness import SocketLiveness
 from events.schema import KVEventBatch
 
 __all__ = [
@@ -133,6 +134,9 @@ class SubscriberConfig:
         restart_backoff_s: The first wait before a failed task restarts; it doubles with
             each failure that follows quickly, up to ``restart_backoff_max_s``.
         restart_backoff_max_s: The longest wait before a failed task restarts.
+        liveness: Heartbeats and TCP keepalive on the SUB and replay sockets, so a
+            connection whose publisher side is gone is dropped and made again instead of
+            staying silently open (see :mod:`events.liveness`).
     """
 
     replay_timeout_s: float = 5.0
@@ -143,6 +147,7 @@ class SubscriberConfig:
     on_reader_failure: Literal["restart", "stop"] = "restart"
     restart_backoff_s: float = 0.1
     restart_backoff_max_s: float = 5.0
+    liveness: SocketLiveness = field(default_factory=SocketLiveness)
 
 
 @dataclass
@@ -158,6 +163,8 @@ class WorkerCounters:
         num_resets: Publisher restarts seen.
         num_duplicates: Batches received again and skipped (replay overlap).
         num_handshake_failures: Failed ZeroMQ handshakes (wrong CURVE keys, not allowed).
+        num_resubscribes: Times the connection to the worker was dropped and made again
+            on request (:meth:`events.subscriber.EventSubscriber.resubscribe`).
         malformed: Malformed messages skipped, by reason.
         resyncs: Resync signals, by reason.
         task_restarts: Restarts of the worker's tasks after a failure, by task
@@ -172,6 +179,7 @@ class WorkerCounters:
     num_resets: int = 0
     num_duplicates: int = 0
     num_handshake_failures: int = 0
+    num_resubscribes: int = 0
     malformed: collections.Counter[str] = field(default_factory=collections.Counter)
     resyncs: collections.Counter[str] = field(default_factory=collections.Counter)
     task_restarts: collections.Counter[str] = field(default_factory=collections.Counter)

@@ -54,6 +54,8 @@ from events.auth import (
 )
 from events.chat_template import ChatTemplateError, load_chat_template
 from events.cli.flags import help_text as flag_help
+from events.cli.liveness import DEFAULTS as LIVENESS_DEFAULTS
+from events.cli.liveness import LIVENESS_HELP, liveness_from
 from events.curve import CurveKeyError, CurveKeyPair, CurveServerConfig, load_public_key
 from events.endpoints import Endpoint, EndpointError
 from events.publisher import EventPublisher, PublisherConfig
@@ -128,6 +130,10 @@ class WorkerConfig:
         max_body_bytes: Largest HTTP request body accepted (larger: a JSON 413).
         register_url: A router's base URL to register this worker with at start (and
             remove it from on drain); ``None`` registers nowhere.
+        event_heartbeat_interval_s: ZeroMQ heartbeat interval of the event and replay
+            sockets (0: off).
+        event_heartbeat_timeout_s: Silence after a heartbeat that drops a connection.
+        event_tcp_keepalive_idle_s: Idle time before TCP keepalive probes (0: off).
         keys: Bearer keys of the admin and inference endpoints (flags ``--admin-key``,
             ``--api-key`` and their ``-file`` forms); none by default.
         router_key: The router's admin key, sent to ``register_url`` (flags
@@ -164,6 +170,9 @@ class WorkerConfig:
     curve_allow: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     register_url: str | None = None
+    event_heartbeat_interval_s: float = LIVENESS_DEFAULTS["event_heartbeat_interval_s"]
+    event_heartbeat_timeout_s: float = LIVENESS_DEFAULTS["event_heartbeat_timeout_s"]
+    event_tcp_keepalive_idle_s: float = LIVENESS_DEFAULTS["event_tcp_keepalive_idle_s"]
     keys: AccessKeys = field(default_factory=AccessKeys)
     router_key: SentKey | None = None
 
@@ -273,6 +282,7 @@ _HELP: Final[dict[str, str]] = {
     "register_url": "router base URL (http://router:8000) to register this worker with at "
     "start (PUT /v1/workers/ID, retried until the router answers) and to remove it from "
     "when it drains; sends --router-admin-key",
+    **LIVENESS_HELP,
 }
 
 
@@ -303,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                 help=help_text,
             )
             continue
-        kind: Callable[[str], Any] = int if isinstance(f.default, int) else str
+        kind: Callable[[str], Any] = (
+            float if isinstance(f.default, float) else int if isinstance(f.default, int) else str
+        )
         extra: dict[str, Any] = {"choices": HASH_ALGOS} if f.name == "hash_algo" else {}
         default: Any = f.default if raw is None else kind(raw)
         if isinstance(f.default, tuple):  # names, as vLLM's flag takes them
@@ -400,6 +412,7 @@ async def serve(
                 replay_endpoint=Endpoint.binding(config.replay) if config.replay else None,
                 topic=config.topic.encode(),
                 curve=curve,
+                liveness=liveness_from(lambda name, _: getattr(config, name)),
             )
         )
     engine = Engine(

@@ -15,13 +15,15 @@ Endpoints:
   ``param``.
 * ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``: vLLM's shapes
   (:mod:`pool.worker.model_api`).
-* ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "lifetime_id", "running",
-  "waiting", "free_blocks", "total_blocks", "usage", "queued_prefill_tokens",
+* ``GET /health``: ``{"status": "ok" | "draining", "worker_id", "lifetime_id", "next_seq",
+  "running", "waiting", "free_blocks", "total_blocks", "usage", "queued_prefill_tokens",
   "decode_tokens"}`` (the load figures the router's cost model reads); 503 while draining,
   and 503 ``{"status": "stopped", "worker_id", "lifetime_id"}`` once the engine loop has
   exited. ``lifetime_id`` (32 hex digits, random per worker process) names the publisher
   lifetime: a router that sees it change knows the worker restarted, even when the new
-  lifetime's first event batches never reached it.
+  lifetime's first event batches never reached it. ``next_seq`` is the seq its publisher
+  assigns next (every batch below it was published, or dropped on a full queue): a
+  router whose stream of the worker went quiet compares it with the last seq it got.
 * ``GET /ready``: 200 ``{"status": "ready", "worker_id", "lifetime_id"}`` while the engine
   loop runs and takes requests; 503 ``{"status": "draining" | "stopped", "reason", ...}``
   while draining (after SIGTERM) or once the engine loop has stopped. ``/health`` stays
@@ -338,6 +340,7 @@ class WorkerHTTP:
             "status": "ok" if accepting else "draining",
             "worker_id": self.info.worker_id,
             "lifetime_id": self.info.lifetime_id,
+            "next_seq": stats.num_batches_published + stats.num_batches_dropped,
             "running": stats.num_running,
             "waiting": stats.num_waiting,
             "free_blocks": stats.num_free_blocks,

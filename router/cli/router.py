@@ -41,6 +41,8 @@ from events.auth import (
     load_sent_key,
 )
 from events.cli.flags import add_flag, renamed_dests
+from events.cli.liveness import DEFAULTS as LIVENESS_DEFAULTS
+from events.cli.liveness import LIVENESS_HELP, liveness_from
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key
 from events.errors import EventsError
 from events.hashing import NATIVE_KEYS
@@ -203,6 +205,14 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
         ("--replay-deadline-s", float, "seconds a whole replay may take, however steadily its "
          "replies come; past it or the timeout the worker is resynced (default: "
          f"{RouterConfig.replay_deadline_s:g})"),
+        *((f"--{dest.replace('_', '-')}", float,
+           f"{meaning} (default: {LIVENESS_DEFAULTS[dest]:g})")
+          for dest, meaning in LIVENESS_HELP.items()),
+        ("--event-idle-check-s", float, "seconds a worker's event stream may stay quiet before "
+         "its position is checked against its publisher's (a kvroute worker's next seq in "
+         "GET /health; a replay from the last seq seen for others): missed batches are "
+         "replayed or the worker resynced, and the connection made again; 0 turns it off "
+         f"(default: {RouterConfig.event_idle_check_s:g})"),
         ("--route-hold-s", float, "seconds a POST /v1/route decision counts as load on its worker "
          "(the gateway sends the request itself; default: 2)"),
         ("--max-attempts", int, "workers a request is tried on at most, the chosen one "
@@ -215,12 +225,12 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          f"(default: {_PROXY.connect_timeout_s:g})"),
         ("--proxy-first-byte-timeout-s", float, "seconds a worker may stay silent (before its "
          "first byte, or mid-answer) before it is probed with GET /health; if that gets no "
-         "answer the worker is given up and the request retried elsewhere. A long prompt's "
+         "answer the worker is given up, with every request to it silent since the probe "
+         "began, and each is retried elsewhere if it got no byte yet. A long prompt's "
          "prefill comes before the first byte, and a non-streamed answer comes whole after "
          "its completion, so a worker that answers the probe is waited on: this bounds "
          "failover from a frozen or cut-off worker (in about this + the connect timeout), "
-         "not the length of a request. The default, 30, outlasts the prefill of a long "
-         "prompt, so busy workers are rarely probed, and still fails over in seconds "
+         "not the length of a request; a busy worker costs one probe per this much silence "
          f"(default: {_PROXY.first_byte_timeout_s:g})"),
         ("--proxy-total-timeout-s", float, "seconds one proxied request may take, every "
          "attempt and the whole stream included; past it the request is ended (504 if "
@@ -420,6 +430,10 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
             ttl_s=float(pick("session_ttl_s", _SESSIONS.ttl_s)),
             max_entries=int(pick("session_max_entries", _SESSIONS.max_entries)),
         )
+        event_liveness = liveness_from(pick)
+        event_idle_check_s = float(pick("event_idle_check_s", RouterConfig.event_idle_check_s))
+        if event_idle_check_s < 0:
+            raise ValueError(f"--event-idle-check-s must be >= 0, got {event_idle_check_s:g}")
         tokenizers = TokenizerSources.from_flags(
             _strings(pick("tokenizer", None)),
             _strings(pick("tokenize_via_engine", None)),
@@ -470,6 +484,8 @@ def config_from_args(args: argparse.Namespace, redis_url: str) -> RouterConfig:
         route_hold_s=float(pick("route_hold_s", 2.0)),
         replay_timeout_s=float(pick("replay_timeout_s", RouterConfig.replay_timeout_s)),
         replay_deadline_s=float(pick("replay_deadline_s", RouterConfig.replay_deadline_s)),
+        event_liveness=event_liveness,
+        event_idle_check_s=event_idle_check_s,
         client_keys=_client_keys(client_key),
         replica_id=_replica_id(pick("replica_id", None, "KVROUTE_REPLICA_ID")),
         admin_key=admin_key,

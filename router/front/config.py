@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 
 from events.auth import BearerKey, SentKey
 from events.curve import CurveKeyPair
+from events.liveness import SocketLiveness
 from events.subscriber import SubscriberConfig
 from router.front.accuracy import AccuracyConfig
 from router.front.breaker import BreakerConfig
 from router.front.proxy import ProxyConfig
 from router.front.tokenization import TokenizerSources
+from router.ingest.watchdog import DEFAULT_IDLE_CHECK_S
 from router.routing.policies import DEFAULT_POLICY, PolicyConfig
 from router.routing.sessions import SessionConfig
 from router.workers.registry import WorkerRecord
@@ -91,6 +93,9 @@ class RouterConfig:
         replay_timeout_s: Longest silence accepted from a worker's replay endpoint.
         replay_deadline_s: Longest a whole replay may take, however steadily its replies
             come; past either, the replay is abandoned and the worker resynced.
+        event_liveness: Heartbeats and TCP keepalive of the event and replay connections.
+        event_idle_check_s: Quiet time after which a worker's stream has its position
+            checked (0: never; see :mod:`router.ingest.watchdog`).
         accuracy: When routing accuracy (expected against reported hits) is warned about
             (see :mod:`router.front.accuracy`).
         sessions: Session affinity (see :mod:`router.routing.sessions`).
@@ -128,6 +133,8 @@ class RouterConfig:
     require_curve: bool = False
     replay_timeout_s: float = SubscriberConfig().replay_timeout_s
     replay_deadline_s: float = SubscriberConfig().replay_deadline_s
+    event_liveness: SocketLiveness = field(default_factory=SocketLiveness)
+    event_idle_check_s: float = DEFAULT_IDLE_CHECK_S
     accuracy: AccuracyConfig = field(default_factory=AccuracyConfig)
     sessions: SessionConfig = field(default_factory=SessionConfig)
     otel: bool = False

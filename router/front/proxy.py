@@ -12,7 +12,9 @@ worker has not answered and nothing went to the client:
   ``GET /health`` within ``connect_timeout_s`` (frozen, or cut off). A worker that answers
   is still working (a long prefill; a buffered answer comes whole, after the completion)
   and is waited on, probed again after each further ``first_byte_timeout_s`` of silence
-  (:mod:`router.front.watchdog`);
+  (:mod:`router.front.watchdog`). A probe that gets no answer gives up every attempt on
+  that worker that has heard nothing from it since the probe began, not only its own: they
+  fail over together instead of each waiting out its own silence;
 * a 503 that says the worker did not take the request: a ``Retry-After`` header, or a
   JSON error of type ``draining``, ``overloaded`` or ``unavailable`` (what a kvroute
   worker answers while shutting down).
@@ -123,7 +125,7 @@ class ProxyConfig:
     """
 
     connect_timeout_s: float = 2.0
-    first_byte_timeout_s: float = 30.0
+    first_byte_timeout_s: float = 5.0
     total_timeout_s: float = 600.0
     max_attempts: int = 2
     max_response_bytes: int = 64 * 1024 * 1024
@@ -278,6 +280,8 @@ class WorkerProxy:
             total=None, connect=None, sock_connect=self.config.connect_timeout_s
         )
         self._probe_timeout = aiohttp.ClientTimeout(total=self.config.connect_timeout_s)
+        # NOTE: the watchdogs of the attempts in progress, by worker (none: no key).
+        self._watched: dict[WorkerId, set[SilenceWatchdog]] = {}
 
     async def alive(self, target: ProxyTarget) -> bool:
         """Whether the worker gives any HTTP answer to ``GET /health`` in the connect timeout."""
@@ -404,7 +408,10 @@ class WorkerProxy:
             probe_timeout_s=self.config.connect_timeout_s,
             total_timeout_s=self.config.total_timeout_s,
             hang_up=opening.cancel,
+            on_dead=functools.partial(self._condemn, target.worker_id),
         )
+        watched = self._watched.setdefault(target.worker_id, set())
+        watched.add(dog)
         try:
             upstream = await self._opened(opening, dog)
             async with upstream:
@@ -415,6 +422,14 @@ class WorkerProxy:
                 return await self._buffered(upstream, target, observer, rewriter, dog)
         finally:
             dog.stop()
+            watched.discard(dog)
+            if not watched and self._watched.get(target.worker_id) is watched:
+                del self._watched[target.worker_id]
+
+    def _condemn(self, worker_id: WorkerId, verdict: str, since: float) -> None:
+        """A probe found ``worker_id`` unreachable: give up its other silent attempts."""
+        for dog in list(self._watched.get(worker_id, ())):
+            dog.condemn(f"{verdict} (found by another request to it)", since)
 
     async def _post(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
         return await self._session.post(url, data=body, headers=headers, timeout=self._timeout)

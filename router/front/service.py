@@ -240,8 +240,11 @@ class RouterService:
             self.registry,
             IngestConfig(
                 maintain_interval_s=cfg.lease_ttl_s / 3,
+                idle_check_s=cfg.event_idle_check_s,
                 subscriber=SubscriberConfig(
-                    replay_timeout_s=cfg.replay_timeout_s, replay_deadline_s=cfg.replay_deadline_s
+                    replay_timeout_s=cfg.replay_timeout_s,
+                    replay_deadline_s=cfg.replay_deadline_s,
+                    liveness=cfg.event_liveness,
                 ),
                 client_keys=cfg.client_keys,
                 worker_admin_key=cfg.worker_admin_key,
@@ -466,7 +469,7 @@ class RouterService:
                 models are served.
         """
         _, records = self.select_model(model)
-        routable = [r for r in records if self.breakers.routable(r.worker_id)]
+        routable = [r for r in records if self._routable(r.worker_id)]
         if not routable:
             raise NoWorkersError(
                 "every worker is failing and skipped for now: "
@@ -474,10 +477,21 @@ class RouterService:
             )
         return routable
 
+    def _routable(self, worker_id: WorkerId) -> bool:
+        """Whether new requests may go to the worker: its circuit admits them, and one
+        past its cooldown (its trial due) answered the last ``GET /health`` poll, so no
+        client's request is the trial of a worker still cut off."""
+        if not self.breakers.routable(worker_id):
+            return False
+        closed = self.breakers.state(worker_id) is CircuitState.CLOSED
+        return closed or self.poller.is_reachable(worker_id)
+
     def _circuit_text(self, worker_id: WorkerId) -> str:
         view = self.breakers.view(worker_id)
         if view.retry_in_s is not None:
             return f"{worker_id} circuit open (next trial in {view.retry_in_s:.1f} s)"
+        if view.state is CircuitState.HALF_OPEN and not self.poller.is_reachable(worker_id):
+            return f"{worker_id} circuit half_open (no trial before it answers GET /health)"
         return f"{worker_id} circuit {view.state.value} (a trial request is in flight)"
 
     async def decide(

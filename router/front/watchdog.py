@@ -7,6 +7,11 @@ without a byte the watchdog asks the worker whether it is alive (the caller's pr
 deadline is enforced the same way. Giving up calls ``hang_up``, which makes the attempt's
 pending read fail, so the proxy handles it on its ordinary error path.
 
+A probe that gets no answer condemns the worker, not only this attempt: ``on_dead`` hears
+the verdict and when the failed probe began, so the caller can give up the worker's other
+attempts that have not heard from it since (:meth:`SilenceWatchdog.condemn`) instead of
+letting each wait out its own silence window.
+
 Invariants: at most one timer and one probe per watchdog; nothing runs after
 :meth:`SilenceWatchdog.stop`; :attr:`SilenceWatchdog.verdict` is set once, before
 ``hang_up`` is called.
@@ -31,6 +36,8 @@ class SilenceWatchdog:
         total_timeout_s: The request's total timeout (for the verdict's wording).
         hang_up: Ends the attempt; may be replaced as the attempt goes on (assign
             :attr:`hang_up`).
+        on_dead: Hears this watchdog's verdict that the worker is unreachable, and the
+            loop time its failed probe began.
 
     Attributes:
         verdict: Why the worker was given up (None while it is not).
@@ -47,8 +54,10 @@ class SilenceWatchdog:
         probe_timeout_s: float,
         total_timeout_s: float,
         hang_up: Callable[[], object],
+        on_dead: Callable[[str, float], None] | None = None,
     ) -> None:
         self.hang_up = hang_up
+        self._on_dead = on_dead
         self.verdict: str | None = None
         self.unreachable = False
         self.timed_out = False
@@ -65,6 +74,13 @@ class SilenceWatchdog:
     def heard(self) -> None:
         """The worker sent something (the hot path's whole cost: one clock read)."""
         self._last = self._loop.time()
+
+    def condemn(self, verdict: str, since: float) -> None:
+        """Another attempt's probe, begun at loop time ``since``, got no answer from the
+        worker: give this attempt up too, unless it heard from the worker after that."""
+        if self.verdict is None and self._last <= since:
+            self.unreachable = True
+            self._give_up(verdict)
 
     def stop(self) -> None:
         """The attempt is over."""
@@ -94,11 +110,16 @@ class SilenceWatchdog:
                 self._last = max(self._last, self._loop.time())
             self._timer = self._arm()
             return
+        if self.verdict is not None:  # condemned meanwhile
+            return
         self.unreachable = True
-        self._give_up(
+        verdict = (
             f"silent for {self._window_s:g} s and no answer to GET /health within "
             f"{self._probe_timeout_s:g} s"
         )
+        self._give_up(verdict)
+        if self._on_dead is not None:
+            self._on_dead(verdict, since)
 
     def _give_up(self, verdict: str) -> None:
         self.verdict = verdict

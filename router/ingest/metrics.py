@@ -40,6 +40,11 @@ class StreamCollector(Collector):
             "resets": ("num_resets", "Publisher restarts seen."),
             "duplicates": ("num_duplicates", "Batches received again and skipped."),
             "handshake_failures": ("num_handshake_failures", "Failed ZeroMQ handshakes."),
+            "resubscribes": (
+                "num_resubscribes",
+                "Connections dropped and made again on "
+                "purpose (a quiet stream found behind its publisher).",
+            ),
         }
         for name, (attr, doc) in plain.items():
             family = CounterMetricFamily(f"kvroute_stream_{name}", doc, labels=["worker"])
@@ -151,6 +156,15 @@ class IngestMetrics:
             "a lease on with its state), resumed (took one over and continued the stream), "
             "stale (someone held the lease in between: rebuilt instead), invalid "
             "(unreadable: rebuilt instead).",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.idle_checks = Counter(
+            "kvroute_ingest_idle_checks",
+            "Position checks of streams quiet for longer than the idle bound or just "
+            "reconnected, by outcome: current (nothing missed), replayed (missed batches "
+            "replayed), resynced (missed and not replayable), restarted (a new publisher "
+            "lifetime; reset), unknown (nothing could tell).",
             ["worker", "outcome"],
             registry=r,
         )

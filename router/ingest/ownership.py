@@ -13,12 +13,14 @@ crashed, or someone held it in between) means a rebuild of the worker.
 
 Renewal (:meth:`LeaseKeeper.renew`) takes no worker's lock and runs in a task of its own,
 so no worker's ingest (a slow replay, a snapshot being loaded) delays any lease; the
-maintenance steps that do take a worker's lock skip a worker whose lock is busy (its own
-ingest is at work; the next pass comes back to it).
+maintenance steps that do take a worker's lock skip a worker whose ingest is busy (the
+next pass comes back to it), and a rebuild from a worker's snapshot runs in a task of
+its own, so a worker whose snapshot is slow to come delays no pass and no registration.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -41,6 +43,10 @@ log = logging.getLogger(__name__)
 
 RECOVERY_ERRORS = (RedisError, StaleLeaseError, PrefixIndexError)
 """What a worker's write or recovery step may raise; it marks the worker for a rebuild."""
+
+
+def _needs_rebuild(worker: WorkerIngest) -> bool:
+    return worker.needs_rebuild
 
 
 async def _guarded(worker: WorkerIngest, step: Callable[[], Awaitable[None]]) -> None:
@@ -80,6 +86,9 @@ class LeaseKeeper:
         # it first found the lease free (cleared once anyone holds it).
         self._routers: list[str] = []
         self._unclaimed_since: dict[str, float] = {}
+        # NOTE: the recovery steps in flight in tasks of their own (run_apart), one per
+        # worker at most.
+        self._apart: dict[WorkerId, asyncio.Task[None]] = {}
 
     async def renew(self, workers: Iterable[WorkerIngest]) -> None:
         """Renew every lease held among ``workers``, then this router's membership (and
@@ -116,7 +125,7 @@ class LeaseKeeper:
         # alive: it is renewed while the worker is registered here, quiet or not (a SUB
         # socket cannot tell a quiet publisher from a dead one). The service drops a
         # worker it cannot reach (remove_worker), which releases the lease.
-        if worker.lock.is_held:
+        if worker.is_busy:
             return
         owner = owner_of(worker.worker_id, self._routers)
         if worker.lease is not None and owner not in (None, self.registry.owner):
@@ -132,7 +141,7 @@ class LeaseKeeper:
             except RECOVERY_ERRORS as exc:
                 worker.failed(exc)
             if worker.needs_rebuild and worker.record.has_snapshot and self.gate.is_open:
-                await _guarded(worker, worker.rebuild)
+                self.run_apart(worker, worker.rebuild, when=_needs_rebuild)
 
     async def take_over(self, worker: WorkerIngest, current: Callable[[], bool]) -> None:
         """Take ``worker``'s lease if free (or handed to this router): resume from the
@@ -163,7 +172,7 @@ class LeaseKeeper:
                 return
             if worker.record.has_snapshot:
                 first = functools.partial(worker.rebuild, is_first_lease=lease.epoch == 1)
-                await _guarded(worker, first)
+                self.run_apart(worker, first, when=_needs_rebuild)
             else:
                 await _guarded(worker, functools.partial(worker.clear, applied_through=-1))
 
@@ -195,6 +204,52 @@ class LeaseKeeper:
                     len(state),
                 )
         await self.registry.release(lease)
+
+    async def settle(self, worker_id: WorkerId | None = None) -> None:
+        """Wait for the step run apart for ``worker_id`` (``None``: for every worker)."""
+        tasks = [t for w, t in self._apart.items() if worker_id in (None, w)]
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop the steps run apart (a worker left half rebuilt is rebuilt by its next
+        holder: its lease goes on without a handoff, as its state is not known)."""
+        tasks = list(self._apart.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def run_apart(
+        self,
+        worker: WorkerIngest,
+        step: Callable[[], Awaitable[None]],
+        *,
+        when: Callable[[WorkerIngest], bool] = lambda _: True,
+    ) -> None:
+        """Run ``step`` (a recovery step that may wait on the worker's snapshot) in a task
+        of its own, so no maintenance pass, registration or watchdog round waits on one
+        worker's network. It runs under the worker's lock, only while the lease held now
+        is still held, no network wait of its ingest is in flight and ``when(worker)``
+        still holds (its batch path may have done it first); none is started while one
+        runs for the worker."""
+        wid, lease = worker.worker_id, worker.lease
+        if wid in self._apart:
+            return
+
+        async def run() -> None:
+            try:
+                async with worker.lock.hold():
+                    if worker.lease is lease and not worker.is_waiting and when(worker):
+                        await _guarded(worker, step)
+            except asyncio.CancelledError:
+                worker.needs_rebuild = True  # left half done: no handoff of this state
+                raise
+            except Exception as exc:  # a bug: the worker is rebuilt later
+                log.exception("worker %s: a recovery step failed", wid)
+                worker.failed(exc)
+            finally:
+                self._apart.pop(wid, None)
+
+        self._apart[wid] = asyncio.create_task(run(), name=f"kvroute-recovery[{wid}]")
 
     def successor(self, worker_id: WorkerId) -> str:
         """Who a leaving router hands the worker to: its owner among the other live

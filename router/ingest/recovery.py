@@ -1,7 +1,8 @@
 """Recovery rules: how a worker's index entries are rebuilt when its event stream lost batches.
 
 I/O-free. :class:`RecoveryRules` answers, for one worker, which :class:`Rebuild` follows an
-orphan parent, a loss for good (a resync) or a lease (re)acquisition; :class:`StreamPosition`
+orphan parent, a loss for good (a resync), a lease (re)acquisition or a stream found quiet
+for too long (:class:`Silence`); :class:`StreamPosition`
 tells a batch already held from a seq jump; :class:`KeptStream` holds what arrives for a
 worker while its lease is on its way to this router. The router's ingest
 (:mod:`router.ingest.worker`) carries the answers out against Redis, the subscriber and the
@@ -21,7 +22,15 @@ from typing import Final
 
 from events.subscription import ReceivedBatch
 
-__all__ = ["OFFLINE_RULES", "KeptStream", "Rebuild", "RecoveryRules", "Restart", "StreamPosition"]
+__all__ = [
+    "OFFLINE_RULES",
+    "KeptStream",
+    "Rebuild",
+    "RecoveryRules",
+    "Restart",
+    "Silence",
+    "StreamPosition",
+]
 
 
 class Rebuild(enum.Enum):
@@ -33,6 +42,23 @@ class Rebuild(enum.Enum):
     """Load the worker's ``GET /v1/snapshot`` (a kvroute worker)."""
     KEEP_FROM_NOW = "keep_from_now"
     """History is gone: keep what arrives from now on, orphans stored detached."""
+
+
+class Silence(enum.Enum):
+    """What a stream quiet for longer than the idle bound needs, once its position is known."""
+
+    CURRENT = "current"
+    """The index holds everything the publisher sent: nothing to do."""
+    CATCH_UP = "catch_up"
+    """Ask the replay endpoint for what came after the last seq seen (it answers with
+    nothing when nothing was missed)."""
+    RESTARTED = "restarted"
+    """The publisher restarted unseen: rebuilt as :meth:`RecoveryRules.after_restart` says."""
+    BEHIND = "behind"
+    """Batches were missed and cannot be replayed: resynced as
+    :meth:`RecoveryRules.after_loss` says."""
+    UNKNOWN = "unknown"
+    """Nothing can tell (no answer, no replay endpoint): left to the heartbeats."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +105,32 @@ class RecoveryRules:
         if not self.has_snapshot and self.can_replay and in_batch:
             return Rebuild.REPLAY_FROM_START
         return self.after_loss()
+
+    def after_silence(
+        self,
+        seen_seq: int | None,
+        recorded_lifetime: str | None,
+        reported_lifetime: str | None,
+        reported_next_seq: int | None,
+    ) -> Silence:
+        """The stream was quiet for longer than the idle bound: is it behind its publisher?
+
+        Args:
+            seen_seq: The highest seq the router holds or was delivered (``None``: unknown).
+            recorded_lifetime: The lifetime id the worker's entries were built from.
+            reported_lifetime: The lifetime id the worker reports now (``None``: no answer).
+            reported_next_seq: The seq its publisher assigns next, when it says (a
+                kvroute worker); ``None`` where it does not (a vLLM engine).
+        """
+        if None not in (reported_lifetime, recorded_lifetime) and (
+            reported_lifetime != recorded_lifetime
+        ):
+            return Silence.RESTARTED
+        if reported_next_seq is not None and seen_seq is not None:
+            if reported_next_seq - 1 <= seen_seq:
+                return Silence.CURRENT
+            return Silence.CATCH_UP if self.can_replay else Silence.BEHIND
+        return Silence.CATCH_UP if self.can_replay else Silence.UNKNOWN
 
 
 OFFLINE_RULES: Final = RecoveryRules(has_snapshot=False, can_replay=False)

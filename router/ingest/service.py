@@ -24,6 +24,9 @@
   jump before it is replayed as a gap, on the first batch after a reconnect and at every
   maintenance pass, so a restart whose first batches were lost is never taken for a gap
   or for the old lifetime going on;
+* a stream quiet for longer than the idle bound has its position checked against its
+  publisher's (:mod:`router.ingest.watchdog`): batches it missed on a connection that
+  died half-open are replayed (or the worker resynced) and the connection made again;
 * while Redis refuses writes for lack of memory, batches are dropped and counted, one
   warning per interval says so, and the workers are rebuilt once it takes writes again
   (:mod:`router.ingest.write_gate`; :attr:`IndexIngest.index_writable`);
@@ -76,6 +79,7 @@ from events.subscriber import (
 from router.ingest.bridged_index import BridgedIndex
 from router.ingest.metrics import IngestMetrics, StreamCollector
 from router.ingest.ownership import RECOVERY_ERRORS, LeaseKeeper
+from router.ingest.watchdog import DEFAULT_IDLE_CHECK_S, IdleWatchdog
 from router.ingest.worker import IngestServices, WorkerIngest
 from router.ingest.write_gate import WriteGate, shut_reason
 from router.tasks.periodic import Periodic
@@ -98,6 +102,9 @@ class IngestConfig:
         snapshot_timeout_s: Timeout of one ``GET /v1/snapshot``.
         lifetime_timeout_s: Timeout of one request that reads a worker's lifetime
             (a seq jump waits for it; no answer: the jump is a gap).
+        idle_check_s: A held worker's stream that delivered nothing for this long has
+            its position checked (:mod:`router.ingest.watchdog`), and again after as
+            long; 0 turns the checks off.
         write_retry_max_s: While Redis refuses writes for lack of memory, the longest
             wait between two probes of whether it takes them again.
         snapshot_chunk_runs: Snapshot runs written per index batch.
@@ -114,6 +121,7 @@ class IngestConfig:
     maintain_interval_s: float = 3.0
     snapshot_timeout_s: float = 10.0
     lifetime_timeout_s: float = 2.0
+    idle_check_s: float = DEFAULT_IDLE_CHECK_S
     write_retry_max_s: float = 10.0
     snapshot_chunk_runs: int = 512
     group_commit: bool = True
@@ -157,6 +165,9 @@ class IndexIngest:
         self._services: IngestServices | None = None
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
         self._renewer = Periodic(self.renew_leases, self.config.maintain_interval_s)
+        self._watchdog: IdleWatchdog | None = None
+        # The watchdog looks often; each worker is checked at most once per idle bound.
+        self._watcher = Periodic(self._check_idle, min(1.0, self.config.idle_check_s / 4))
         self._gate = WriteGate(
             registry.client,
             self.metrics,
@@ -209,7 +220,9 @@ class IndexIngest:
         }
 
     async def start(self, records: Sequence[WorkerRecord] = ()) -> None:
-        """Register ``records``, subscribe to every registered worker, start maintenance."""
+        """Register ``records``, subscribe to every registered worker, take the leases
+        this router owns (the snapshots of kvroute workers loaded before it returns; each
+        within the snapshot timeout), start maintenance."""
         key = self.config.worker_admin_key
         self._session = aiohttp.ClientSession(
             headers={} if key is None else {"Authorization": key.authorization}
@@ -227,6 +240,14 @@ class IndexIngest:
             snapshot_chunk_runs=self.config.snapshot_chunk_runs,
         )
         self.metrics.registry.register(StreamCollector(self._stream_counters))
+        if self.config.idle_check_s > 0:
+            self._watchdog = IdleWatchdog(
+                self._subscriber,
+                self._lifetimes,
+                self.metrics,
+                self.config.idle_check_s,
+                self._leases.run_apart,
+            )
         # Subscribe before the first heartbeat announces this router: the others hand
         # it their workers from then on, and what they publish meanwhile must arrive.
         async with self._membership:
@@ -234,8 +255,11 @@ class IndexIngest:
                 await self._add(record, replace=True)
             await self._sync_registry()
         await self.maintain_once()
+        await self._leases.settle()  # the snapshots taken at the first pass are in
         self._renewer.start("kvroute-lease-renewal", wait_first=True)
         self._maintainer.start("kvroute-ingest", wait_first=True)
+        if self._watchdog is not None:
+            self._watcher.start("kvroute-idle-watchdog", wait_first=True)
 
     async def close(self) -> None:
         """Stop maintenance and the subscriber; hand every held lease on (entries stay).
@@ -246,6 +270,10 @@ class IndexIngest:
         """
         await self._maintainer.stop()
         await self._renewer.stop()
+        await self._watcher.stop()
+        if self._watchdog is not None:
+            await self._watchdog.close()
+        await self._leases.close()
         with contextlib.suppress(RedisError):
             await self.registry.leave()  # the others own our workers from their next pass
         if self._subscriber is not None:
@@ -284,6 +312,7 @@ class IndexIngest:
             outcome, worker = await self._add(record, replace=replace)
         if worker.lease is None and self._leases.owns(worker.worker_id):
             await self._leases.take_over(worker, functools.partial(self._is_current, worker))
+            await self._leases.settle(worker.worker_id)  # its snapshot is in
         return outcome
 
     async def _add(self, record: WorkerRecord, *, replace: bool) -> tuple[Outcome, WorkerIngest]:
@@ -322,6 +351,8 @@ class IndexIngest:
         """Stop reading ``worker``'s stream, drop its entries and release its lease."""
         wid = worker.worker_id
         del self._workers[wid]
+        if self._watchdog is not None:
+            self._watchdog.forget(wid)
         if self._subscriber is not None:
             await self._subscriber.remove_worker(wid)
         if self._lifetimes is not None:
@@ -375,7 +406,7 @@ class IndexIngest:
                 await worker.clear(applied_through=-1)
             except RECOVERY_ERRORS as exc:
                 worker.failed(exc)
-            await self._tracker.record(worker.record)
+            await worker.record_lifetime()
 
     async def on_resync_needed(self, worker_id: WorkerId, reason: str) -> None:
         """Batches were lost for good: clear the worker and rebuild what can be."""
@@ -445,6 +476,11 @@ class IndexIngest:
         await self._check_lifetimes()
         self.metrics.owned.set(len(self.owned_workers))
 
+    async def _check_idle(self) -> None:
+        """The idle watchdog's round over the workers ingested (see its module)."""
+        assert self._watchdog is not None
+        self._watchdog.check(w for w in list(self._workers.values()) if self._is_current(w))
+
     def _redis_failed(self, exc: RedisError, what: str) -> None:
         if shut_reason(exc) is not None:
             self._gate.refused(exc, what)
@@ -471,13 +507,10 @@ class IndexIngest:
         for worker, current in zip(held, found, strict=True):
             if current is None or current == tracker.recorded(worker.worker_id):
                 continue  # the common case: nothing to do, no lock taken
-            if worker.lock.is_held or not self._is_current(worker):
+            if worker.is_busy or not self._is_current(worker):
                 continue  # its ingest is at work (and may see it); the next pass will
-            async with worker.lock.hold():
-                try:
-                    await worker.check_lifetime(current)
-                except RECOVERY_ERRORS as exc:
-                    worker.failed(exc)
+            # Apart: a reset loads the worker's snapshot, which this pass must not wait on.
+            self._leases.run_apart(worker, functools.partial(worker.check_lifetime, current))
 
     async def _sync_registry(self) -> None:
         """Persist this router's workers again and follow the saved registrations.

@@ -6,11 +6,13 @@ paths; :class:`router.ingest.service.IndexIngest` owns one per worker, serialise
 worker's :attr:`WorkerIngest.lock` and turns errors into :meth:`WorkerIngest.failed`. Which
 rebuild follows which loss is decided by :mod:`router.ingest.recovery`.
 
-No lock is held while a replay is fetched: the worker's lock is set down for the network
-part and taken again to apply what came (the maintenance pass may step in meanwhile, so
-the batch path checks the lease again after a replay). While the index refuses writes
-for lack of memory (:mod:`router.ingest.write_gate`), batches are dropped, counted, and the
-worker rebuilt once the gate opens.
+No lock is held across a network wait: for a replay, a snapshot or a lifetime read the
+worker's lock is set down and taken again to apply what came. Meanwhile the worker counts
+as busy (:attr:`WorkerIngest.is_busy`: maintenance leaves it to the next pass), batches
+delivered by the stream are kept and applied in order afterwards, a resync signal marks
+it for a rebuild, and the lease is checked again on the way back (it may have gone).
+While the index refuses writes for lack of memory (:mod:`router.ingest.write_gate`),
+batches are dropped, counted, and the worker rebuilt once the gate opens.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import aiohttp
 from prometheus_client import Counter
@@ -43,6 +47,8 @@ from router.workers.snapshot import fetch_snapshot, snapshot_events
 __all__ = ["IngestServices", "WorkerIngest"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +101,9 @@ class WorkerIngest:
         # keep_batches), applied before the next batch once the lease is held.
         self._kept: KeptStream | None = None
         self._draining = False
+        # NOTE: network waits in progress with the lock set down (see _unlocked); while
+        # any is, deliveries go to _kept.
+        self._waits = 0
         # NOTE: the block size the worker's events carry when it is not the registered
         # one (None: they agree, as far as seen); published in Redis by the maintenance
         # pass while flag_synced is False (at first too: a flag left by an earlier
@@ -115,6 +124,18 @@ class WorkerIngest:
         """The worker's id."""
         return self.record.worker_id
 
+    @property
+    def is_waiting(self) -> bool:
+        """Whether a replay, a snapshot or a lifetime read is awaited with the lock set
+        down (whoever takes the lock meanwhile must leave the worker's entries alone)."""
+        return self.position.replaying or self._waits > 0
+
+    @property
+    def is_busy(self) -> bool:
+        """Whether its ingest is at work: the lock is held, or :attr:`is_waiting`.
+        Maintenance leaves a busy worker to its next pass."""
+        return self.lock.is_held or self.is_waiting
+
     # -- batch path ----------------------------------------------------------------------
 
     def keep_batches(self, keep: bool) -> None:
@@ -128,7 +149,10 @@ class WorkerIngest:
 
     def note_restart(self, seq: int) -> bool:
         """The subscriber saw the publisher restart (a seq drop to ``seq``): if batches
-        are being kept, it joins them in order (applied there) and True is returned."""
+        are being kept (as during a network wait), it joins them in order (applied there)
+        and True is returned."""
+        if self._waits:
+            self.keep_batches(True)
         if self._kept is None:
             return False
         self._kept.add(Restart(seq))
@@ -136,7 +160,13 @@ class WorkerIngest:
 
     async def apply_batch(self, received: ReceivedBatch) -> None:
         """Apply one delivered batch (see :mod:`router.ingest.service` for the recovery paths),
-        after any batches kept while the lease was on its way."""
+        after any batches kept while the lease was on its way (or while a network wait
+        had the lock set down)."""
+        if self._waits:
+            self.keep_batches(True)
+            assert self._kept is not None
+            self._kept.add(received)
+            return
         if self.lease is None:
             if self._kept is not None:
                 self._kept.add(received)
@@ -151,7 +181,7 @@ class WorkerIngest:
         meanwhile, quiet since), then apply the batches kept while the lease was on its
         way, up to the first that needs a replay (only the batch path may ask for one);
         the rest go in before the next delivered batch."""
-        if await self._services.lifetimes.changed(self.record):
+        if await self._unlocked(self._services.lifetimes.changed(self.record)):
             await self._reset_lifetime("since the handoff", in_batch=False)
         await self._apply_kept(in_batch=False)
 
@@ -214,7 +244,7 @@ class WorkerIngest:
         if first_missing is not None:
             if not in_batch:
                 return False
-            if await self._services.lifetimes.changed(self.record):
+            if await self._unlocked(self._services.lifetimes.changed(self.record)):
                 await self._reset_lifetime(f"at seq {received.seq}", in_batch=True)
             else:
                 # Batches before this one never reached the index (a late join, a
@@ -313,7 +343,7 @@ class WorkerIngest:
         landed. Encoded in a thread (a large worker's state takes a while, which the event
         loop need not wait on): the caller's hold on :attr:`lock` keeps the bridge still.
         """
-        if self.lease is None or self.needs_rebuild or self.position.replaying:
+        if self.lease is None or self.needs_rebuild or self.position.replaying or self._waits:
             return None
         return await asyncio.to_thread(
             encode_handoff,
@@ -373,8 +403,17 @@ class WorkerIngest:
     # -- recovery ------------------------------------------------------------------------
 
     async def resync(self, reason: str) -> None:
-        """Batches were lost for good: clear the worker and rebuild what can be."""
+        """Batches were lost for good: clear the worker and rebuild what can be (later,
+        when a network wait of its ingest is in progress: marked for a rebuild)."""
+        if self._waits:
+            self.needs_rebuild = True
+            return
         await self._rebuild_as(self.rules.after_loss(), reason)
+
+    async def record_lifetime(self) -> None:
+        """Record the lifetime id the worker reports now (read with the lock set down)."""
+        lifetimes = self._services.lifetimes
+        lifetimes.adopt(self.worker_id, await self._unlocked(lifetimes.current(self.record)))
 
     async def rebuild(self, *, is_first_lease: bool = False) -> None:
         """After a lease (re)acquisition or a failure: rebuild the worker from scratch.
@@ -457,7 +496,7 @@ class WorkerIngest:
             seq,
         )
         await self.clear(applied_through=-1)
-        await self._services.lifetimes.record(self.record)
+        await self.record_lifetime()
 
     async def _reset_lifetime(
         self, when: str, *, in_batch: bool, current: str | None = None
@@ -484,7 +523,7 @@ class WorkerIngest:
             return
         await self.clear(applied_through=-1)
         if current is None:
-            await lifetimes.record(self.record)
+            await self.record_lifetime()
         else:
             lifetimes.adopt(wid, current)
         if how is Rebuild.KEEP_FROM_NOW:
@@ -494,6 +533,7 @@ class WorkerIngest:
             await self._replay(0, clear=False)
         else:
             self.needs_rebuild = True  # replayed from seq 0 at its next batch
+        await self._after_wait()
 
     async def _reload(self, how: Rebuild) -> None:
         """Clear the worker, then load its snapshot or keep what arrives from now on."""
@@ -507,16 +547,20 @@ class WorkerIngest:
         wid, record, services = self.worker_id, self.record, self._services
         assert record.http_url is not None
         bridge = services.index.bridge(wid)
-        await services.lifetimes.record(record)  # before: never newer than the snapshot's
+        lease = self.lease
+        await self.record_lifetime()  # before: never newer than the snapshot's
         try:
-            snapshot = await fetch_snapshot(
-                services.session, record.http_url, services.snapshot_timeout_s
+            snapshot = await self._unlocked(
+                fetch_snapshot(services.session, record.http_url, services.snapshot_timeout_s)
             )
         except PrefixIndexError as exc:
             services.metrics.snapshots.labels(wid, "failed").inc()
             log.error("worker %s: %s; keeping only what arrives from now on", wid, exc)
             bridge.tolerate_orphans = True
+            await self._after_wait()
             return
+        if self.lease is not lease:
+            return  # lost while fetching: whoever holds it next rebuilds the worker
         events = snapshot_events(snapshot)
         bridge.tolerate_orphans = True  # runs under an evicted ancestor are unreachable
         try:
@@ -537,3 +581,19 @@ class WorkerIngest:
             len(events),
             snapshot.next_seq,
         )
+        await self._after_wait()
+
+    async def _unlocked(self, wait: Awaitable[T]) -> T:
+        """Await ``wait`` (a network request) with the lock set down: see the module
+        docstring for what happens meanwhile."""
+        self._waits += 1
+        try:
+            async with self.lock.released():
+                return await wait
+        finally:
+            self._waits -= 1
+
+    async def _after_wait(self) -> None:
+        """Apply what was delivered during a network wait (outside a batch, up to the
+        first batch that needs a replay; the rest go in before the next batch)."""
+        await self._apply_kept(in_batch=self.in_batch)

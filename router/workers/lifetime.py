@@ -24,7 +24,7 @@ from events.identity import WorkerId
 from events.rate_limited_log import RateLimitedLog
 from router.workers.registry import WorkerRecord
 
-__all__ = ["LifetimeTracker", "process_start_time"]
+__all__ = ["LifetimeTracker", "Reported", "process_start_time"]
 
 _HEALTH_PATH: Final = "/health"
 _METRICS_PATH: Final = "/metrics"
@@ -36,8 +36,22 @@ log = logging.getLogger(__name__)
 
 
 class _Health(msgspec.Struct):
-    # NOTE: only the field read here; /health carries more (status, load figures).
+    # NOTE: only the fields read here; /health carries more (status, load figures).
     lifetime_id: str
+    next_seq: int | None = None
+
+
+class Reported(msgspec.Struct, frozen=True):
+    """What a worker reports of its publisher now.
+
+    Attributes:
+        lifetime_id: Its lifetime id (see the module docstring).
+        next_seq: The seq its publisher assigns next (every batch below it was published
+            or dropped); ``None`` where the worker does not say (a vLLM engine).
+    """
+
+    lifetime_id: str
+    next_seq: int | None = None
 
 
 def process_start_time(metrics_text: bytes) -> str | None:
@@ -87,10 +101,6 @@ class LifetimeTracker:
         """The id recorded for ``worker_id`` (``None``: unknown)."""
         return self._recorded.get(worker_id)
 
-    async def record(self, record: WorkerRecord) -> None:
-        """Record the id the worker reports now (read it *before* fetching a snapshot)."""
-        self.adopt(record.worker_id, await self.current(record))
-
     async def changed(self, record: WorkerRecord) -> bool:
         """Asked on a seq jump: does the worker report another lifetime than the recorded one?
 
@@ -117,6 +127,12 @@ class LifetimeTracker:
     async def current(self, record: WorkerRecord) -> str | None:
         """The id the worker reports now, whatever its status (a draining worker: 503);
         ``None`` when it cannot tell or does not answer (logged at a limited rate)."""
+        reported = await self.report(record)
+        return None if reported is None else reported.lifetime_id
+
+    async def report(self, record: WorkerRecord) -> Reported | None:
+        """What the worker reports of its publisher now: as :meth:`current`, with a
+        kvroute worker's next seq (from the same ``GET /health``)."""
         if record.http_url is None:
             return None
         kvroute = record.kind == "kvroute"
@@ -125,11 +141,12 @@ class LifetimeTracker:
             async with self._session.get(url, timeout=self._timeout) as response:
                 body = await response.read()
             if kvroute:
-                return msgspec.json.decode(body, type=_Health).lifetime_id
+                health = msgspec.json.decode(body, type=_Health)
+                return Reported(health.lifetime_id, health.next_seq)
             found = process_start_time(body)
             if found is None:
                 raise ValueError("no process_start_time_seconds in it")
-            return found
+            return Reported(found)
         except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError, ValueError) as exc:
             self._warn.warning(
                 (record.worker_id, "lifetime"),

@@ -44,8 +44,9 @@ REPLAY_TIMEOUT_S = 5.0
 SILENT_BOUND_S = REPLAY_TIMEOUT_S + 40.0
 RESTART_BOUND_S = 10.0
 """A lifetime check, a reset, a replay from seq 0 and ``index check`` runs."""
-BY_PROBE_ONLY = ("--lease-ttl-s", "600")
-"""A maintenance pass every 200 s: only the subscriber's restart probe can see a restart."""
+BY_PROBE_ONLY = ("--lease-ttl-s", "600", "--event-idle-check-s", "0")
+"""A maintenance pass every 200 s and no idle watchdog (which checks a reconnected stream's
+lifetime too): only the subscriber's restart probe can see a restart."""
 
 
 def test_stalled_consumer_makes_pub_drop_then_replay_converges(tmp_path: Path) -> None:

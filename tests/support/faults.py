@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -53,6 +53,11 @@ START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 60.0
 """A request not answered within this is a hang (the test fails)."""
 WORKER_ARGS = ("--num-layers", "1", "--hidden-size", "16", "--num-heads", "2")
+REDIS = "redis"
+"""The name of the cluster's Redis (for :meth:`Cluster.address`)."""
+CLIENT = "client"
+"""The name of where the test's clients run (for :meth:`Cluster.place`)."""
+T = TypeVar("T")
 
 
 def python_m(*args: str) -> list[str]:
@@ -61,20 +66,31 @@ def python_m(*args: str) -> list[str]:
 
 @dataclass(frozen=True)
 class WorkerPorts:
+    """A worker's ports on its ``host`` address (loopback unless it runs elsewhere)."""
+
     worker_id: str
     http: int = field(default_factory=free_port)
     events: int = field(default_factory=free_port)
     replay: int = field(default_factory=free_port)
+    host: str = HOST
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.http}"
+        return f"http://{self.host}:{self.http}"
+
+    @property
+    def events_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.events}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"tcp://{self.host}:{self.replay}"
 
     def spec(self, replay: str | None = None) -> str:
         """The router's ``--worker`` flag for this worker."""
-        replay = replay or f"tcp://{HOST}:{self.replay}"
+        replay = replay or self.replay_endpoint
         return (
-            f"{self.worker_id}={self.url},events=tcp://{HOST}:{self.events},replay={replay},"
+            f"{self.worker_id}={self.url},events={self.events_endpoint},replay={replay},"
             f"block-size={BLOCK_SIZE}"
         )
 
@@ -84,6 +100,11 @@ class Cluster:
 
     Redis listens on a port fixed for the cluster's life, so a restarted Redis is found
     at the same URL.
+
+    Every process runs on loopback here; :meth:`address`, :meth:`place` and :meth:`call`
+    say where each process (by name) listens, how its command line runs there, and where
+    the test's own requests run, so a subclass can spread the cluster over hosts
+    (``tests.support.multihost``). The workers' ports are chosen on entering.
 
     Args:
         log_dir: Where each process logs.
@@ -95,12 +116,25 @@ class Cluster:
         self.redis_port = free_port()
         self.redis: RedisServer | None = None
         self.namespace = f"faults-{random.getrandbits(32):08x}"
-        self.workers = [WorkerPorts(f"w{i}") for i in range(num_workers)]
+        self.num_workers = num_workers
+        self.workers: list[WorkerPorts] = []
         self.routers: dict[str, int] = {}
+
+    def address(self, name: str) -> str:
+        """The address process ``name`` listens on."""
+        return HOST
+
+    def place(self, name: str, argv: list[str]) -> list[str]:
+        """The command line that runs ``argv`` where process ``name`` lives."""
+        return argv
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` where the test's clients live (requests, probes, checks)."""
+        return fn(*args)
 
     @property
     def redis_url(self) -> str:
-        return f"redis://{HOST}:{self.redis_port}/0"
+        return f"redis://{self.address(REDIS)}:{self.redis_port}/0"
 
     def start_redis(self) -> None:
         """Start an empty Redis on the cluster's port."""
@@ -112,17 +146,14 @@ class Cluster:
         self.redis.stop()
         self.redis = None
 
-    def start_worker(self, ports: WorkerPorts) -> None:
-        self.group.start(
-            ports.worker_id,
-            python_m(
-                "worker", "--id", ports.worker_id, "--port", str(ports.http),
-                "--events", f"tcp://{HOST}:{ports.events}",
-                "--replay", f"tcp://{HOST}:{ports.replay}",
-                "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
-                *WORKER_ARGS,
-            ),
+    def start_worker(self, ports: WorkerPorts, *extra: str) -> None:
+        argv = python_m(
+            "worker", "--id", ports.worker_id, "--host", ports.host, "--port", str(ports.http),
+            "--events", ports.events_endpoint, "--replay", ports.replay_endpoint,
+            "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+            *WORKER_ARGS, *extra,
         )  # fmt: skip
+        self.group.start(ports.worker_id, self.place(ports.worker_id, argv))
 
     def start_workers(self) -> None:
         """Start every worker and wait until all answer ``/health``."""
@@ -134,18 +165,16 @@ class Cluster:
         """Start a router replica; returns its URL."""
         port = free_port()
         flags = [a for spec in specs for a in ("--worker", spec)]
-        self.group.start(
-            name,
-            python_m(
-                "router", "--redis", self.redis_url, "--namespace", self.namespace,
-                "--port", str(port), *flags, *extra,
-            ),
+        argv = python_m(
+            "router", "--redis", self.redis_url, "--namespace", self.namespace,
+            "--host", self.address(name), "--port", str(port), *flags, *extra,
         )  # fmt: skip
+        self.group.start(name, self.place(name, argv))
         self.routers[name] = port
         return self.router_url(name)
 
     def router_url(self, name: str) -> str:
-        return f"http://{HOST}:{self.routers[name]}"
+        return f"http://{self.address(name)}:{self.routers[name]}"
 
     def kill(self, name: str) -> None:
         """SIGKILL a process and forget it (it can be started again under its name)."""
@@ -170,9 +199,12 @@ class Cluster:
                 for url in urls:
                     await wait_healthy(session, url, self.group, deadline)
 
-        asyncio.run(run())
+        self.call(asyncio.run, run())
 
     def __enter__(self) -> Cluster:
+        self.workers = [
+            WorkerPorts(f"w{i}", host=self.address(f"w{i}")) for i in range(self.num_workers)
+        ]
         self.start_redis()
         return self
 
@@ -192,6 +224,7 @@ def index_report(cluster: Cluster, workers: Sequence[tuple[str, str]]) -> list[d
         "index", "check", "--redis", cluster.redis_url, "--namespace", cluster.namespace,
         "--json", *[a for wid, url in workers for a in ("--worker", f"{wid}={url}")],
     )  # fmt: skip
+    argv = cluster.place(CLIENT, argv)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode in (0, 1), proc.stderr
     rows: list[dict[str, Any]] = json.loads(proc.stdout)
@@ -274,6 +307,25 @@ def complete(url: str, prompt: list[int], max_tokens: int = 1) -> dict[str, Any]
     return asyncio.run(post())
 
 
+def post_json(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], Any, float]:
+    """POST ``body`` (with ``headers``): the status, the headers, the JSON answer and the
+    seconds it took."""
+
+    async def post() -> tuple[int, dict[str, str], Any, float]:
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+        start = time.monotonic()
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(url, json=body, headers=headers) as resp,
+        ):
+            answer = await resp.json(content_type=None)
+            return resp.status, dict(resp.headers), answer, time.monotonic() - start
+
+    return asyncio.run(post())
+
+
 def family_prompts(seed: int, count: int, length: int = 6 * BLOCK_SIZE) -> list[list[int]]:
     """Prompts in 4 families sharing their first half (so prefixes are cached and routed)."""
     rng = random.Random(seed)
@@ -288,6 +340,7 @@ def family_prompts(seed: int, count: int, length: int = 6 * BLOCK_SIZE) -> list[
 class Load:
     """Closed-loop clients in a background thread, recording every request's outcome.
 
+    Each request's time from sending to its outcome is kept in ``durations_s``, in order.
     Outcomes: ``"200"``, ``"<status> <error type>"`` for a JSON error body, ``"connection"``
     for a refused or dropped connection (the router process died), ``"bad <status>"`` for
     an error without a JSON message and ``"hang"`` for no answer in time.
@@ -296,17 +349,23 @@ class Load:
         urls: Each client picks the first URL that accepts its connection, in order.
         clients: Concurrent clients.
         seed: Prompt seed.
+        runner: Runs the clients' thread body (e.g. inside a host's namespace); as is by
+            default.
     """
 
     urls: Sequence[str]
     clients: int = 4
     seed: int = 0
+    runner: Callable[[Callable[[], None]], None] = field(default=lambda body: body())
     outcomes: Counter[str] = field(default_factory=Counter)
+    durations_s: list[float] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def __enter__(self) -> Load:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread = threading.Thread(
+            target=self.runner, args=(lambda: asyncio.run(self._run()),), daemon=True
+        )
         self._thread.start()
         return self
 
@@ -345,7 +404,10 @@ class Load:
                 return
             url = self.urls[(k + n) % len(self.urls)] if len(self.urls) > 1 else self.urls[0]
             body = {"prompt": rng.choice(prompts), "max_tokens": 2}
-            self.outcomes[await self._one(session, url, body)] += 1
+            start = time.monotonic()
+            outcome = await self._one(session, url, body)
+            self.durations_s.append(time.monotonic() - start)
+            self.outcomes[outcome] += 1
 
     async def _one(self, session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
         try:

@@ -105,6 +105,10 @@ class FakeWorker:
         self.chains = CachedChains(BS)
         self.skip_live_seqs = skip_live_seqs if skip_live_seqs is not None else set()
         self.hide_snapshot = False  # serve an empty snapshot (a buggy worker)
+        # NOTE: while set, GET /v1/snapshot hangs until release_snapshot() (or close()).
+        self.hold_snapshot = False
+        self.snapshot_requests = 0
+        self._snapshot_released = asyncio.Event()
         self.last_batch: KVEventBatch | None = None
         self.publisher = self._new_publisher(
             "tcp://127.0.0.1:*", "tcp://127.0.0.1:*" if replay else None
@@ -134,6 +138,9 @@ class FakeWorker:
         return self
 
     async def _snapshot(self, _: web.Request) -> web.Response:
+        self.snapshot_requests += 1
+        if self.hold_snapshot:
+            await self._snapshot_released.wait()
         runs = [] if self.hide_snapshot else self.chains.runs()
         body = {
             "worker_id": self.worker_id,
@@ -160,6 +167,11 @@ class FakeWorker:
         self.chains = CachedChains(BS)
         self.publisher = self._new_publisher(address, replay_address)
 
+    def release_snapshot(self) -> None:
+        """Let the held snapshot requests (and later ones) be answered."""
+        self.hold_snapshot = False
+        self._snapshot_released.set()
+
     def record(self) -> WorkerRecord:
         return WorkerRecord(
             worker_id=self.worker_id,
@@ -171,6 +183,7 @@ class FakeWorker:
         )
 
     async def close(self) -> None:
+        self.release_snapshot()  # or the server's cleanup waits for the held handlers
         self.publisher.close()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -188,7 +201,8 @@ async def fake_workers(*workers: FakeWorker) -> AsyncIterator[tuple[FakeWorker, 
 
 
 class Stack:
-    """One router replica's ingest: Redis client, index, registry, ingest."""
+    """One router replica's ingest: Redis client, index, registry, ingest (``config``:
+    more :class:`IngestConfig` settings)."""
 
     def __init__(
         self,
@@ -198,6 +212,7 @@ class Stack:
         lease_ttl_ms: int = 5_000,
         maintain_interval_s: float = 0.2,
         owner: str | None = None,
+        **config: Any,
     ) -> None:
         layout = KeyLayout(namespace)
         self.client = client
@@ -207,7 +222,7 @@ class Stack:
         self.ingest = IndexIngest(
             self.index,
             self.registry,
-            IngestConfig(maintain_interval_s=maintain_interval_s),
+            IngestConfig(maintain_interval_s=maintain_interval_s, **config),
             self.metrics,
         )
 
@@ -319,7 +334,12 @@ class LifetimeWorker(FakeWorker):
         if self.health == "silent":
             await self._released.wait()  # the client times out first; close() releases
         return web.json_response(
-            {"status": "ok", "worker_id": self.worker_id, "lifetime_id": self.lifetime_id}
+            {
+                "status": "ok",
+                "worker_id": self.worker_id,
+                "lifetime_id": self.lifetime_id,
+                "next_seq": self.publisher.next_seq,
+            }
         )
 
     def restart_publisher(self) -> None:

@@ -255,6 +255,8 @@ def test_health_reports_load(worker: RunningWorker) -> None:
     # The publisher lifetime id: random per process, the same in /v1/snapshot.
     assert re.fullmatch("[0-9a-f]{32}", health.pop("lifetime_id"))
     assert _snapshot(worker)["lifetime_id"] == json.loads(body)["lifetime_id"]
+    # The publisher's next seq: the snapshot's, as no request ran in between.
+    assert health.pop("next_seq") == _snapshot(worker)["next_seq"]
     assert health == {
         "status": "ok",
         "worker_id": "w-test",

@@ -130,7 +130,7 @@ def test_failover_flags_and_config_keys_map_onto_the_config(tmp_path: Path) -> N
 
     default = config()
     assert default.proxy == ProxyConfig(
-        connect_timeout_s=2.0, first_byte_timeout_s=30.0, total_timeout_s=600.0, max_attempts=2
+        connect_timeout_s=2.0, first_byte_timeout_s=5.0, total_timeout_s=600.0, max_attempts=2
     )
     assert default.breaker == BreakerConfig(failure_threshold=3, cooldown_s=5.0)
     assert default.limits.body_read_timeout_s == 30.0

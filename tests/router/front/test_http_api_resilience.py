@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.front.breaker import BreakerConfig
 from router.front.config import RequestLimits
+from router.front.proxy import ProxyConfig
 from router.front.service import RouterService
 from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRecord
@@ -31,6 +32,8 @@ from tests.support.router_app import EchoWorker, echo_workers, post, run, runnin
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 BOUND_S = 30.0
 """Longest wait for something another task does (generous: a loaded 2-core machine)."""
+PROXY = ProxyConfig(connect_timeout_s=0.5, first_byte_timeout_s=1.0)
+"""Fails a silent worker over in about 1.5 s."""
 
 
 async def scrape(client: aiohttp.ClientSession) -> Samples:
@@ -325,6 +328,84 @@ def test_a_failing_worker_is_skipped_once_its_circuit_opens(redis_url: str, name
                 ws,
                 policy="round_robin",
                 breaker=BreakerConfig(failure_threshold=2, cooldown_s=60),
+            ) as (svc, client),
+        ):
+            await scenario(svc, client, ws)
+
+    asyncio.run(main())
+
+
+class CutWorker(EchoWorker):
+    """w0 answers nothing, ``GET /health`` included, until ``reconnect`` is set (a worker
+    whose link went down: connections are accepted, no byte comes back)."""
+
+    reconnected: asyncio.Event | None = None
+
+    async def _cut(self) -> None:
+        if self.worker_id == "w0":
+            assert CutWorker.reconnected is not None
+            await CutWorker.reconnected.wait()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        await self._cut()
+        return await super().completions(request)
+
+    async def health(self, request: web.Request) -> web.Response:
+        await self._cut()
+        return await super().health(request)
+
+
+@pytest.mark.slow
+def test_a_cut_off_worker_gets_no_client_trial_until_it_answers_again(
+    redis_url: str, namespace: str
+) -> None:
+    """Its first request fails over and opens its circuit; past the cooldown no client
+    request is its trial while it is still silent; once it answers the health poll again
+    it is tried and served."""
+    CutWorker.reconnected = asyncio.Event()
+
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        answers = [await post(client, "/v1/completions", {"prompt": f"p{i}"}) for i in range(2)]
+        assert [code for code, _ in answers] == [200, 200]  # w0's request failed over
+        assert ws[0].prompts == []
+
+        async def circuit() -> dict[str, Any]:
+            async with client.get("/v1/workers") as resp:
+                rows = (await resp.json())["workers"]
+                return next(w["circuit"] for w in rows if w["worker_id"] == "w0")
+
+        async def cooled_down() -> bool:
+            return (await circuit())["state"] == "half_open"
+
+        await eventually(cooled_down, "w0's cooldown to end", timeout_s=BOUND_S)
+        started = time.monotonic()
+        for i in range(4):  # round robin would send w0 every other one as its trial
+            code, body = await post(client, "/v1/completions", {"prompt": f"q{i}"})
+            assert (code, body["choices"][0]["text"].split(":")[0]) == (200, "w1")
+        assert time.monotonic() - started < PROXY.first_byte_timeout_s  # nobody waited on w0
+        assert CutWorker.reconnected is not None
+        CutWorker.reconnected.set()
+
+        async def served_again() -> bool:
+            await post(client, "/v1/completions", {"prompt": "r"})
+            return bool(ws[0].prompts)
+
+        await eventually(served_again, "w0 to be served again", timeout_s=BOUND_S)
+        assert (await circuit())["state"] == "closed"
+
+    async def main() -> None:
+        async with (
+            echo_workers(2, CutWorker) as ws,
+            running_router(
+                redis_url,
+                namespace,
+                ws,
+                policy="round_robin",
+                proxy=PROXY,
+                health_poll_s=0.2,
+                breaker=BreakerConfig(cooldown_s=0.5),
             ) as (svc, client),
         ):
             await scenario(svc, client, ws)

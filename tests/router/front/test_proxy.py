@@ -27,6 +27,7 @@ from router.front.proxy import (
 )
 from router.front.stream_usage import UsageStripper
 from router.store.server import free_port
+from tests.support.polling import eventually
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "cached_tokens": 3}
@@ -533,6 +534,32 @@ def test_the_silence_limit_holds_on_a_pooled_connection() -> None:
             ("start", "good"),
             ("first_byte", "good"),
             ("end", "good", "ok"),
+        ]
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+@pytest.mark.slow
+def test_a_worker_found_dead_fails_over_every_request_silent_on_it() -> None:
+    """Two requests wait on a frozen worker; the first one's failed probe gives up the
+    second too (silent since), which fails over then instead of after its own window."""
+    config = ProxyConfig(connect_timeout_s=1.0, first_byte_timeout_s=2.0)
+
+    async def scenario() -> None:
+        async with frozen() as ice, serve(echo) as good:
+            targets = [ProxyTarget(WorkerId("ice"), ice), ProxyTarget(WorkerId("good"), good)]
+            recorder = Recorder()
+            async with aiohttp.ClientSession() as upstream:
+                proxy = WorkerProxy(upstream, config)
+                first = asyncio.ensure_future(proxy_once(proxy, targets, recorder))
+                await eventually(lambda: ("start", "ice") in recorder.calls, "the first attempt")
+                second = await proxy_once(proxy, targets, recorder)
+                done = await first
+        assert (done.worker_id, second.worker_id) == ("good", "good")
+        assert done.failures == ["ice: silent for 2 s and no answer to GET /health within 1 s"]
+        assert second.failures == [
+            "ice: silent for 2 s and no answer to GET /health within 1 s "
+            "(found by another request to it)"
         ]
 
     asyncio.run(asyncio.wait_for(scenario(), 60))

@@ -19,8 +19,11 @@ import zmq.asyncio
 from events.identity import WorkerId
 from tests.support.ingest import (
     FakeWorker,
+    LifetimeWorker,
+    Stack,
     divergent,
     fake_workers,
+    keys,
     lookup_is,
     match,
     stack,
@@ -33,6 +36,19 @@ pytestmark = pytest.mark.slow
 
 LEASE_TTL_MS = 1_500
 TRICKLE_S = 0.2
+
+
+async def keeps_its_lease(s: Stack, ok: FakeWorker, holder: str | None) -> None:
+    """For three lease TTLs ``ok``'s lease stays with ``holder`` (renewed, never lost) and
+    each of its batches reaches the index."""
+    end = time.monotonic() + 3 * LEASE_TTL_MS / 1000
+    prompt = 10
+    while time.monotonic() < end:
+        ok.publish(stored(prompt, 0, 2))
+        await eventually(lookup_is(s.index, prompt, {ok.worker_id: match(2)}), what=ok.worker_id)
+        prompt += 1
+    assert await s.registry.holder(WorkerId(ok.worker_id)) == holder
+    assert s.count("leases_lost", worker=ok.worker_id) == 0
 
 
 class TricklingReplayEndpoint:
@@ -73,9 +89,7 @@ class TricklingReplayEndpoint:
         self._context.destroy(linger=0)
 
 
-def test_a_trickling_replay_endpoint_starves_no_other_lease(
-    redis_url: str, namespace: str
-) -> None:
+def test_a_trickling_replay_endpoint_starves_no_other_lease(redis_url: str, namespace: str) -> None:
     """Worker a-bad meets an unknown parent: its ingest asks for a replay from seq 0, and
     its replay endpoint trickles malformed replies. For three lease TTLs b-ok's lease is
     renewed (never lost, same epoch) and each of its batches reaches the index."""
@@ -96,14 +110,7 @@ def test_a_trickling_replay_endpoint_starves_no_other_lease(
                 return bool(trickler.requests)
 
             await eventually(replay_asked, what="a-bad's replay request")
-            end = time.monotonic() + 3 * LEASE_TTL_MS / 1000
-            prompt = 10
-            while time.monotonic() < end:
-                ok.publish(stored(prompt, 0, 2))
-                await eventually(lookup_is(s.index, prompt, {"b-ok": match(2)}), what="b-ok")
-                prompt += 1
-            assert await s.registry.holder(WorkerId("b-ok")) == holder
-            assert s.count("leases_lost", worker="b-ok") == 0
+            await keeps_its_lease(s, ok, holder)
             assert await divergent(s.index, ok) == 0
             assert len(trickler.requests) == 1  # the replay is still open (no deadline yet)
 
@@ -140,5 +147,90 @@ def test_a_replay_address_that_cannot_be_connected_to_kills_no_stream(
             )
             assert resyncs == 1
             assert stream_count(s, "gaps", "k1") == 1
+
+    asyncio.run(main())
+
+
+def test_a_hung_snapshot_endpoint_delays_no_other_worker(redis_url: str, namespace: str) -> None:
+    """a-hung restarts unseen and its reset waits on a snapshot that does not come; b-ok
+    restarts unseen meanwhile and is reset at once (the same maintenance finds both);
+    for three lease TTLs b-ok's lease is renewed and each of its batches reaches the
+    index; a-hung's batches published while its snapshot hangs are kept, and applied
+    once it comes."""
+
+    async def main() -> None:
+        async with (
+            fake_workers(LifetimeWorker("a-hung"), LifetimeWorker("b-ok")) as (hung, ok),
+            stack(
+                redis_url,
+                namespace,
+                lease_ttl_ms=LEASE_TTL_MS,
+                maintain_interval_s=0.3,
+                snapshot_timeout_s=600.0,
+            ) as s,
+        ):
+            await s.ingest.start([hung.record(), ok.record()])  # a-hung comes first in a pass
+            await s.handshake(hung, ok)
+            hung.publish(stored(1, 0, 4))
+            ok.publish(stored(2, 0, 4))
+            await eventually(lookup_is(s.index, 1, {"a-hung": match(4)}), what="a-hung")
+            await eventually(lookup_is(s.index, 2, {"b-ok": match(4)}), what="b-ok")
+            holder = await s.registry.holder(WorkerId("b-ok"))
+            hung.hold_snapshot = True
+            asked = hung.snapshot_requests
+            hung.restart_publisher()  # quiet: only the maintenance's lifetime check sees it
+
+            async def snapshot_hangs() -> bool:
+                return hung.snapshot_requests > asked
+
+            await eventually(snapshot_hangs, what="a-hung's snapshot request")
+            ok.restart_publisher()
+            await eventually(lookup_is(s.index, 2, {}), what="b-ok reset meanwhile")
+            await s.handshake(ok)
+            hung.publish(stored(3, 0, 2))  # its new lifetime's first batch: kept
+            await keeps_its_lease(s, ok, holder)
+            assert hung.snapshot_requests == asked + 1  # still hanging
+            assert dict(await s.index.lookup(keys(3))) == {}
+            hung.release_snapshot()
+            await eventually(lookup_is(s.index, 3, {"a-hung": match(2)}), what="a-hung's batch")
+
+            async def exact() -> bool:  # the restart it kept is applied after the snapshot
+                return await divergent(s.index, hung, ok) == 0
+
+            await eventually(exact, what="the index equal to both workers' caches")
+            assert dict(await s.index.lookup(keys(1))) == {}  # its old lifetime is gone
+
+    asyncio.run(main())
+
+
+def test_a_router_closed_while_a_snapshot_hangs_hands_nothing_half_done_on(
+    redis_url: str, namespace: str
+) -> None:
+    """a-hung's reset waits on its snapshot when router a closes: its lease goes on
+    without a handoff (its entries were cleared for the reset), and router b rebuilds
+    it from the snapshot, exactly."""
+
+    async def main() -> None:
+        async with fake_workers(LifetimeWorker("a-hung")) as (hung,):
+            async with stack(redis_url, namespace, [hung.record()], owner="a") as a:
+                await a.handshake(hung)
+                hung.publish(stored(1, 0, 4))
+                await eventually(lookup_is(a.index, 1, {"a-hung": match(4)}), what="indexed")
+                hung.hold_snapshot = True
+                asked = hung.snapshot_requests
+                hung.restart_publisher()  # quiet: the maintenance's lifetime check resets it
+
+                async def snapshot_hangs() -> bool:
+                    return hung.snapshot_requests > asked
+
+                await eventually(snapshot_hangs, what="a-hung's snapshot request")
+                hung.publish(stored(2, 0, 3))
+            assert a.count("handoffs", worker="a-hung", outcome="sent") == 0
+            hung.release_snapshot()
+            async with stack(redis_url, namespace, [hung.record()], owner="b") as b:
+                assert b.count("handoffs", worker="a-hung", outcome="resumed") == 0
+                await eventually(lookup_is(b.index, 2, {"a-hung": match(3)}), what="rebuilt")
+                assert dict(await b.index.lookup(keys(1))) == {}
+                assert await divergent(b.index, hung) == 0
 
     asyncio.run(main())

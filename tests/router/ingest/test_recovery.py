@@ -12,12 +12,14 @@ from router.ingest.recovery import (
     Rebuild,
     RecoveryRules,
     Restart,
+    Silence,
     StreamPosition,
 )
 
 KVROUTE = RecoveryRules(has_snapshot=True, can_replay=True)
 VLLM = RecoveryRules(has_snapshot=False, can_replay=True)
 NO_REPLAY = RecoveryRules(has_snapshot=False, can_replay=False)
+SNAPSHOT_ONLY = RecoveryRules(has_snapshot=True, can_replay=False)
 
 
 @pytest.mark.parametrize(
@@ -118,3 +120,31 @@ def test_kept_stream_is_bounded_oldest_first() -> None:
     for seq in range(5):
         kept.add(_received(seq, float(seq)))
     assert _drained(kept) == [(2, 2.0), (3, 3.0), (4, 4.0)]
+
+
+@pytest.mark.parametrize(
+    ("rules", "seen", "reported_next", "expected"),
+    [
+        (KVROUTE, 7, 8, Silence.CURRENT),  # the publisher's next seq follows the last seen
+        (KVROUTE, 7, 5, Silence.CURRENT),  # (lower: batches in flight to it; not behind)
+        (KVROUTE, 7, 10, Silence.CATCH_UP),
+        (SNAPSHOT_ONLY, 7, 10, Silence.BEHIND),  # missed, nothing to replay them from
+        (SNAPSHOT_ONLY, 7, 8, Silence.CURRENT),
+        (KVROUTE, None, 10, Silence.CATCH_UP),  # position unknown: ask the replay
+        (VLLM, 7, None, Silence.CATCH_UP),  # no next seq reported: only a replay can tell
+        (NO_REPLAY, 7, None, Silence.UNKNOWN),
+    ],
+)
+def test_a_quiet_stream_is_checked_against_the_publishers_position(
+    rules: RecoveryRules, seen: int | None, reported_next: int | None, expected: Silence
+) -> None:
+    assert rules.after_silence(seen, "L1", "L1", reported_next) is expected
+
+
+@pytest.mark.parametrize("rules", [KVROUTE, VLLM, NO_REPLAY, SNAPSHOT_ONLY])
+def test_a_quiet_stream_under_a_new_lifetime_restarted(rules: RecoveryRules) -> None:
+    assert rules.after_silence(7, "L1", "L2", 3) is Silence.RESTARTED
+    assert rules.after_silence(7, "L1", "L2", None) is Silence.RESTARTED
+    # No lifetime recorded, or none reported: not a restart (the seqs decide).
+    assert rules.after_silence(7, None, "L2", 8) is Silence.CURRENT
+    assert rules.after_silence(7, "L1", None, None) is not Silence.RESTARTED

@@ -1,0 +1,69 @@
+"""Forming a Redis Cluster from empty ``cluster-enabled`` servers: slots and membership.
+
+:func:`form_cluster` gives each master an equal share of the 16384 hash slots, makes every
+node meet the first, and waits until each reports ``cluster_state:ok`` with every node
+known. The servers are the caller's (on loopback, or one per host in namespaces).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+
+from tests.support.polling import wait_until
+
+NUM_SLOTS = 16384
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """A cluster-enabled server: where clients and where the cluster bus reach it."""
+
+    host: str
+    port: int
+    bus_port: int
+
+
+def cluster_args(node: ClusterNode, config_file: str = "nodes.conf") -> list[str]:
+    """``redis-server`` arguments that make ``node`` a cluster member (its own nodes file)."""
+    return [
+        "--cluster-enabled", "yes", "--cluster-config-file", config_file,
+        "--cluster-port", str(node.bus_port),
+    ]  # fmt: skip
+
+
+def slot_ranges(num_masters: int) -> list[tuple[int, int]]:
+    """The slots of each master: consecutive, as equal as can be, covering them all."""
+    bounds = [NUM_SLOTS * i // num_masters for i in range(num_masters + 1)]
+    return [(bounds[i], bounds[i + 1] - 1) for i in range(num_masters)]
+
+
+def _info(client: redis.Redis) -> dict[str, str]:
+    info = client.cluster("INFO")
+    if isinstance(info, dict):
+        return {str(k): str(v) for k, v in info.items()}
+    return dict(line.split(":", 1) for line in info.decode().split() if ":" in line)
+
+
+def form_cluster(nodes: Sequence[ClusterNode], timeout_s: float) -> None:
+    """Make the nodes (each an empty master) one cluster, and wait until it is ``ok``."""
+    clients = [redis.Redis(host=n.host, port=n.port) for n in nodes]
+    try:
+        for client, (first, last) in zip(clients, slot_ranges(len(nodes)), strict=True):
+            client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+        for node in nodes[1:]:
+            clients[0].execute_command("CLUSTER", "MEET", node.host, node.port, node.bus_port)
+
+        def converged() -> bool:
+            return all(
+                i.get("cluster_state") == "ok"
+                and int(i.get("cluster_known_nodes", 0)) == len(nodes)
+                for i in map(_info, clients)
+            )
+
+        wait_until(converged, "the Redis Cluster to converge", timeout_s=timeout_s)
+    finally:
+        for client in clients:
+            client.close()
