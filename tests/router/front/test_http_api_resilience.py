@@ -34,6 +34,9 @@ BOUND_S = 30.0
 """Longest wait for something another task does (generous: a loaded 2-core machine)."""
 PROXY = ProxyConfig(connect_timeout_s=0.5, first_byte_timeout_s=1.0)
 """Fails a silent worker over in about 1.5 s."""
+SOONER_BOUND_S = 15.0
+"""A health poll's period and timeout (0.2 + 1 s) + the probe (0.5 s), with room for a
+loaded 2-core machine."""
 
 
 async def scrape(client: aiohttp.ClientSession) -> Samples:
@@ -406,6 +409,45 @@ def test_a_cut_off_worker_gets_no_client_trial_until_it_answers_again(
                 proxy=PROXY,
                 health_poll_s=0.2,
                 breaker=BreakerConfig(cooldown_s=0.5),
+            ) as (svc, client),
+        ):
+            await scenario(svc, client, ws)
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_worker_its_health_poll_finds_silent_fails_over_before_the_first_byte_timeout(
+    redis_url: str, namespace: str
+) -> None:
+    """A request waits on a worker that went silent; the router's next health poll gets no
+    answer either, so the request's worker is probed at once and the request fails over
+    in about the poll's period and timeout + the connect timeout, not the first-byte one."""
+    CutWorker.reconnected = asyncio.Event()
+    patient = ProxyConfig(connect_timeout_s=0.5, first_byte_timeout_s=60.0)
+
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        started = time.monotonic()
+        answers = [await post(client, "/v1/completions", {"prompt": f"p{i}"}) for i in range(2)]
+        took = time.monotonic() - started
+        assert [code for code, _ in answers] == [200, 200]  # w0's request failed over
+        assert ws[0].prompts == []
+        assert took < SOONER_BOUND_S < patient.first_byte_timeout_s
+        assert CutWorker.reconnected is not None
+        CutWorker.reconnected.set()  # its requests end: the servers stop without waiting
+
+    async def main() -> None:
+        async with (
+            echo_workers(2, CutWorker) as ws,
+            running_router(
+                redis_url,
+                namespace,
+                ws,
+                policy="round_robin",
+                proxy=patient,
+                health_poll_s=0.2,
             ) as (svc, client),
         ):
             await scenario(svc, client, ws)
