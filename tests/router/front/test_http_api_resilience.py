@@ -27,7 +27,14 @@ from router.front.service import RouterService
 from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRecord
 from tests.support.polling import eventually
-from tests.support.router_app import EchoWorker, echo_workers, post, run, running_router
+from tests.support.router_app import (
+    EchoWorker,
+    Scenario,
+    echo_workers,
+    post,
+    run,
+    running_router,
+)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 BOUND_S = 30.0
@@ -358,6 +365,23 @@ class CutWorker(EchoWorker):
         return await super().health(request)
 
 
+def with_cut_worker(redis_url: str, namespace: str, scenario: Scenario, **overrides: Any) -> None:
+    """Run ``scenario`` against a round-robin router (health polled every 0.2 s, the fast
+    ``PROXY`` unless overridden) over two :class:`CutWorker` s, w0 cut off until the
+    scenario reconnects it (at the end at the latest: the servers then stop at once)."""
+    CutWorker.reconnected = asyncio.Event()
+
+    async def cut(svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]) -> None:
+        assert CutWorker.reconnected is not None
+        try:
+            await scenario(svc, client, ws)
+        finally:
+            CutWorker.reconnected.set()
+
+    run(redis_url, namespace, cut, kind=CutWorker,
+        **{"policy": "round_robin", "proxy": PROXY, "health_poll_s": 0.2, **overrides})  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_cut_off_worker_gets_no_client_trial_until_it_answers_again(
     redis_url: str, namespace: str
@@ -365,7 +389,6 @@ def test_a_cut_off_worker_gets_no_client_trial_until_it_answers_again(
     """Its first request fails over and opens its circuit; past the cooldown no client
     request is its trial while it is still silent; once it answers the health poll again
     it is tried and served."""
-    CutWorker.reconnected = asyncio.Event()
 
     async def scenario(
         svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
@@ -398,22 +421,7 @@ def test_a_cut_off_worker_gets_no_client_trial_until_it_answers_again(
         await eventually(served_again, "w0 to be served again", timeout_s=BOUND_S)
         assert (await circuit())["state"] == "closed"
 
-    async def main() -> None:
-        async with (
-            echo_workers(2, CutWorker) as ws,
-            running_router(
-                redis_url,
-                namespace,
-                ws,
-                policy="round_robin",
-                proxy=PROXY,
-                health_poll_s=0.2,
-                breaker=BreakerConfig(cooldown_s=0.5),
-            ) as (svc, client),
-        ):
-            await scenario(svc, client, ws)
-
-    asyncio.run(main())
+    with_cut_worker(redis_url, namespace, scenario, breaker=BreakerConfig(cooldown_s=0.5))
 
 
 @pytest.mark.slow
@@ -423,7 +431,6 @@ def test_a_worker_its_health_poll_finds_silent_fails_over_before_the_first_byte_
     """A request waits on a worker that went silent; the router's next health poll gets no
     answer either, so the request's worker is probed at once and the request fails over
     in about the poll's period and timeout + the connect timeout, not the first-byte one."""
-    CutWorker.reconnected = asyncio.Event()
     patient = ProxyConfig(connect_timeout_s=0.5, first_byte_timeout_s=60.0)
 
     async def scenario(
@@ -435,24 +442,8 @@ def test_a_worker_its_health_poll_finds_silent_fails_over_before_the_first_byte_
         assert [code for code, _ in answers] == [200, 200]  # w0's request failed over
         assert ws[0].prompts == []
         assert took < SOONER_BOUND_S < patient.first_byte_timeout_s
-        assert CutWorker.reconnected is not None
-        CutWorker.reconnected.set()  # its requests end: the servers stop without waiting
 
-    async def main() -> None:
-        async with (
-            echo_workers(2, CutWorker) as ws,
-            running_router(
-                redis_url,
-                namespace,
-                ws,
-                policy="round_robin",
-                proxy=patient,
-                health_poll_s=0.2,
-            ) as (svc, client),
-        ):
-            await scenario(svc, client, ws)
-
-    asyncio.run(main())
+    with_cut_worker(redis_url, namespace, scenario, proxy=patient)
 
 
 @pytest.mark.slow
