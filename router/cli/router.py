@@ -229,7 +229,8 @@ def _flags() -> list[tuple[str, Callable[[str], Any], str]]:
          "began, and each is retried elsewhere if it got no byte yet. A long prompt's "
          "prefill comes before the first byte, and a non-streamed answer comes whole after "
          "its completion, so a worker that answers the probe is waited on: this bounds "
-         "failover from a frozen or cut-off worker (in about this + the connect timeout), "
+         "failover from a frozen or cut-off worker (in about this + the connect timeout; "
+         "sooner when the worker's health poll goes unanswered, which probes at once), "
          "not the length of a request; a busy worker costs one probe per this much silence "
          f"(default: {_PROXY.first_byte_timeout_s:g})"),
         ("--proxy-total-timeout-s", float, "seconds one proxied request may take, every "

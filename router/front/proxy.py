@@ -14,7 +14,10 @@ worker has not answered and nothing went to the client:
   and is waited on, probed again after each further ``first_byte_timeout_s`` of silence
   (:mod:`router.front.watchdog`). A probe that gets no answer gives up every attempt on
   that worker that has heard nothing from it since the probe began, not only its own: they
-  fail over together instead of each waiting out its own silence;
+  fail over together instead of each waiting out its own silence. The probe comes sooner
+  when the router's own health poll of the worker went unanswered (:meth:`WorkerProxy.suspect`):
+  a worker cut off is failed over in about the poll's period and timeout + the connect
+  timeout, well before the first-byte timeout;
 * a 503 that says the worker did not take the request: a ``Retry-After`` header, or a
   JSON error of type ``draining``, ``overloaded`` or ``unavailable`` (what a kvroute
   worker answers while shutting down).
@@ -425,6 +428,12 @@ class WorkerProxy:
             watched.discard(dog)
             if not watched and self._watched.get(target.worker_id) is watched:
                 del self._watched[target.worker_id]
+
+    def suspect(self, worker_id: WorkerId, silent_for_s: float) -> None:
+        """Another check found the worker silent: probe now each of its attempts that heard
+        nothing from it for ``silent_for_s`` (given up if the probe gets no answer either)."""
+        for dog in list(self._watched.get(worker_id, ())):
+            dog.check_now(silent_for_s)
 
     def _condemn(self, worker_id: WorkerId, verdict: str, since: float) -> None:
         """A probe found ``worker_id`` unreachable: give up its other silent attempts."""

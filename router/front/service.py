@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import aiohttp
 from aiohttp import web
@@ -74,6 +75,10 @@ from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
 __all__ = ["NoWorkersError", "Readiness", "Routed", "RouterService"]
 
 logger = logging.getLogger(__name__)
+
+_POLL_TIMEOUT_S: Final = 1.0
+"""How long a health poll waits for a worker's answer. A poll left unanswered has the proxy
+probe at once each request to that worker silent at least this long."""
 
 
 class NoWorkersError(RouterError):
@@ -267,7 +272,12 @@ class RouterService:
             self.metrics.registry,
         )
         self.poller = WorkerReportPoller(
-            self.load, self._session, cfg.health_poll_s, on_models=self.models.learn
+            self.load,
+            self._session,
+            cfg.health_poll_s,
+            timeout_s=_POLL_TIMEOUT_S,
+            on_models=self.models.learn,
+            on_silent=lambda wid: self.proxy.suspect(wid, _POLL_TIMEOUT_S),
         )
         if cfg.decision_log is not None:
             self._decision_log = DecisionLog(cfg.decision_log)
@@ -647,9 +657,7 @@ class RouterService:
         live = self._liveness
         for wid in live.overdue(list(self._records), self.poller.is_reachable, time.monotonic()):
             record = self._records[wid]
-            logger.warning(
-                "worker %s unreachable for %.0fs: dropping it", wid, live.dead_after_s
-            )
+            logger.warning("worker %s unreachable for %.0fs: dropping it", wid, live.dead_after_s)
             with contextlib.suppress(*INDEX_ERRORS):
                 await self.remove_worker(wid)
                 live.retire(record)

@@ -75,6 +75,17 @@ class SilenceWatchdog:
         """The worker sent something (the hot path's whole cost: one clock read)."""
         self._last = self._loop.time()
 
+    def check_now(self, silent_for_s: float) -> None:
+        """Probe the worker now, before the window ends, if nothing came from it for
+        ``silent_for_s`` (someone else found it silent); a probe in flight is enough."""
+        if self.verdict is not None or (self._probe is not None and not self._probe.done()):
+            return
+        now = self._loop.time()
+        if now - self._last >= silent_for_s:
+            self._timer.cancel()
+            silence = f"silent for {now - self._last:.1f} s (its health poll unanswered)"
+            self._probe = asyncio.ensure_future(self._probe_after_silence(now, silence))
+
     def condemn(self, verdict: str, since: float) -> None:
         """Another attempt's probe, begun at loop time ``since``, got no answer from the
         worker: give this attempt up too, unless it heard from the worker after that."""
@@ -103,7 +114,9 @@ class SilenceWatchdog:
         else:
             self._probe = asyncio.ensure_future(self._probe_after_silence(now))
 
-    async def _probe_after_silence(self, since: float) -> None:
+    async def _probe_after_silence(self, since: float, silence: str | None = None) -> None:
+        """Probe the worker, silent since before ``since`` (``silence`` says how, for the
+        verdict; the window by default); give it up if it does not answer."""
         alive = await self._probe_worker()
         if alive or self._last > since:  # it answered, or spoke meanwhile
             if alive:
@@ -113,10 +126,8 @@ class SilenceWatchdog:
         if self.verdict is not None:  # condemned meanwhile
             return
         self.unreachable = True
-        verdict = (
-            f"silent for {self._window_s:g} s and no answer to GET /health within "
-            f"{self._probe_timeout_s:g} s"
-        )
+        silence = silence or f"silent for {self._window_s:g} s"
+        verdict = f"{silence} and no answer to GET /health within {self._probe_timeout_s:g} s"
         self._give_up(verdict)
         if self._on_dead is not None:
             self._on_dead(verdict, since)

@@ -7,7 +7,8 @@ routers' own counts; a worker that gives no HTTP answer at all is marked unreach
 service drops it from routing after a while). Every ``models_interval_s`` (and first
 thing for a new worker) it also reads the worker's ``GET /v1/models`` and hands the
 entries to an ``on_models`` callback (a vLLM engine lists its LoRA adapters there too,
-and loads them at run time).
+and loads them at run time). Each poll that gets no answer is told to ``on_silent`` (the
+proxy checks its requests waiting on that worker at once).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class WorkerReportPoller:
         timeout_s: Per-request timeout.
         on_models: Hears each worker's model list when it is read.
         models_interval_s: Time between two reads of one worker's model list.
+        on_silent: Hears each worker whose poll got no HTTP answer at all.
     """
 
     def __init__(
@@ -104,8 +106,10 @@ class WorkerReportPoller:
         timeout_s: float = 1.0,
         on_models: ModelsCallback | None = None,
         models_interval_s: float = 10.0,
+        on_silent: Callable[[WorkerId], None] | None = None,
     ) -> None:
         self._tracker = tracker
+        self._on_silent = on_silent
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._on_models = on_models
@@ -151,6 +155,8 @@ class WorkerReportPoller:
                     self._unreachable.discard(worker_id)
                 else:
                     self._unreachable.add(worker_id)
+                    if self._on_silent is not None:
+                        self._on_silent(worker_id)
 
     async def read_models(self, worker_id: WorkerId) -> None:
         """Read one worker's ``GET /v1/models`` now and hand it to ``on_models``."""

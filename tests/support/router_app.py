@@ -170,12 +170,20 @@ Scenario = Callable[[RouterService, aiohttp.ClientSession, list[EchoWorker]], Aw
 """What :func:`run` runs: the service, a client bound to its URL, the echo workers."""
 
 
-def run(redis_url: str, namespace: str, scenario: Scenario, n: int = 2, **overrides: Any) -> None:
-    """Run ``scenario`` against a router over ``n`` echo workers (``overrides``: RouterConfig)."""
+def run(
+    redis_url: str,
+    namespace: str,
+    scenario: Scenario,
+    n: int = 2,
+    kind: type[EchoWorker] = EchoWorker,
+    **overrides: Any,
+) -> None:
+    """Run ``scenario`` against a router over ``n`` echo workers of ``kind``
+    (``overrides``: RouterConfig)."""
 
     async def main() -> None:
         async with (
-            echo_workers(n) as workers,
+            echo_workers(n, kind) as workers,
             running_router(redis_url, namespace, workers, **overrides) as (svc, client),
         ):
             await scenario(svc, client, workers)

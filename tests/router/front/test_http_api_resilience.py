@@ -27,13 +27,23 @@ from router.front.service import RouterService
 from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRecord
 from tests.support.polling import eventually
-from tests.support.router_app import EchoWorker, echo_workers, post, run, running_router
+from tests.support.router_app import (
+    EchoWorker,
+    Scenario,
+    echo_workers,
+    post,
+    run,
+    running_router,
+)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 BOUND_S = 30.0
 """Longest wait for something another task does (generous: a loaded 2-core machine)."""
 PROXY = ProxyConfig(connect_timeout_s=0.5, first_byte_timeout_s=1.0)
 """Fails a silent worker over in about 1.5 s."""
+SOONER_BOUND_S = 15.0
+"""A health poll's period and timeout (0.2 + 1 s) + the probe (0.5 s), with room for a
+loaded 2-core machine."""
 
 
 async def scrape(client: aiohttp.ClientSession) -> Samples:
@@ -355,6 +365,23 @@ class CutWorker(EchoWorker):
         return await super().health(request)
 
 
+def with_cut_worker(redis_url: str, namespace: str, scenario: Scenario, **overrides: Any) -> None:
+    """Run ``scenario`` against a round-robin router (health polled every 0.2 s, the fast
+    ``PROXY`` unless overridden) over two :class:`CutWorker` s, w0 cut off until the
+    scenario reconnects it (at the end at the latest: the servers then stop at once)."""
+    CutWorker.reconnected = asyncio.Event()
+
+    async def cut(svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]) -> None:
+        assert CutWorker.reconnected is not None
+        try:
+            await scenario(svc, client, ws)
+        finally:
+            CutWorker.reconnected.set()
+
+    run(redis_url, namespace, cut, kind=CutWorker,
+        **{"policy": "round_robin", "proxy": PROXY, "health_poll_s": 0.2, **overrides})  # fmt: skip
+
+
 @pytest.mark.slow
 def test_a_cut_off_worker_gets_no_client_trial_until_it_answers_again(
     redis_url: str, namespace: str
@@ -362,7 +389,6 @@ def test_a_cut_off_worker_gets_no_client_trial_until_it_answers_again(
     """Its first request fails over and opens its circuit; past the cooldown no client
     request is its trial while it is still silent; once it answers the health poll again
     it is tried and served."""
-    CutWorker.reconnected = asyncio.Event()
 
     async def scenario(
         svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
@@ -395,22 +421,29 @@ def test_a_cut_off_worker_gets_no_client_trial_until_it_answers_again(
         await eventually(served_again, "w0 to be served again", timeout_s=BOUND_S)
         assert (await circuit())["state"] == "closed"
 
-    async def main() -> None:
-        async with (
-            echo_workers(2, CutWorker) as ws,
-            running_router(
-                redis_url,
-                namespace,
-                ws,
-                policy="round_robin",
-                proxy=PROXY,
-                health_poll_s=0.2,
-                breaker=BreakerConfig(cooldown_s=0.5),
-            ) as (svc, client),
-        ):
-            await scenario(svc, client, ws)
+    with_cut_worker(redis_url, namespace, scenario, breaker=BreakerConfig(cooldown_s=0.5))
 
-    asyncio.run(main())
+
+@pytest.mark.slow
+def test_a_worker_its_health_poll_finds_silent_fails_over_before_the_first_byte_timeout(
+    redis_url: str, namespace: str
+) -> None:
+    """A request waits on a worker that went silent; the router's next health poll gets no
+    answer either, so the request's worker is probed at once and the request fails over
+    in about the poll's period and timeout + the connect timeout, not the first-byte one."""
+    patient = ProxyConfig(connect_timeout_s=0.5, first_byte_timeout_s=60.0)
+
+    async def scenario(
+        svc: RouterService, client: aiohttp.ClientSession, ws: list[EchoWorker]
+    ) -> None:
+        started = time.monotonic()
+        answers = [await post(client, "/v1/completions", {"prompt": f"p{i}"}) for i in range(2)]
+        took = time.monotonic() - started
+        assert [code for code, _ in answers] == [200, 200]  # w0's request failed over
+        assert ws[0].prompts == []
+        assert took < SOONER_BOUND_S < patient.first_byte_timeout_s
+
+    with_cut_worker(redis_url, namespace, scenario, proxy=patient)
 
 
 @pytest.mark.slow
