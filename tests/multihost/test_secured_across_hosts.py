@@ -5,10 +5,12 @@ The router requires CURVE (``--require-curve``: only workers registered with the
 server key are admitted, so only the holder of a worker's secret key can publish its
 events), guards inference with ``--api-key`` and registration with ``--admin-key``, and
 admits only workers on the hosts' network (``--allow-worker-net``). Each worker allows
-only the router's public key. Events flow over CURVE between hosts (cached prefixes are
-routed to and the index is exact), a worker registered over HTTP with its server key is
-served too, and every request without its credential, or for a worker outside the
-allowed network or without a server key, is refused.
+only the router's public key and guards its own endpoints with the workers' keys, which
+the router sends (``--worker-api-key-file`` with each request, ``--worker-admin-key-file``
+to read snapshots). Events flow over CURVE between hosts (cached prefixes are routed to and
+the index is exact), a worker registered over HTTP with its server key is served too, and
+every request without its credential, or for a worker outside the allowed network or
+without a server key, is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ pytest.importorskip("torch")
 CONVERGE_BOUND_S = 60.0
 API_KEY = "api-key-for-the-multihost-test"
 ADMIN_KEY = "admin-key-for-the-multihost-test"
+WORKER_KEYS = {"worker_api": "workers-api-key-between-hosts",
+               "worker_admin": "workers-admin-key-between-hosts"}  # fmt: skip
 NET = f"{SUBNET_PREFIX}0/24"
 MIN_CACHED_TOKENS = 16
 """A repeated 24-token prompt hits at least 4 of its 4-token blocks."""
@@ -58,7 +62,7 @@ def bearer(key: str) -> dict[str, str]:
 def test_curve_and_http_credentials_between_hosts(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     router_public, router_secret = make_keys(keys, "router")
-    for name, key in (("api", API_KEY), ("admin", ADMIN_KEY)):
+    for name, key in (("api", API_KEY), ("admin", ADMIN_KEY), *WORKER_KEYS.items()):
         (keys / name).write_text(key + "\n")
     with MultiHostCluster(tmp_path / "logs", num_workers=2) as cluster:
         w0, w1 = cluster.workers
@@ -66,13 +70,18 @@ def test_curve_and_http_credentials_between_hosts(tmp_path: Path) -> None:
         for w in (w0, w1):
             public[w.worker_id], secret = make_keys(keys, w.worker_id)
             cluster.start_worker(
-                w, "--curve-secret-key", str(secret), "--curve-allow", str(router_public)
-            )
+                w, "--curve-secret-key", str(secret), "--curve-allow", str(router_public),
+                "--api-key-file", str(keys / "worker_api"),
+                "--admin-key-file", str(keys / "worker_admin"),
+            )  # fmt: skip
+        cluster.check_args = ["--worker-admin-key-file", str(keys / "worker_admin")]
         router = cluster.start_router(
             "r0", [f"{w0.spec()},server_key={public['w0']}"],
             "--require-curve", "--client-key", str(router_secret),
             "--api-key-file", str(keys / "api"), "--admin-key-file", str(keys / "admin"),
             "--allow-worker-net", NET,
+            "--worker-api-key-file", str(keys / "worker_api"),
+            "--worker-admin-key-file", str(keys / "worker_admin"),
         )  # fmt: skip
         cluster.wait_healthy([w0.url, w1.url, router])
 
@@ -102,14 +111,19 @@ def test_curve_and_http_credentials_between_hosts(tmp_path: Path) -> None:
         added = post("/v1/workers", registration, ADMIN_KEY)
         workers = [(w.worker_id, w.url) for w in cluster.workers]
         prompts = {"w0": list(range(24)), "w1": list(range(100, 124))}
+        to_worker = bearer(WORKER_KEYS["worker_api"])
         for wid, w in (("w0", w0), ("w1", w1)):  # computed on each worker directly
-            cluster.call(post_json, f"{w.url}/v1/completions", {"prompt": prompts[wid]})
+            cluster.call(
+                post_json, f"{w.url}/v1/completions", {"prompt": prompts[wid]}, to_worker
+            )
         anonymous = post("/v1/completions", {"prompt": prompts["w0"]}, None)
+        unkeyed = cluster.call(post_json, f"{w0.url}/v1/completions", {"prompt": [1, 2]})
         fresh = unique_prompts(5, num_blocks=6)
 
         def poke() -> None:  # a batch that shows a gap if one went unseen meanwhile
             for w in (w0, w1):
-                cluster.call(post_json, f"{w.url}/v1/completions", {"prompt": next(fresh)})
+                body = {"prompt": next(fresh)}
+                cluster.call(post_json, f"{w.url}/v1/completions", body, to_worker)
 
         # Their events came over CURVE.
         wait_converged(cluster, workers, CONVERGE_BOUND_S, poke=poke)
@@ -123,6 +137,7 @@ def test_curve_and_http_credentials_between_hosts(tmp_path: Path) -> None:
     assert "has no server_key" in str(refused["no server key"][2])
     assert added[0] == 201
     assert anonymous[0] == 401
+    assert unkeyed[0] == 401  # the workers answer only whoever holds their keys
     for wid, (code, worker, answer) in routed.items():  # each to the worker that holds it
         assert (code, worker) == (200, wid)
         assert answer["usage"]["cached_tokens"] >= MIN_CACHED_TOKENS

@@ -119,6 +119,8 @@ class Cluster:
         self.num_workers = num_workers
         self.workers: list[WorkerPorts] = []
         self.routers: dict[str, int] = {}
+        self.check_args: list[str] = []
+        """More flags for every ``kvroute index check`` of the cluster (a workers' key)."""
 
     def address(self, name: str) -> str:
         """The address process ``name`` listens on."""
@@ -223,6 +225,7 @@ def index_report(cluster: Cluster, workers: Sequence[tuple[str, str]]) -> list[d
     argv = python_m(
         "index", "check", "--redis", cluster.redis_url, "--namespace", cluster.namespace,
         "--json", *[a for wid, url in workers for a in ("--worker", f"{wid}={url}")],
+        *cluster.check_args,
     )  # fmt: skip
     argv = cluster.place(CLIENT, argv)
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
