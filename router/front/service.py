@@ -43,8 +43,10 @@ from router.front.model_labels import ModelLabels
 from router.front.proxy import ProxyTarget, WorkerProxy
 from router.front.request_context import RequestContext
 from router.front.served import ServedLedger
+from router.front.targets import RankedTargets
 from router.front.tokenization import RequestTokenizer
 from router.front.tracing import Tracing
+from router.front.worker_view import CandidateSet, WorkerView
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.metrics import IngestMetrics
@@ -54,6 +56,7 @@ from router.load.reports import WorkerReportPoller
 from router.load.shared import RedisLoadTracker, SharedLoadConfig
 from router.routing.decider import DecisionInputs, decide
 from router.routing.policies import (
+    CandidateScore,
     Decision,
     RouteRequest,
     make_policy,
@@ -107,16 +110,21 @@ class Routed:
             serves it is credited with those of its size).
         num_prompt_tokens: Prompt length.
         num_output_tokens: Expected output tokens.
+        chosen: ``decision.chosen``, found once.
     """
 
     decision: Decision
-    targets: tuple[ProxyTarget, ...]
+    targets: Sequence[ProxyTarget]
     keys: RequestKeys
     num_prompt_tokens: int
     num_output_tokens: int
+    chosen: CandidateScore
 
     def prefill_of(self, worker_id: WorkerId) -> int:
         """Prompt tokens ``worker_id`` is expected to compute for this request."""
+        chosen = self.chosen
+        if worker_id == chosen.worker_id:  # nearly always: no scan of every candidate
+            return max(self.num_prompt_tokens - chosen.predicted_tokens, 0)
         for c in self.decision.candidates:
             if c.worker_id == worker_id:
                 return max(self.num_prompt_tokens - c.predicted_tokens, 0)
@@ -157,6 +165,7 @@ class RouterService:
         )
         self._shares = WorkShares(config.policy_config.weights.fair_share_half_life_s)
         self._records: dict[WorkerId, WorkerRecord] = {}
+        self._view = WorkerView(self._records, self.models)
         self._liveness = Liveness(config.dead_after_s or config.lease_ttl_s)
         self._decision_log: DecisionLog | None = None
         self._holds: set[asyncio.TimerHandle] = set()
@@ -355,7 +364,7 @@ class RouterService:
     @property
     def workers(self) -> list[WorkerRecord]:
         """Registered workers, sorted by id."""
-        return [self._records[w] for w in sorted(self._records)]
+        return list(self._view.sorted)
 
     async def add_worker(self, record: WorkerRecord, *, replace: bool = False) -> Outcome:
         """Register a worker (persisted in Redis) and start ingesting and routing to it.
@@ -401,10 +410,12 @@ class RouterService:
     def _set_worker(self, record: WorkerRecord) -> None:
         wid = record.worker_id
         self._records[wid] = record
+        self._view.changed()
         self.poller.set_worker(wid, record.http_url)
 
     def _drop_worker(self, worker_id: WorkerId) -> None:
         self._records.pop(worker_id, None)
+        self._view.changed()
         self.poller.set_worker(worker_id, None)
         self.models.forget(worker_id)
         self.breakers.forget(worker_id)
@@ -435,9 +446,9 @@ class RouterService:
 
     def proxied(self) -> list[WorkerRecord]:
         """Registered workers with an HTTP URL (events-only ones: nowhere to proxy)."""
-        return [r for r in self.workers if r.http_url]
+        return list(self._view.proxied)
 
-    def select_model(self, model: str | None) -> tuple[str | None, list[WorkerRecord]]:
+    def select_model(self, model: str | None) -> tuple[str | None, Sequence[WorkerRecord]]:
         """The model a request is for and the workers serving it (see
         :meth:`router.workers.models.WorkerModels.select`), circuits not considered.
 
@@ -447,14 +458,17 @@ class RouterService:
             router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
                 models are served.
         """
-        records = self.proxied()
-        if not records:
+        name, candidates = self._select(model)
+        return name, candidates.records
+
+    def _select(self, model: str | None) -> tuple[str | None, CandidateSet]:
+        if not self._view.proxied:
             raise NoWorkersError(
                 "no worker with an HTTP URL is registered: add one with POST /v1/workers"
             )
-        return self.models.select(records, model)
+        return self._view.select(model)
 
-    def _candidates(self, model: str | None) -> list[WorkerRecord]:
+    def _candidates(self, model: str | None) -> CandidateSet:
         """Workers a new request for ``model`` may go to.
 
         Raises:
@@ -463,14 +477,17 @@ class RouterService:
             router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
                 models are served.
         """
-        _, records = self.select_model(model)
+        _, candidates = self._select(model)
+        if self.breakers.all_closed:  # the common case: no per-worker check
+            return candidates
+        records = candidates.records
         routable = [r for r in records if self.breakers.routable(r.worker_id)]
         if not routable:
             raise NoWorkersError(
                 "every worker is failing and skipped for now: "
                 + "; ".join(self._circuit_text(r.worker_id) for r in records)
             )
-        return routable
+        return CandidateSet.of(routable)
 
     def _circuit_text(self, worker_id: WorkerId) -> str:
         view = self.breakers.view(worker_id)
@@ -512,12 +529,12 @@ class RouterService:
                 models are served.
         """
         started = time.perf_counter()
-        records = self._candidates(model)
+        candidates = self._candidates(model)
         # Keyed once per block size among the candidates, prefixes counted in blocks of
         # the smallest (see router.routing.request_keys): a worker registered with another block
         # size never changes what the others match.
-        keyed = key_request(self.keyer, token_ids, records, cache_salt)
-        workers = [r.worker_id for r in records]
+        keyed = key_request(self.keyer, token_ids, candidates.groups, cache_salt)
+        workers = candidates.worker_ids
         matches: Mapping[WorkerId, PrefixMatch] = {}
         if self.policy.uses_index and self.index_writable:
             matches = await self._lookup.matches(keyed)
@@ -543,15 +560,13 @@ class RouterService:
             session_bonus_tokens=sessions.config.bonus_tokens if sessions is not None else 0,
         )
         decision = decide(self.policy, inputs)
-        by_id = {r.worker_id: r for r in records}
-        targets = tuple(
-            ProxyTarget(c.worker_id, by_id[c.worker_id].http_url or "") for c in decision.ranked()
-        )
-        routed_ = Routed(decision, targets, keyed, len(token_ids), num_output_tokens)
+        targets = RankedTargets(decision, candidates.by_id)
+        chosen = decision.chosen
+        routed_ = Routed(decision, targets, keyed, len(token_ids), num_output_tokens, chosen)
         if record:
             self.credit(decision.worker_id, keyed.of(decision.worker_id))
             self._shares.add(decision.worker_id, decision.prefill_tokens, now)
-            self._record(decision, len(token_ids), context)
+            self._record(decision, chosen, len(token_ids), context)
         self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
         return routed_
 
@@ -568,9 +583,12 @@ class RouterService:
         return out
 
     def _record(
-        self, decision: Decision, num_prompt_tokens: int, context: RequestContext | None
+        self,
+        decision: Decision,
+        chosen: CandidateScore,
+        num_prompt_tokens: int,
+        context: RequestContext | None,
     ) -> None:
-        chosen = decision.chosen
         self.metrics.decisions.labels(decision.worker_id, decision.policy).inc()
         self.metrics.matched_tokens.labels(decision.worker_id).inc(chosen.matched_tokens)
         self.metrics.predicted_tokens.labels(decision.worker_id).inc(chosen.predicted_tokens)
