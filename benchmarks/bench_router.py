@@ -70,6 +70,7 @@ TARGET_WORKERS: Final = 64
 TARGET_ROUTE_P50_MS: Final = 0.7
 TARGET_DECIDE_P50_MS: Final = 0.25
 TARGET_SCALING: Final = 1.5
+HEALTH_POLL_S: Final = 5.0
 _ANSWER: Final = (
     b'{"object":"text_completion","choices":[{"index":0,"text":"ok","finish_reason":"length"}],'
     b'"usage":{"prompt_tokens":8192,"completion_tokens":1,"cached_tokens":0}}'
@@ -218,9 +219,17 @@ async def measure(redis_url: str, num_workers: int, requests: int, prompt: str =
         for i, url in enumerate(urls)
     ]
     await index_prompt(redis_url, namespace, records)
-    service = await RouterService.open(
-        RouterConfig(redis_url=redis_url, namespace=namespace, port=0)
+    # The echo workers answer their health polls on this event loop: polled every second
+    # (the default), 1,000 of them would measure their own answers, and a loaded box
+    # delays those past the point where the router drops a worker as dead.
+    config = RouterConfig(
+        redis_url=redis_url,
+        namespace=namespace,
+        port=0,
+        health_poll_s=HEALTH_POLL_S,
+        dead_after_s=3600.0,
     )
+    service = await RouterService.open(config)
     gc.freeze()  # as `kvroute router` does once started
     body = request_body(prompt)
     headers = {"Content-Type": "application/json"}

@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -539,9 +539,12 @@ class RouterService:
         if self.policy.uses_index and self.index_writable:
             matches = await self._lookup.matches(keyed)
         now = time.monotonic()
-        predicted = self._predicted_blocks(keyed, now) or {}
-        loads = await self.load.snapshot(workers)
-        recent = self._shares.snapshot(workers, now)
+        # Only the workers that differ from an idle one holding nothing are gathered (and
+        # scored: router.routing.decider), whatever the number of candidates.
+        positions = candidates.positions
+        predicted = self._predicted_blocks(keyed, positions, now) or {}
+        loads = self.load.busy(positions)
+        recent = self._shares.recorded(positions, now)
         sessions = self.sessions
         served_last = (
             sessions.worker_of(session, now)
@@ -558,6 +561,7 @@ class RouterService:
             recent,
             session_worker=served_last,
             session_bonus_tokens=sessions.config.bonus_tokens if sessions is not None else 0,
+            positions=positions,
         )
         decision = decide(self.policy, inputs)
         targets = RankedTargets(decision, candidates.by_id)
@@ -570,13 +574,17 @@ class RouterService:
         self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
         return routed_
 
-    def _predicted_blocks(self, keyed: RequestKeys, now: float) -> dict[WorkerId, int] | None:
+    def _predicted_blocks(
+        self, keyed: RequestKeys, candidates: Collection[WorkerId], now: float
+    ) -> dict[WorkerId, int] | None:
         """Predicted prefix lengths per candidate, in blocks of ``keyed.base`` tokens."""
         if self._predicted is None:
             return None
         out: dict[WorkerId, int] = {}
-        for size, members in keyed.groups.items():
-            found = self._predicted.lookup(keyed.keys[size], members, now)
+        groups = keyed.groups
+        for size, members in groups.items():
+            among = candidates if len(groups) == 1 else set(members)
+            found = self._predicted.lookup(keyed.keys[size], among, now)
             if size != keyed.base:
                 found = {w: n * size // keyed.base for w, n in found.items()}
             out.update(found)

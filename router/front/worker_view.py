@@ -35,19 +35,23 @@ class CandidateSet:
         records: The workers, sorted by id.
         worker_ids: Their ids, in the same order.
         by_id: Id -> record.
+        positions: Id -> its index in ``worker_ids``.
         groups: The workers grouped by block size (:mod:`router.routing.request_keys`).
     """
 
     records: Sequence[WorkerRecord]
     worker_ids: Sequence[WorkerId]
     by_id: Mapping[WorkerId, WorkerRecord]
+    positions: Mapping[WorkerId, int]
     groups: BlockSizeGroups
 
     @classmethod
     def of(cls, records: Sequence[WorkerRecord]) -> CandidateSet:
         """The set of ``records`` (not empty), in the order given."""
         ids = [r.worker_id for r in records]
-        return cls(records, ids, dict(zip(ids, records, strict=True)), group_by_block_size(records))
+        by_id = dict(zip(ids, records, strict=True))
+        positions = dict(zip(ids, range(len(ids)), strict=True))
+        return cls(records, ids, by_id, positions, group_by_block_size(records))
 
 
 class WorkerView:

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -159,7 +159,11 @@ class RedisLoadTracker:
             task.add_done_callback(self._pending.discard)
 
     def _add_local(self, worker_id: WorkerId, delta: WorkerLoad) -> None:
-        self._local[worker_id] = (self._local.get(worker_id, _IDLE) + delta).clamped()
+        load = (self._local.get(worker_id, _IDLE) + delta).clamped()
+        if load == _IDLE:  # idle workers are absent: busy() walks the busy ones only
+            self._local.pop(worker_id, None)
+        else:
+            self._local[worker_id] = load
 
     async def _publish_unsent(self) -> bool:
         deltas, self._unsent = self._unsent, {}
@@ -176,19 +180,26 @@ class RedisLoadTracker:
 
     async def snapshot(self, workers: Iterable[WorkerId]) -> Mapping[WorkerId, WorkerLoad]:
         """Each worker's load over all replicas, merged with what it reports itself."""
-        local, remote, reported = self._local, self._remote, self._reported
-        out: dict[WorkerId, WorkerLoad] = {}
-        for w in workers:
-            routed = local.get(w, _IDLE)
-            other = remote.get(w)
-            if other is not None:
-                routed = routed + other
-            own = reported.get(w)
-            if own is None:
-                out[w] = routed
-            else:  # reports are clamped, so the idle case needs no new object
-                out[w] = own if routed is _IDLE else _field_max(routed, own)
-        return out
+        return {w: self._load_of(w) for w in workers}
+
+    def busy(self, candidates: Container[WorkerId]) -> dict[WorkerId, WorkerLoad]:
+        """:meth:`snapshot` of the ``candidates`` that are not idle (the others: idle).
+
+        Costs O(busy workers), whatever the number of candidates.
+        """
+        busy = self._local.keys() | self._remote.keys() | self._reported.keys()
+        return {w: self._load_of(w) for w in busy if w in candidates}
+
+    def _load_of(self, worker_id: WorkerId) -> WorkerLoad:
+        routed = self._local.get(worker_id, _IDLE)
+        other = self._remote.get(worker_id)
+        if other is not None:
+            routed = routed + other
+        own = self._reported.get(worker_id)
+        if own is None:
+            return routed
+        # Reports are clamped, so the idle case needs no new object.
+        return own if routed is _IDLE else _field_max(routed, own)
 
     async def forget(self, worker_id: WorkerId) -> None:
         """Drop a worker's load on this replica (it left or restarted)."""
@@ -204,7 +215,11 @@ class RedisLoadTracker:
         if load is None:
             self._reported.pop(worker_id, None)
         else:
-            self._reported[worker_id] = load.clamped()
+            clamped = load.clamped()
+            if clamped == _IDLE:  # idle workers are absent: busy() walks the busy ones only
+                self._reported.pop(worker_id, None)
+            else:
+                self._reported[worker_id] = clamped
 
     async def refresh(self) -> None:
         """Heartbeat when due and re-read the other replicas' load now."""
@@ -257,7 +272,8 @@ class RedisLoadTracker:
                 if name in _FIELDS and worker:
                     slot = totals.setdefault(WorkerId(worker), [0, 0, 0])
                     slot[_FIELDS.index(name)] += int(raw_value)
-        self._remote = {w: WorkerLoad(*v).clamped() for w, v in totals.items()}
+        remote = {w: WorkerLoad(*v).clamped() for w, v in totals.items()}
+        self._remote = {w: load for w, load in remote.items() if load != _IDLE}
 
     async def _guard(self, op: Any, what: str) -> bool:
         """Await a Redis operation; on failure count it, log it and stop sharing."""
