@@ -33,7 +33,6 @@ Run: ``python -m benchmarks.bench_router`` (``--quick`` for a seconds-long smoke
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import os
 import sys
@@ -48,6 +47,7 @@ from aiohttp import web
 
 from benchmarks.environment import describe
 from events.schema import BlockStored, KVEventBatch
+from router.cli.event_loop import EVENT_LOOPS, run_on
 from router.front.config import RouterConfig
 from router.front.service import Routed, RouterService
 from router.index.base import PrefixMatch
@@ -301,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
         default=WORKER_COUNTS,
         help="cluster sizes, comma-separated (default: 1,8,64,1000)",
     )
+    parser.add_argument(
+        "--loop",
+        choices=EVENT_LOOPS,
+        default="asyncio",
+        help="event loop of the one process (default: asyncio; auto: uvloop when installed)",
+    )
     args = parser.parse_args(argv)
     requests = 40 if args.quick else args.requests
     binary = find_redis_server()
@@ -314,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p50s: dict[int, dict[str, float]] = {}
     with RedisServer(binary=binary) as server:
         for n in args.workers:
-            rows = asyncio.run(measure(server.url, n, requests, args.prompt))
+            rows = run_on(args.loop, measure(server.url, n, requests, args.prompt))
             bare, bare_cpu = (pct(samples, 0.5) for samples in rows["bare"])
             for name, (wall, cpu) in rows.items():
                 p50, p99, cpu50 = pct(wall, 0.5), pct(wall, 0.99), pct(cpu, 0.5)
