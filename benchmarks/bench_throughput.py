@@ -128,7 +128,7 @@ class LocalStack:
 # -- the bare proxy -----------------------------------------------------------------------
 
 
-def run_bare_proxy(port: int, upstreams: list[str]) -> None:
+def run_bare_proxy(port: int, upstreams: list[str], event_loop: str = "asyncio") -> None:
     """Serve a round-robin reverse proxy of ``POST /v1/completions`` and ``GET /health``."""
     cycle = itertools.cycle(upstreams)
 
@@ -152,7 +152,12 @@ def run_bare_proxy(port: int, upstreams: list[str]) -> None:
     app = web.Application()
     app.cleanup_ctx.append(open_session)
     app.add_routes([web.post("/v1/completions", forward), web.get("/health", forward)])
-    web.run_app(app, host=HOST, port=port, print=None, access_log=None)
+    loop = None
+    if event_loop == "uvloop":  # the router's loop, for a like-for-like baseline
+        import uvloop
+
+        loop = uvloop.new_event_loop()
+    web.run_app(app, host=HOST, port=port, print=None, access_log=None, loop=loop)
 
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -260,11 +265,17 @@ def main(argv: list[str] | None = None) -> int:
         "--prompt-tokens", type=int, default=128, help="tokens per prompt (default: 128)"
     )
     parser.add_argument("--log-dir", default=None, help="process logs (default: a temp dir)")
+    parser.add_argument(
+        "--event-loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="event loop of the router and of the bare proxy (default: asyncio)",
+    )
     parser.add_argument("--bare-proxy", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--upstream", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.bare_proxy:
-        run_bare_proxy(args.bare_proxy, args.upstream)
+        run_bare_proxy(args.bare_proxy, args.upstream, args.event_loop)
         return 0
     seconds = args.duration_s or (2.0 if args.quick else 20.0)
     clients = min(args.clients, 8) if args.quick else args.clients
@@ -273,14 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     print("bench_throughput:", describe(("aiohttp", "redis", "msgspec")))
     print(f"{args.workers} workers, {clients} closed-loop clients, {seconds:.0f} s per row, "
           f"{args.prompt_tokens}-token prompts, max_tokens 1; logs in {log_dir}")  # fmt: skip
-    with LocalStack(log_dir, num_workers=args.workers) as stack:
+    loop_args = ("--event-loop", args.event_loop)
+    print(f"event loop of the router and the bare proxy: {args.event_loop}")
+    with LocalStack(log_dir, num_workers=args.workers, router_args=loop_args) as stack:
         assert stack.group is not None
         proxy_port = free_port()
         upstreams = [a for url in stack.worker_urls for a in ("--upstream", url)]
         stack.group.start(
             "bare_proxy",
             [sys.executable, "-m", "benchmarks.bench_throughput",
-             "--bare-proxy", str(proxy_port), *upstreams],
+             "--bare-proxy", str(proxy_port), *upstreams, *loop_args],
         )  # fmt: skip
         proxy_url = f"http://{HOST}:{proxy_port}"
         asyncio.run(stack.wait_healthy([proxy_url]))

@@ -36,6 +36,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import resource
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -118,6 +119,15 @@ class _Worker:
     heard_s: float = field(default_factory=time.monotonic)
 
 
+def _open_file_limit() -> int:
+    """The process's soft limit on open files (0 where it cannot be read)."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return 0
+    return soft if soft != resource.RLIM_INFINITY else 0
+
+
 class EventSubscriber:
     """Subscribes to the KV event streams of many workers and feeds one sink.
 
@@ -134,6 +144,10 @@ class EventSubscriber:
         self._sink = sink
         self._config = config or SubscriberConfig()
         self._context = zmq.asyncio.Context()
+        # libzmq caps a context at 1,023 sockets by default: one SUB per worker would stop
+        # a router at ~1,000 workers (bench_router's 1,000-worker row). The process's
+        # open-file limit is the real bound.
+        self._context.max_sockets = max(self._context.max_sockets, _open_file_limit())
         self._workers: dict[WorkerId, _Worker] = {}
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None

@@ -48,6 +48,7 @@ from events.errors import EventsError
 from events.hashing import NATIVE_KEYS
 from events.schema import NATIVE_DECODE
 from router.cli.cost_flags import add_cost_arguments, cost_weights_from
+from router.cli.event_loop import EVENT_LOOPS, run_on
 from router.errors import PrefixIndexError, RouterError
 from router.front.access import exposure_warning
 from router.front.accuracy import AccuracyConfig
@@ -365,6 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
         meaning="make OpenTelemetry spans of each request's decision and proxying, children "
         "of its traceparent (needs pip install 'kvroute[otel]')",
     )
+    add_flag(
+        p,
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="auto",
+        meaning="the event loop: uvloop (pip install 'kvroute[fast]'), asyncio's own, or "
+        "auto: uvloop when installed",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
@@ -596,7 +605,7 @@ def main(argv: Sequence[str]) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return asyncio.run(_serve(args))
+        return run_on(args.event_loop, _serve(args))
     except (RouterError, EventsError, OSError, ValueError) as exc:
         logger.error("router failed: %s", exc)
         return 1

@@ -8,11 +8,11 @@ streams and the cache salt. ``null`` means the default, as in OpenAI's API.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 
-__all__ = ["CompletionBody", "RequestBody", "RouteBody", "TokenId"]
+__all__ = ["CompletionBody", "RequestBody", "RouteBody", "TokenId", "decode_token_ids_body"]
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=0xFFFF_FFFF)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
@@ -85,7 +85,51 @@ class CompletionBody(RequestBody, kw_only=True):
         )
 
 
+B = TypeVar("B", bound="CompletionBody")
+
+
 class RouteBody(CompletionBody, kw_only=True):
     """A ``/v1/route`` body: a completion plus ``dry_run``."""
 
     dry_run: bool = False
+
+
+class _CompletionIds(CompletionBody, kw_only=True):
+    """A :class:`CompletionBody` whose prompt is one list of token ids."""
+
+    prompt: list[TokenId]  # type: ignore[assignment]  # narrower: one prompt of ids
+
+    def prompts(self) -> list[str | list[int]]:
+        """The one prompt."""
+        return [self.prompt]
+
+
+class _RouteIds(RouteBody, kw_only=True):
+    """A :class:`RouteBody` whose prompt is one list of token ids."""
+
+    prompt: list[TokenId]  # type: ignore[assignment]  # narrower: one prompt of ids
+
+    def prompts(self) -> list[str | list[int]]:
+        """The one prompt."""
+        return [self.prompt]
+
+
+_TOKEN_IDS_DECODERS: Final[dict[type, msgspec.json.Decoder[Any]]] = {
+    CompletionBody: msgspec.json.Decoder(_CompletionIds),
+    RouteBody: msgspec.json.Decoder(_RouteIds),
+}
+
+
+def decode_token_ids_body(raw: bytes, kind: type[B]) -> B | None:
+    """``raw`` as ``kind`` when its prompt is one list of token ids, else ``None`` (then
+    decode it as ``kind``, which says what is wrong, if anything).
+
+    The usual prompt of a gateway is validated in C this way: telling the shapes of the
+    general ``prompt`` apart costs a Python check per token (~1.3 ms for 8,192 ids,
+    ``bench_router``).
+    """
+    try:
+        body: B = _TOKEN_IDS_DECODERS[kind].decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return body

@@ -113,6 +113,12 @@ class CircuitBreakers:
             return CircuitState.OPEN
         return CircuitState.HALF_OPEN
 
+    @property
+    def all_closed(self) -> bool:
+        """Whether every worker's circuit is closed (every worker routable)."""
+        # NOTE: only workers that failed since their last success have a circuit here.
+        return all(c.open_until is None for c in self._circuits.values())
+
     def routable(self, worker_id: WorkerId) -> bool:
         """Whether a new request may be sent to the worker now (without claiming a trial)."""
         state = self.state(worker_id)

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from router.front.api_requests import ApiError, decode_body, read_body
 from router.front.batch import merge_answers, prompt_body
-from router.front.bodies import CompletionBody, RequestBody, RouteBody
+from router.front.bodies import CompletionBody, RequestBody, RouteBody, decode_token_ids_body
 from router.front.chat import ChatBody, chat_problem
 from router.front.hops import hop_refusal, next_hops
 from router.front.identity import context_of
@@ -107,7 +107,7 @@ class OpenAIHandlers:
                 model=body.model, context=ctx, session=session,
             )  # fmt: skip
             if span is not None:  # no attributes built while tracing is off
-                chosen = routed.decision.chosen
+                chosen = routed.chosen
                 tracing.annotate(span, {
                     "kvroute.worker": chosen.worker_id, "kvroute.policy": routed.decision.policy,
                     "kvroute.prompt_tokens": len(tokens),
@@ -167,7 +167,7 @@ class OpenAIHandlers:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         hops = self.check_hops(request)
         raw = await read_body(request, self.limits)
-        body: CompletionBody = decode_body(raw, CompletionBody)
+        body = decode_token_ids_body(raw, CompletionBody) or decode_body(raw, CompletionBody)
         self._check_output(body)
         try:
             prompts = body.prompts()
@@ -269,7 +269,8 @@ class OpenAIHandlers:
         return response
 
     async def route(self, request: web.Request) -> web.Response:
-        body: RouteBody = decode_body(await read_body(request, self.limits), RouteBody)
+        raw = await read_body(request, self.limits)
+        body = decode_token_ids_body(raw, RouteBody) or decode_body(raw, RouteBody)
         self._check_output(body)
         try:
             prompts = body.prompts()
@@ -288,7 +289,7 @@ class OpenAIHandlers:
         answer = {
             "worker_id": decision.worker_id,
             "url": routed.targets[0].url,
-            "matched_tokens": decision.chosen.matched_tokens,
+            "matched_tokens": routed.chosen.matched_tokens,
             "candidates": decision.candidates,
         }
         return web.Response(body=msgspec.json.encode(answer), content_type="application/json")

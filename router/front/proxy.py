@@ -48,7 +48,7 @@ import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
 import aiohttp
 import msgspec
@@ -59,6 +59,7 @@ from events.identity import WorkerId
 from router.errors import RouterError
 from router.front.breaker import CircuitBreakers
 from router.front.hops import HOPS_HEADER
+from router.front.stream_usage import NULL_USAGE_TAIL
 from router.front.watchdog import SilenceWatchdog
 
 __all__ = [
@@ -551,7 +552,8 @@ class WorkerProxy:
             while line:
                 if line.startswith(b"data:"):
                     data = line[5:].strip()
-                    if b'"usage"' in data:
+                    # A chunk ending in "usage":null has none: not decoded at all.
+                    if b'"usage"' in data and not data.endswith(NULL_USAGE_TAIL):
                         usage, model = _usage_of(data)
                         if usage is not None:
                             answer.usage, answer.model = usage, model
@@ -586,15 +588,24 @@ class WorkerProxy:
         return answer
 
 
+class _Reported(msgspec.Struct):
+    """The fields of a completion the router reads (the rest is skipped, not decoded)."""
+
+    usage: Any = None
+    model: Any = None
+
+
+_reported = msgspec.json.Decoder(_Reported)
+
+
 def _usage_of(raw: bytes) -> tuple[dict[str, object] | None, str | None]:
     """The ``usage`` object of a completion body or chunk, and its ``model``, if any."""
     try:
-        body = msgspec.json.decode(raw)
-    except msgspec.DecodeError:
+        # Only usage and model become Python objects: the choices' text is skipped.
+        body = _reported.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):  # not JSON, or not an object
         return None, None
-    if not isinstance(body, dict):
-        return None, None
-    usage, model = body.get("usage"), body.get("model")
+    usage, model = body.usage, body.model
     return (
         usage if isinstance(usage, dict) else None,
         model if isinstance(model, str) else None,

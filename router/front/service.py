@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -44,8 +44,10 @@ from router.front.model_labels import ModelLabels
 from router.front.proxy import ProxyTarget, WorkerProxy
 from router.front.request_context import RequestContext
 from router.front.served import ServedLedger
+from router.front.targets import RankedTargets
 from router.front.tokenization import RequestTokenizer
 from router.front.tracing import Tracing
+from router.front.worker_view import CandidateSet, WorkerView
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
@@ -56,6 +58,7 @@ from router.load.reports import WorkerReportPoller
 from router.load.shared import RedisLoadTracker, SharedLoadConfig
 from router.routing.decider import DecisionInputs, decide
 from router.routing.policies import (
+    CandidateScore,
     Decision,
     RouteRequest,
     make_policy,
@@ -113,16 +116,21 @@ class Routed:
             serves it is credited with those of its size).
         num_prompt_tokens: Prompt length.
         num_output_tokens: Expected output tokens.
+        chosen: ``decision.chosen``, found once.
     """
 
     decision: Decision
-    targets: tuple[ProxyTarget, ...]
+    targets: Sequence[ProxyTarget]
     keys: RequestKeys
     num_prompt_tokens: int
     num_output_tokens: int
+    chosen: CandidateScore
 
     def prefill_of(self, worker_id: WorkerId) -> int:
         """Prompt tokens ``worker_id`` is expected to compute for this request."""
+        chosen = self.chosen
+        if worker_id == chosen.worker_id:  # nearly always: no scan of every candidate
+            return max(self.num_prompt_tokens - chosen.predicted_tokens, 0)
         for c in self.decision.candidates:
             if c.worker_id == worker_id:
                 return max(self.num_prompt_tokens - c.predicted_tokens, 0)
@@ -163,6 +171,7 @@ class RouterService:
         )
         self._shares = WorkShares(config.policy_config.weights.fair_share_half_life_s)
         self._records: dict[WorkerId, WorkerRecord] = {}
+        self._view = WorkerView(self._records, self.models)
         self._liveness = Liveness(config.dead_after_s or config.lease_ttl_s)
         self._decision_log: DecisionLog | None = None
         self._holds: set[asyncio.TimerHandle] = set()
@@ -370,7 +379,7 @@ class RouterService:
     @property
     def workers(self) -> list[WorkerRecord]:
         """Registered workers, sorted by id."""
-        return [self._records[w] for w in sorted(self._records)]
+        return list(self._view.sorted)
 
     async def add_worker(self, record: WorkerRecord, *, replace: bool = False) -> Outcome:
         """Register a worker (persisted in Redis) and start ingesting and routing to it.
@@ -416,10 +425,12 @@ class RouterService:
     def _set_worker(self, record: WorkerRecord) -> None:
         wid = record.worker_id
         self._records[wid] = record
+        self._view.changed()
         self.poller.set_worker(wid, record.http_url)
 
     def _drop_worker(self, worker_id: WorkerId) -> None:
         self._records.pop(worker_id, None)
+        self._view.changed()
         self.poller.set_worker(worker_id, None)
         self.models.forget(worker_id)
         self.breakers.forget(worker_id)
@@ -450,9 +461,9 @@ class RouterService:
 
     def proxied(self) -> list[WorkerRecord]:
         """Registered workers with an HTTP URL (events-only ones: nowhere to proxy)."""
-        return [r for r in self.workers if r.http_url]
+        return list(self._view.proxied)
 
-    def select_model(self, model: str | None) -> tuple[str | None, list[WorkerRecord]]:
+    def select_model(self, model: str | None) -> tuple[str | None, Sequence[WorkerRecord]]:
         """The model a request is for and the workers serving it (see
         :meth:`router.workers.models.WorkerModels.select`), circuits not considered.
 
@@ -462,14 +473,17 @@ class RouterService:
             router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
                 models are served.
         """
-        records = self.proxied()
-        if not records:
+        name, candidates = self._select(model)
+        return name, candidates.records
+
+    def _select(self, model: str | None) -> tuple[str | None, CandidateSet]:
+        if not self._view.proxied:
             raise NoWorkersError(
                 "no worker with an HTTP URL is registered: add one with POST /v1/workers"
             )
-        return self.models.select(records, model)
+        return self._view.select(model)
 
-    def _candidates(self, model: str | None) -> list[WorkerRecord]:
+    def _candidates(self, model: str | None) -> CandidateSet:
         """Workers a new request for ``model`` may go to.
 
         Raises:
@@ -478,14 +492,17 @@ class RouterService:
             router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
                 models are served.
         """
-        _, records = self.select_model(model)
+        _, candidates = self._select(model)
+        if self.breakers.all_closed:  # the common case: no per-worker check
+            return candidates
+        records = candidates.records
         routable = [r for r in records if self._routable(r.worker_id)]
         if not routable:
             raise NoWorkersError(
                 "every worker is failing and skipped for now: "
                 + "; ".join(self._circuit_text(r.worker_id) for r in records)
             )
-        return routable
+        return CandidateSet.of(routable)
 
     def _routable(self, worker_id: WorkerId) -> bool:
         """Whether new requests may go to the worker: its circuit admits them, and one
@@ -538,19 +555,22 @@ class RouterService:
                 models are served.
         """
         started = time.perf_counter()
-        records = self._candidates(model)
+        candidates = self._candidates(model)
         # Keyed once per block size among the candidates, prefixes counted in blocks of
         # the smallest (see router.routing.request_keys): a worker registered with another block
         # size never changes what the others match.
-        keyed = key_request(self.keyer, token_ids, records, cache_salt)
-        workers = [r.worker_id for r in records]
+        keyed = key_request(self.keyer, token_ids, candidates.groups, cache_salt)
+        workers = candidates.worker_ids
         matches: Mapping[WorkerId, PrefixMatch] = {}
         if self.policy.uses_index and self.index_writable:
             matches = await self._lookup.matches(keyed)
         now = time.monotonic()
-        predicted = self._predicted_blocks(keyed, now) or {}
-        loads = await self.load.snapshot(workers)
-        recent = self._shares.snapshot(workers, now)
+        # Only the workers that differ from an idle one holding nothing are gathered (and
+        # scored: router.routing.decider), whatever the number of candidates.
+        positions = candidates.positions
+        predicted = self._predicted_blocks(keyed, positions, now) or {}
+        loads = self.load.busy(positions)
+        recent = self._shares.recorded(positions, now)
         sessions = self.sessions
         served_last = (
             sessions.worker_of(session, now)
@@ -567,36 +587,42 @@ class RouterService:
             recent,
             session_worker=served_last,
             session_bonus_tokens=sessions.config.bonus_tokens if sessions is not None else 0,
+            positions=positions,
         )
         decision = decide(self.policy, inputs)
-        by_id = {r.worker_id: r for r in records}
-        targets = tuple(
-            ProxyTarget(c.worker_id, by_id[c.worker_id].http_url or "") for c in decision.ranked()
-        )
-        routed_ = Routed(decision, targets, keyed, len(token_ids), num_output_tokens)
+        targets = RankedTargets(decision, candidates.by_id)
+        chosen = decision.chosen
+        routed_ = Routed(decision, targets, keyed, len(token_ids), num_output_tokens, chosen)
         if record:
             self.credit(decision.worker_id, keyed.of(decision.worker_id))
             self._shares.add(decision.worker_id, decision.prefill_tokens, now)
-            self._record(decision, len(token_ids), context)
+            self._record(decision, chosen, len(token_ids), context)
         self.metrics.decision_seconds.labels(decision.policy).observe(time.perf_counter() - started)
         return routed_
 
-    def _predicted_blocks(self, keyed: RequestKeys, now: float) -> dict[WorkerId, int] | None:
+    def _predicted_blocks(
+        self, keyed: RequestKeys, candidates: Collection[WorkerId], now: float
+    ) -> dict[WorkerId, int] | None:
         """Predicted prefix lengths per candidate, in blocks of ``keyed.base`` tokens."""
         if self._predicted is None:
             return None
         out: dict[WorkerId, int] = {}
-        for size, members in keyed.groups.items():
-            found = self._predicted.lookup(keyed.keys[size], members, now)
+        groups = keyed.groups
+        for size, members in groups.items():
+            among = candidates if len(groups) == 1 else set(members)
+            found = self._predicted.lookup(keyed.keys[size], among, now)
             if size != keyed.base:
                 found = {w: n * size // keyed.base for w, n in found.items()}
             out.update(found)
         return out
 
     def _record(
-        self, decision: Decision, num_prompt_tokens: int, context: RequestContext | None
+        self,
+        decision: Decision,
+        chosen: CandidateScore,
+        num_prompt_tokens: int,
+        context: RequestContext | None,
     ) -> None:
-        chosen = decision.chosen
         self.metrics.decisions.labels(decision.worker_id, decision.policy).inc()
         self.metrics.matched_tokens.labels(decision.worker_id).inc(chosen.matched_tokens)
         self.metrics.predicted_tokens.labels(decision.worker_id).inc(chosen.predicted_tokens)

@@ -19,10 +19,13 @@ from typing import Any, Final
 
 import msgspec
 
-__all__ = ["UsageStripper", "ask_for_usage", "usage_asked"]
+__all__ = ["NULL_USAGE_TAIL", "UsageStripper", "ask_for_usage", "usage_asked"]
 
 _ASK: Final = b'"stream_options":{"include_usage":true},'
 _DONE: Final = b"[DONE]"
+NULL_USAGE_TAIL: Final = b',"usage":null}'
+"""How a chunk before the usage chunk ends (vLLM's and kvroute's compact JSON): its last
+member is ``"usage": null`` (no JSON string can hold these bytes unescaped)."""
 
 
 def usage_asked(stream_options: Any) -> bool:
@@ -69,6 +72,8 @@ class UsageStripper:
         """One ``data:`` payload of the stream; ``None`` drops the event."""
         if data == _DONE or b'"usage"' not in data:
             return data
+        if data.endswith(NULL_USAGE_TAIL):  # cut as bytes: no decode, no re-encode
+            return data[: -len(NULL_USAGE_TAIL)] + b"}"
         try:
             chunk = msgspec.json.decode(data)
         except msgspec.DecodeError:

@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -36,6 +36,7 @@ from events.rate_limited_log import RateLimitedLog
 from router.errors import RouterError
 from router.load.model import WorkerLoad
 from router.store.connection import RedisClient
+from router.store.scripts import ADD_LOAD, Script
 from router.tasks.periodic import Periodic
 from router.workers.registry import live_members
 
@@ -43,6 +44,7 @@ __all__ = ["RedisLoadTracker", "SharedLoadConfig"]
 
 logger = logging.getLogger(__name__)
 
+_add_load = Script(ADD_LOAD)
 _FIELDS: Final = ("r", "p", "d")  # num_requests, queued_prefill_tokens, decode_tokens
 _IDLE: Final = WorkerLoad()
 _LOG_INTERVAL_S: Final = 10.0
@@ -159,36 +161,48 @@ class RedisLoadTracker:
             task.add_done_callback(self._pending.discard)
 
     def _add_local(self, worker_id: WorkerId, delta: WorkerLoad) -> None:
-        self._local[worker_id] = (self._local.get(worker_id, _IDLE) + delta).clamped()
+        load = (self._local.get(worker_id, _IDLE) + delta).clamped()
+        if load == _IDLE:  # idle workers are absent: busy() walks the busy ones only
+            self._local.pop(worker_id, None)
+        else:
+            self._local[worker_id] = load
 
     async def _publish_unsent(self) -> bool:
         deltas, self._unsent = self._unsent, {}
         return await self._publish(deltas)
 
     async def _publish(self, deltas: Mapping[WorkerId, WorkerLoad]) -> bool:
-        pipe = self._client.pipeline(transaction=False)
+        # One script call, not a pipeline of HINCRBYs: a request's increments cost one
+        # command to pack and one reply to parse (bench_router, proxied rows).
+        args: list[str | int] = [int(self.config.ttl_s * 1000)]
         for worker_id, delta in deltas.items():
             for name, value in zip(_FIELDS, _values(delta), strict=True):
                 if value:
-                    pipe.hincrby(self._own_key, f"{name}:{worker_id}", value)
-        pipe.pexpire(self._own_key, int(self.config.ttl_s * 1000))
-        return await self._guard(pipe.execute(), "add")
+                    args += (f"{name}:{worker_id}", value)
+        return await self._guard(_add_load(self._client, [self._own_key], args), "add")
 
     async def snapshot(self, workers: Iterable[WorkerId]) -> Mapping[WorkerId, WorkerLoad]:
         """Each worker's load over all replicas, merged with what it reports itself."""
-        local, remote, reported = self._local, self._remote, self._reported
-        out: dict[WorkerId, WorkerLoad] = {}
-        for w in workers:
-            routed = local.get(w, _IDLE)
-            other = remote.get(w)
-            if other is not None:
-                routed = routed + other
-            own = reported.get(w)
-            if own is None:
-                out[w] = routed
-            else:  # reports are clamped, so the idle case needs no new object
-                out[w] = own if routed is _IDLE else _field_max(routed, own)
-        return out
+        return {w: self._load_of(w) for w in workers}
+
+    def busy(self, candidates: Container[WorkerId]) -> dict[WorkerId, WorkerLoad]:
+        """:meth:`snapshot` of the ``candidates`` that are not idle (the others: idle).
+
+        Costs O(busy workers), whatever the number of candidates.
+        """
+        busy = self._local.keys() | self._remote.keys() | self._reported.keys()
+        return {w: self._load_of(w) for w in busy if w in candidates}
+
+    def _load_of(self, worker_id: WorkerId) -> WorkerLoad:
+        routed = self._local.get(worker_id, _IDLE)
+        other = self._remote.get(worker_id)
+        if other is not None:
+            routed = routed + other
+        own = self._reported.get(worker_id)
+        if own is None:
+            return routed
+        # Reports are clamped, so the idle case needs no new object.
+        return own if routed is _IDLE else _field_max(routed, own)
 
     async def forget(self, worker_id: WorkerId) -> None:
         """Drop a worker's load on this replica (it left or restarted)."""
@@ -204,7 +218,11 @@ class RedisLoadTracker:
         if load is None:
             self._reported.pop(worker_id, None)
         else:
-            self._reported[worker_id] = load.clamped()
+            clamped = load.clamped()
+            if clamped == _IDLE:  # idle workers are absent: busy() walks the busy ones only
+                self._reported.pop(worker_id, None)
+            else:
+                self._reported[worker_id] = clamped
 
     async def refresh(self) -> None:
         """Heartbeat when due and re-read the other replicas' load now."""
@@ -257,7 +275,8 @@ class RedisLoadTracker:
                 if name in _FIELDS and worker:
                     slot = totals.setdefault(WorkerId(worker), [0, 0, 0])
                     slot[_FIELDS.index(name)] += int(raw_value)
-        self._remote = {w: WorkerLoad(*v).clamped() for w, v in totals.items()}
+        remote = {w: WorkerLoad(*v).clamped() for w, v in totals.items()}
+        self._remote = {w: load for w, load in remote.items() if load != _IDLE}
 
     async def _guard(self, op: Any, what: str) -> bool:
         """Await a Redis operation; on failure count it, log it and stop sharing."""

@@ -246,6 +246,7 @@ def score_candidates(
     credited_tokens: Sequence[int] | None = None,
     recent: Sequence[RecentWork] | None = None,
     session_tokens: Sequence[int] | None = None,
+    num_candidates: int | None = None,
 ) -> list[CostBreakdown]:
     """Score sending a request to each of several candidates (the one scoring loop).
 
@@ -264,6 +265,9 @@ def score_candidates(
             such term (as with ``weights.fair_share == 0``).
         session_tokens: Per candidate, its session-affinity credit in tokens; ``None``:
             all 0.
+        num_candidates: How many candidates the decision has (default: those given);
+            more when the others were left out because they are idle, hold nothing and
+            did no recent work, as the fair-share term counts them all.
 
     Returns:
         One breakdown per candidate, in the order given.
@@ -281,16 +285,17 @@ def score_candidates(
     w_share = weights.prefill * unit
     works: Sequence[RecentWork] = recent if recent is not None else [_IDLE_WORK] * len(loads)
     total_requests = sum([r.requests for r in works]) if recent is not None else 0.0
+    count = len(loads) if num_candidates is None else num_candidates
     # Without any recent work (no record kept, or none yet) there is nothing to balance.
-    fair = w_share > 0 and len(loads) > 1 and total_requests > 0
+    fair = w_share > 0 and count > 1 and total_requests > 0
     # Fair-share constants (see CostBreakdown.excess_share): with this request routed,
     # requests R = total + 1; the mean share of requests is R / n + PRIOR, and of tokens
     # T * k where T = total tokens + this candidate's prefill and k = 1 / n + PRIOR / R.
     balance = weights.balance_factor
     requests_after = total_requests + 1
     total_tokens = sum([r.prefill_tokens for r in works]) if fair else 0.0
-    mean_requests = requests_after / len(loads) + PRIOR_REQUESTS
-    per_token_mean = 1 / len(loads) + PRIOR_REQUESTS / requests_after
+    mean_requests = requests_after / count + PRIOR_REQUESTS
+    per_token_mean = 1 / count + PRIOR_REQUESTS / requests_after
     prior_per_token = PRIOR_REQUESTS / requests_after
     out = []
     for cached, shared, load, credit, work, session in zip(
@@ -377,7 +382,9 @@ def score_candidate(
     )[0]
 
 
-def replicated_blocks(prefix_blocks: Sequence[int], holders: int) -> list[int]:
+def replicated_blocks(
+    prefix_blocks: Sequence[int], holders: int, num_candidates: int | None = None
+) -> list[int]:
     """Per candidate, the blocks beyond its own prefix that ``holders`` others hold.
 
     Block ``i`` counts for candidate ``c`` when ``c`` lacks it and at least ``holders``
@@ -387,11 +394,13 @@ def replicated_blocks(prefix_blocks: Sequence[int], holders: int) -> list[int]:
     Args:
         prefix_blocks: Each candidate's cached prefix length in blocks.
         holders: The replication threshold (``CostWeights.replicated_holders``).
+        num_candidates: How many candidates there are (default: those given); the
+            others hold 0 blocks.
     """
     ranked = sorted(prefix_blocks, reverse=True)
-    if len(ranked) < holders:
+    if (len(ranked) if num_candidates is None else num_candidates) < holders:
         return [0] * len(prefix_blocks)
-    line = ranked[holders - 1]
+    line = ranked[holders - 1] if holders <= len(ranked) else 0
     return [line - n if n < line else 0 for n in prefix_blocks]  # no max(): per candidate
 
 

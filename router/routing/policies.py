@@ -314,8 +314,16 @@ class CostPolicy:
         self._rng = random.Random(config.seed)
         self._turn = 0
 
-    def decide(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        """Choose the candidate with the lowest cost (or sample near-best ones)."""
+    @property
+    def samples(self) -> bool:
+        """Whether it samples near-best candidates (a temperature above 0)."""
+        return self._weights.temperature > 0
+
+    def _costs(
+        self, request: RouteRequest, candidates: Sequence[Candidate], num_candidates: int
+    ) -> list[CostBreakdown]:
+        """The cost of each of ``candidates``, among ``num_candidates`` in all (the others
+        idle, holding nothing, without recent work)."""
         weights = self._weights
         bs = request.block_size
         credited = [c.num_predicted_blocks * bs for c in candidates]
@@ -335,17 +343,23 @@ class CostPolicy:
         else:
             blocks = [c.num_predicted_blocks for c in candidates]
             cached = [float(t) for t in credited]
-        shared = [n * bs for n in replicated_blocks(blocks, weights.replicated_holders)]
-        costs = score_candidates(
+        replicated = replicated_blocks(blocks, weights.replicated_holders, num_candidates)
+        return score_candidates(
             request.num_prompt_tokens,
             cached,
-            shared,
+            [n * bs for n in replicated],
             [c.load for c in candidates],
             weights,
             credited,
             [c.recent for c in candidates] if weights.fair_share > 0 else None,
             [c.session_bonus_tokens for c in candidates],
+            num_candidates,
         )
+
+    def decide(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """Choose the candidate with the lowest cost (or sample near-best ones)."""
+        weights = self._weights
+        costs = self._costs(request, candidates, len(candidates))
         scores = [c.score for c in costs]
         index = choose(
             scores,
@@ -357,6 +371,71 @@ class CostPolicy:
         self._turn += 1
         prefill = math.ceil(costs[index].prefill_tokens)
         return _decision(self.name, request, candidates, scores, index, prefill, costs, weights)
+
+    def decide_sparse(
+        self,
+        request: RouteRequest,
+        workers: Sequence[WorkerId],
+        special: Sequence[tuple[int, Candidate]],
+    ) -> Decision:
+        """:meth:`decide` on every worker of ``workers``, given only the candidates that
+        differ from an idle worker holding nothing (``(position in workers, candidate)``,
+        by position); the others are ``Candidate(worker_id)``.
+
+        The same decision as :meth:`decide` on all of them, scoring the others once: they
+        all cost the same. Costs O(special candidates) but for building the decision's
+        list of every candidate. Not for a policy that :attr:`samples`.
+        """
+        assert not self.samples, "sampling draws over every candidate: use decide()"
+        n = len(workers)
+        positions = [pos for pos, _ in special]
+        scored = [c for _, c in special]
+        num_plain = n - len(special)
+        if num_plain:  # one stands for them all
+            taken = set(positions)
+            scored.append(Candidate(next(w for i, w in enumerate(workers) if i not in taken)))
+        costs = self._costs(request, scored, n)
+        scores = [c.score for c in costs]
+        best = min(scores)
+        ties = [pos for pos, score in zip(positions, scores, strict=False) if score == best]
+        plain_ties = num_plain if num_plain and scores[-1] == best else 0
+        nth = self._turn % (len(ties) + plain_ties)
+        self._turn += 1
+        index = _nth_tie(nth, ties, positions) if plain_ties else ties[nth]
+        explained = list(_explain(request, scored, scores))
+        out_costs = list(costs)
+        if num_plain:
+            plain, plain_cost = explained.pop(), out_costs.pop()
+            load, score = plain.load, plain.score
+            explained_all = [CandidateScore(w, 0, 0, load, score) for w in workers]
+            costs_all = [plain_cost] * n
+            for pos, entry, cost in zip(positions, explained, out_costs, strict=True):
+                explained_all[pos] = entry
+                costs_all[pos] = cost
+            explained, out_costs = explained_all, costs_all
+        return Decision(
+            workers[index],
+            self.name,
+            tuple(explained),
+            max(math.ceil(out_costs[index].prefill_tokens), 0),
+            tuple(out_costs),
+            self._weights,
+        )
+
+
+def _nth_tie(nth: int, ties: Sequence[int], special: Sequence[int]) -> int:
+    """The ``nth`` (from 0) smallest position among ``ties`` and every position not in
+    ``special`` (both sorted; ``ties`` within ``special``), by binary search."""
+    lo, hi = 0, nth + len(special)  # the answer is at most nth + len(special)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        # Tie positions <= mid, plus the positions <= mid outside special.
+        below = bisect.bisect_right(ties, mid) + mid + 1 - bisect.bisect_right(special, mid)
+        if below > nth:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class RoundRobinPolicy:

@@ -14,7 +14,7 @@ and the simulator can run it on simulated time.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Sequence
 
 from events.hashing import BlockKey
 from events.identity import WorkerId
@@ -71,13 +71,14 @@ class PredictedEntries:
         self._purge(now_s)
 
     def lookup(
-        self, keys: Sequence[BlockKey], workers: Iterable[WorkerId], now_s: float
+        self, keys: Sequence[BlockKey], workers: Collection[WorkerId], now_s: float
     ) -> dict[WorkerId, int]:
         """Per worker, how many leading ``keys`` it is credited with.
 
         Args:
             keys: A request's router keys from block 0.
-            workers: The candidates to report on.
+            workers: The candidates to report on (a set or mapping when many: only the
+                credited workers are looked at then).
             now_s: The current time on the clock given to :meth:`credit`.
 
         Returns:
@@ -88,7 +89,10 @@ class PredictedEntries:
         if not keys:
             return result
         first = keys[0]
-        for worker in workers:
+        tables = self._expiry
+        # The credited workers when fewer: O(credited workers), whatever the candidates.
+        among = [w for w in tables if w in workers] if len(tables) < len(workers) else workers
+        for worker in among:
             table = self._expiry.get(worker)
             if table is None or table.get(first, 0.0) <= now_s:
                 continue

@@ -20,7 +20,31 @@ from events.identity import WorkerId
 from router.index.base import PrefixMatch
 from router.workers.registry import WorkerRecord
 
-__all__ = ["RequestKeys", "key_request", "rescale"]
+__all__ = ["BlockSizeGroups", "RequestKeys", "group_by_block_size", "key_request", "rescale"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockSizeGroups:
+    """Candidates grouped by registered block size (the same for every request to them).
+
+    Attributes:
+        groups: Block size -> the candidates of that size, in the order given.
+        sizes: Candidate -> its block size.
+    """
+
+    groups: Mapping[int, Sequence[WorkerId]]
+    sizes: Mapping[WorkerId, int]
+
+
+def group_by_block_size(records: Sequence[WorkerRecord]) -> BlockSizeGroups:
+    """Group ``records`` (at least one) by block size."""
+    groups: dict[int, list[WorkerId]] = {}
+    sizes: dict[WorkerId, int] = {}
+    for record in records:
+        wid = record.worker_id
+        groups.setdefault(record.block_size, []).append(wid)
+        sizes[wid] = record.block_size
+    return BlockSizeGroups(groups, sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,18 +76,14 @@ class RequestKeys:
 def key_request(
     keyer: RouterKeyer,
     token_ids: Sequence[int],
-    records: Sequence[WorkerRecord],
+    candidates: BlockSizeGroups,
     cache_salt: str | None = None,
 ) -> RequestKeys:
-    """Group ``records`` (at least one) by block size and key the prompt once per size."""
-    groups: dict[int, list[WorkerId]] = {}
-    sizes: dict[WorkerId, int] = {}
-    for record in records:
-        wid = record.worker_id
-        groups.setdefault(record.block_size, []).append(wid)
-        sizes[wid] = record.block_size
+    """Key the prompt once per block size among ``candidates`` (see
+    :func:`group_by_block_size`)."""
+    groups = candidates.groups
     keys = {size: keyer.keys(token_ids, size, cache_salt=cache_salt) for size in groups}
-    return RequestKeys(min(groups), keys, groups, sizes)
+    return RequestKeys(min(groups), keys, groups, candidates.sizes)
 
 
 def rescale(match: PrefixMatch, size: int, base: int) -> PrefixMatch:

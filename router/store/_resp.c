@@ -240,6 +240,36 @@ static PyObject *pack_args(PyObject *module, PyObject *ints)
     return (PyObject *)out;
 }
 
+/* fixed_decimals(ints) -> bytes | None: each int of a list right-aligned in 20 characters
+ * (Python's b"%20d" of each, joined), or None when the argument is not a list of ints
+ * that fit in 64 signed bits (the caller then formats in Python). The index lookup's key
+ * argument: ~0.1 ms for 512 keys by Python's formatting, a few µs here. */
+static PyObject *fixed_decimals(PyObject *module, PyObject *ints)
+{
+    (void)module;
+    if (!PyList_CheckExact(ints))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(ints);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, 20 * n);
+    if (out == NULL)
+        return NULL;
+    char *p = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(ints, i);
+        int overflow = 0;
+        long long v = PyLong_CheckExact(item) ? PyLong_AsLongLongAndOverflow(item, &overflow) : 0;
+        if (!PyLong_CheckExact(item) || overflow || (v == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        Py_ssize_t len = int_len(v); /* at most 20: "-9223372036854775808" */
+        memset(p, ' ', (size_t)(20 - len));
+        p = put_int(p + 20 - len, v, len);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"pack_command", pack_command, METH_O,
      "pack_command(args: tuple) -> bytes | None\n\n"
@@ -248,6 +278,9 @@ static PyMethodDef methods[] = {
     {"pack_args", pack_args, METH_O,
      "pack_args(ints: list[int]) -> PackedArgs\n\n"
      "The ints as RESP arguments, which pack_command sends as len(result) arguments."},
+    {"fixed_decimals", fixed_decimals, METH_O,
+     "fixed_decimals(ints: list[int]) -> bytes | None\n\n"
+     "Each int right-aligned in 20 characters, or None when not a list of 64-bit ints."},
     {NULL, NULL, 0, NULL},
 };
 

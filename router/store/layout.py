@@ -25,6 +25,7 @@ from typing import Final
 
 from events.hashing import BlockKey
 from events.identity import WorkerId
+from events.native import native
 from router.errors import PrefixIndexError
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
 
 _NAME: Final = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
 _KEY_LIMIT: Final = 1 << 63
+_fixed_decimals: Final = native("router.store._resp", "fixed_decimals")
 
 
 def check_name(kind: str, value: str) -> str:
@@ -74,8 +76,13 @@ def namespace_of(key: str) -> str | None:
 
 def encode_keys_fixed(keys: Sequence[int]) -> bytes:
     """Router keys as decimals right-aligned in 20 characters each (no separator): a
-    script can cut out key ``i`` without splitting the whole list. One C-level format
-    call for the whole list."""
+    script can cut out key ``i`` without splitting the whole list. Formatted by the C
+    module ``router.store._resp`` where it was built (every lookup sends a prompt's keys:
+    ~0.1 ms for 512 in Python, bench_router), else in one format call."""
+    if _fixed_decimals is not None:
+        packed: bytes | None = _fixed_decimals(keys)
+        if packed is not None:
+            return packed
     return (b"%20d" * len(keys)) % tuple(keys)
 
 

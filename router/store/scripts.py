@@ -25,6 +25,7 @@ from router.errors import PrefixIndexError
 
 __all__ = [
     "ACQUIRE",
+    "ADD_LOAD",
     "APPLY_FAMILIES",
     "APPLY_WORKER",
     "APPLY_WORKERS",
@@ -184,6 +185,16 @@ end
 return 0
 """
 )
+
+ADD_LOAD: Final = """
+-- A replica's load increments in one call. KEYS: the replica's load hash. ARGV: its TTL
+-- in ms, then field, increment pairs.
+for i = 2, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 0
+"""
 
 LOOKUP: Final = """
 -- The longest consecutive prefix of one request's keys per candidate worker, in one

@@ -88,16 +88,27 @@ class WorkerModels:
         # NOTE: worker -> the entries of its last good /v1/models answer.
         self._learned: dict[WorkerId, tuple[dict[str, Any], ...]] = {}
         self._created = int(time.time())
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        """Changes whenever what is known of a worker's models changes (callers that
+        cache :meth:`select` compare it)."""
+        return self._version
 
     def learn(self, worker_id: WorkerId, entries: Sequence[Mapping[str, Any]] | None) -> None:
         """Record what a worker listed (``None``: it answered no list; its models stay
         as they were)."""
         if entries is not None:
-            self._learned[worker_id] = tuple(dict(e) for e in entries)
+            learned = tuple(dict(e) for e in entries)
+            if self._learned.get(worker_id) != learned:
+                self._learned[worker_id] = learned
+                self._version += 1
 
     def forget(self, worker_id: WorkerId) -> None:
         """Drop what was learned of a worker (unregistered)."""
-        self._learned.pop(worker_id, None)
+        if self._learned.pop(worker_id, None) is not None:
+            self._version += 1
 
     def of(self, record: WorkerRecord) -> tuple[str, ...] | None:
         """The models a worker serves, or ``None`` while unknown."""

@@ -323,6 +323,27 @@ def test_packed_args_send_the_ints_they_hold(parts: list[list[Any]]) -> None:
     assert pack_command(("EVALSHA", *mixed)) == hiredis.pack_command(("EVALSHA", *flat))
 
 
+@pytest.mark.slow
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(ints=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=600))
+def test_fixed_decimals_equal_python_s_formatting(ints: list[int]) -> None:
+    from router.store._resp import fixed_decimals
+
+    assert fixed_decimals(ints) == (b"%20d" * len(ints)) % tuple(ints)
+
+
+@needs_native
+def test_fixed_decimals_decline_what_python_must_format() -> None:
+    from router.store._resp import fixed_decimals
+
+    from router.store.layout import encode_keys_fixed
+
+    for other in ((1, 2), [2**63], [-(2**63) - 1], [True], [1.0]):
+        assert fixed_decimals(other) is None
+    assert encode_keys_fixed((7, 2**64)) == b"%20d%20d" % (7, 2**64)  # formatted in Python
+
+
 @needs_native
 def test_pack_args_refuses_what_is_not_a_list_of_64_bit_ints() -> None:
     from router.store._resp import PackedArgs, pack_args

@@ -28,7 +28,15 @@ from router.load.model import WorkerLoad
 from router.offline.explain import RecordedDecision, explain_request
 from router.routing.cost import CostWeights, RecentWork
 from router.routing.decider import DecisionInputs, decide
-from router.routing.policies import POLICY_NAMES, Decision, PolicyConfig, RouteRequest, make_policy
+from router.routing.policies import (
+    POLICY_NAMES,
+    Decision,
+    PolicyConfig,
+    RouteRequest,
+    build_candidates,
+    make_policy,
+)
+from router.routing.sessions import with_session_bonus
 from router.sim.engine import SimConfig, simulate
 from router.sim.trace import to_requests
 from tests.support.chains import BS, stored
@@ -169,6 +177,58 @@ def test_explain_costs_equal_the_live_decision_for_any_candidates(
         ]
     assert exp.costs == live.costs_by_worker()
     assert exp.agrees is True
+
+
+# -- workers that differ from an idle one holding nothing are the only ones scored -----------
+
+_busy = st.tuples(
+    st.integers(0, 6),  # blocks it caches (GPU)
+    st.integers(0, 6),  # blocks predicted entries credit it with
+    st.sampled_from([WorkerLoad(), WorkerLoad(1, 0, 0), WorkerLoad(1, 50, 4)]),
+    st.sampled_from([RecentWork(), RecentWork(1.0, 80.0), RecentWork(3.0, 10.0)]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    num_workers=st.integers(1, 30),
+    busy=st.dictionaries(st.integers(0, 29), _busy, max_size=6),
+    policy=st.sampled_from(["cache_aware", "approximate"]),
+    session=st.tuples(st.integers(0, 30), st.integers(0, 64)),  # worker (or none), bonus
+    fair_share=st.sampled_from([0.0, 2048.0]),
+)
+def test_the_decision_equals_scoring_every_candidate_in_full(
+    num_workers: int,
+    busy: dict[int, tuple[int, int, WorkerLoad, RecentWork]],
+    policy: str,
+    session: tuple[int, int],
+    fair_share: float,
+) -> None:
+    """The decider scores only workers that differ from an idle one holding nothing (all
+    the others cost the same): the same decisions, ties rotated the same, as the policy
+    scoring every candidate."""
+    workers = [WorkerId(f"w{i:02d}") for i in range(num_workers)]
+    busy = {i: b for i, b in busy.items() if i < num_workers}
+    ids = {i: workers[i] for i in busy}
+    inputs = DecisionInputs(
+        RouteRequest(KEYS, len(TOKENS), BS, 4),
+        workers,
+        {ids[i]: load for i, (_, _, load, _) in busy.items()},
+        {ids[i]: PrefixMatch(n, n, 0) for i, (n, _, _, _) in busy.items() if n},
+        {ids[i]: p for i, (_, p, _, _) in busy.items() if p},
+        {ids[i]: work for i, (*_, work) in busy.items()},
+        session_worker=workers[session[0]] if session[0] < num_workers else None,
+        session_bonus_tokens=session[1],
+    )
+    config = PolicyConfig(weights=CostWeights(fair_share=fair_share))
+    sparse, full = make_policy(policy, config), make_policy(policy, config)
+    candidates = with_session_bonus(
+        build_candidates(workers, inputs.loads, inputs.matches, inputs.predicted, inputs.recent),
+        inputs.session_worker,
+        inputs.session_bonus_tokens,
+    )
+    for _ in range(4):  # successive decisions rotate among tied candidates
+        assert decide(sparse, inputs) == full.decide(inputs.request, candidates)
 
 
 # -- the simulator decides through the decider ----------------------------------------------
