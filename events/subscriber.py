@@ -82,7 +82,9 @@ class _Worker:
     stream: WorkerStream
     sock: zmq.asyncio.Socket
     drain: zmq.Socket[bytes]
-    monitor: zmq.asyncio.Socket
+    # NOTE: None when nothing would read its events (no restart probe, no CURVE): a
+    # monitor costs two more sockets per worker (see SubscriberConfig.max_sockets).
+    monitor: zmq.asyncio.Socket | None
     # NOTE: decode_batch's on_unknown for this worker, bound once rather than per batch.
     on_unknown: Callable[[str], None] = field(init=False)
     counters: WorkerCounters = field(default_factory=WorkerCounters)
@@ -116,6 +118,10 @@ class EventSubscriber:
         self._sink = sink
         self._config = config or SubscriberConfig()
         self._context = zmq.asyncio.Context()
+        # Set before the first socket: libzmq's default (1,023) would stop at a few
+        # hundred workers.
+        limit = self._context.get(zmq.SOCKET_LIMIT)
+        self._context.set(zmq.MAX_SOCKETS, min(self._config.max_sockets, limit))
         self._workers: dict[WorkerId, _Worker] = {}
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None
@@ -147,16 +153,25 @@ class EventSubscriber:
         """
         if stream.worker_id in self._workers:
             raise SubscriberError(f"worker {stream.worker_id!r} is already subscribed")
-        sock = self._context.socket(zmq.SUB)
+        try:
+            sock = self._context.socket(zmq.SUB)
+        except zmq.ZMQError as exc:  # out of sockets or file descriptors
+            raise SubscriberError(
+                f"worker {stream.worker_id!r}: cannot open a socket for its events "
+                f"({zmq.strerror(exc.errno or 0)}; {len(self._workers)} workers subscribed, "
+                f"at most {self._config.max_sockets} sockets): raise the process's file "
+                "descriptor limit (ulimit -n) or spread the workers over more routers"
+            ) from None
         monitor: zmq.asyncio.Socket | None = None
         try:
             sock.linger = 0
             sock.rcvhwm = self._config.hwm
             if stream.curve is not None:
                 configure_client(sock, stream.curve)
-            monitor = sock.get_monitor_socket(
-                _MONITORED, addr=f"inproc://kvroute-monitor-{next(_monitor_ids)}"
-            )
+            if stream.restart_probe is not None or stream.curve is not None:
+                monitor = sock.get_monitor_socket(
+                    _MONITORED, addr=f"inproc://kvroute-monitor-{next(_monitor_ids)}"
+                )
             sock.subscribe(stream.topic)
             sock.connect(stream.endpoint)
         except zmq.ZMQError as exc:
@@ -173,7 +188,12 @@ class EventSubscriber:
         worker = _Worker(stream, sock, zmq.Socket.shadow(sock.underlying), monitor)
         worker.on_unknown = functools.partial(self._unknown_event, worker)
         self._workers[stream.worker_id] = worker
-        for name, body in (("reader", self._read), ("monitor", self._watch_connection)):
+        bodies: list[tuple[str, Callable[[_Worker, bool], Awaitable[None]]]] = [
+            ("reader", self._read)
+        ]
+        if monitor is not None:
+            bodies.append(("monitor", self._watch_connection))
+        for name, body in bodies:
             task = asyncio.create_task(
                 self._supervised(worker, name, body), name=f"kv-events-{name}[{stream.worker_id}]"
             )
@@ -198,8 +218,9 @@ class EventSubscriber:
         for task in worker.tasks:
             task.cancel()
         await asyncio.gather(*worker.tasks, return_exceptions=True)
-        worker.sock.disable_monitor()
-        worker.monitor.close(linger=0)
+        if worker.monitor is not None:
+            worker.sock.disable_monitor()
+            worker.monitor.close(linger=0)
         worker.sock.close(linger=0)
 
     async def request_replay(
@@ -320,9 +341,10 @@ class EventSubscriber:
                     await self._on_live(worker, frames)
 
     async def _watch_connection(self, worker: _Worker, restarted: bool) -> None:
-        stream = worker.stream
+        stream, monitor = worker.stream, worker.monitor
+        assert monitor is not None, "only workers with a monitor are watched"
         while True:
-            event = parse_monitor_message(await worker.monitor.recv_multipart())
+            event = parse_monitor_message(await monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 # The worker may come back as a new publisher lifetime whose first batches
                 # are lost; seqs cannot always tell (see _on_live).

@@ -133,6 +133,10 @@ class SubscriberConfig:
         restart_backoff_s: The first wait before a failed task restarts; it doubles with
             each failure that follows quickly, up to ``restart_backoff_max_s``.
         restart_backoff_max_s: The longest wait before a failed task restarts.
+        max_sockets: ZeroMQ sockets the subscriber's context may open (libzmq's default
+            is 1,023). A worker takes one SUB socket, two more for a connection monitor
+            when it has a restart probe or CURVE keys, and one DEALER while it replays:
+            at most 4, so the default leaves room for 4,000 workers.
     """
 
     replay_timeout_s: float = 5.0
@@ -143,6 +147,7 @@ class SubscriberConfig:
     on_reader_failure: Literal["restart", "stop"] = "restart"
     restart_backoff_s: float = 0.1
     restart_backoff_max_s: float = 5.0
+    max_sockets: int = 16_384
 
 
 @dataclass

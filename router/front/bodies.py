@@ -86,6 +86,9 @@ class CompletionBody(RequestBody, kw_only=True):
 
 
 class RouteBody(CompletionBody, kw_only=True):
-    """A ``/v1/route`` body: a completion plus ``dry_run``."""
+    """A ``/v1/route`` body: a completion plus ``dry_run`` and ``top_k`` (how many
+    candidates the answer lists, best first; ``None``: the default, see
+    :mod:`router.front.route_answer`)."""
 
     dry_run: bool = False
+    top_k: int | None = None

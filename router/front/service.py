@@ -47,6 +47,7 @@ from router.front.tokenization import RequestTokenizer
 from router.front.tracing import Tracing
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.capacity import raise_fd_limit
 from router.ingest.metrics import IngestMetrics
 from router.ingest.service import IndexIngest, IngestConfig
 from router.load.model import finished, prefilled, routed
@@ -69,6 +70,7 @@ from router.workers.liveness import Liveness
 from router.workers.models import WorkerModels
 from router.workers.registration import RegistrationError, RegistrationPolicy
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
+from router.workers.registry_watch import RegistryWatch
 
 __all__ = ["NoWorkersError", "Readiness", "Routed", "RouterService"]
 
@@ -184,7 +186,9 @@ class RouterService:
         Raises:
             router.store.connection.RedisConnectError: Redis cannot be reached.
             router.workers.registration.RegistrationError: A configured worker is refused.
-            RouterError: The HTTP port cannot be bound.
+            RouterError: The HTTP port cannot be bound, or the configured workers need
+                more file descriptors than the process may open
+                (:class:`router.ingest.capacity.CapacityError`).
         """
         service = cls(config)
         try:
@@ -204,6 +208,7 @@ class RouterService:
         from router.front.app import make_app  # the HTTP layer imports this module
 
         cfg = self.config
+        raise_fd_limit()  # each worker costs file descriptors (router.ingest.capacity)
         for record in cfg.workers:  # the operator's own workers: refused means misconfigured
             self.registration.check(record)
             cfg.tokenizers.check(record)
@@ -234,6 +239,7 @@ class RouterService:
             policy=self.registration,
             on_invalid=self.metrics.invalid_registrations.inc,
         )
+        self._registry_watch = RegistryWatch(self.registry)
         self.ingest = IndexIngest(
             RedisPrefixIndex(self._client, layout, self.keyer),
             self.registry,
@@ -377,6 +383,8 @@ class RouterService:
                 and ``replace`` is False.
             redis.exceptions.RedisError: Redis is unreachable; nothing was saved.
             events.errors.EventsError: Its event stream cannot be subscribed to.
+            router.ingest.capacity.CapacityError: This router holds as many workers as it
+                can; nothing was saved.
         """
         self.registration.check(record)
         self.config.tokenizers.check(record)
@@ -401,7 +409,7 @@ class RouterService:
     def _set_worker(self, record: WorkerRecord) -> None:
         wid = record.worker_id
         self._records[wid] = record
-        self.poller.set_worker(wid, record.http_url)
+        self.poller.set_worker(wid, record.http_url, models=not record.models)
 
     def _drop_worker(self, worker_id: WorkerId) -> None:
         self._records.pop(worker_id, None)
@@ -421,12 +429,13 @@ class RouterService:
         return record.block_size if record is not None else 1
 
     async def _sync_workers(self) -> None:
-        """Adopt registrations made by other replicas (through Redis).
+        """Adopt registrations made by other replicas (through Redis), when the registry
+        changed since the last pass.
 
         NOTE: a worker missing from Redis is kept: Redis may have restarted empty, and the
         ingest registers its workers again on its next pass.
         """
-        for record in await self.registry.records():
+        for record in await self._registry_watch.changed() or ():
             wid = record.worker_id
             if self._records.get(wid) != record and not self._liveness.is_retired(wid):
                 self._set_worker(record)

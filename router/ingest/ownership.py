@@ -33,7 +33,7 @@ from router.ingest.metrics import IngestMetrics
 from router.ingest.worker import WorkerIngest
 from router.ingest.write_gate import WriteGate
 from router.store.scripts import StaleLeaseError
-from router.workers.registry import WorkerRegistry, owner_of
+from router.workers.registry import Lease, WorkerRegistry, owner_of
 
 __all__ = ["RECOVERY_ERRORS", "LeaseKeeper"]
 
@@ -80,17 +80,25 @@ class LeaseKeeper:
         # it first found the lease free (cleared once anyone holds it).
         self._routers: list[str] = []
         self._unclaimed_since: dict[str, float] = {}
+        # NOTE: workers whose lease a take_over() is acquiring now (a second one at once
+        # would bump the epoch under the first, whose writes would then be fenced).
+        self._taking: set[WorkerId] = set()
 
     async def renew(self, workers: Iterable[WorkerIngest]) -> None:
-        """Renew every lease held among ``workers``, then this router's membership (and
-        learn the live routers). Takes no worker's lock: it never waits on an ingest.
+        """Renew every lease held among ``workers`` (one round trip), then this router's
+        membership (and learn the live routers). Takes no worker's lock: it never waits on
+        an ingest.
 
         Raises:
-            redis.exceptions.RedisError: Redis failed (the leases renewed before stay).
+            redis.exceptions.RedisError: Redis failed (no lease is taken for lost).
         """
-        for worker in list(workers):
-            lease = worker.lease
-            if lease is None or await self.registry.renew(lease):
+        held: list[tuple[WorkerIngest, Lease]] = []
+        for worker in workers:
+            if worker.lease is not None:
+                held.append((worker, worker.lease))
+        renewed = await self.registry.renew_all([lease for _, lease in held])
+        for (worker, lease), ok in zip(held, renewed, strict=True):
+            if ok:
                 continue
             if worker.lease is lease:  # not replaced or dropped meanwhile
                 self.metrics.lease_lost.labels(worker.worker_id).inc()
@@ -138,6 +146,16 @@ class LeaseKeeper:
         """Take ``worker``'s lease if free (or handed to this router): resume from the
         previous holder's handoff, else rebuild the worker (later, when the index does
         not take writes now)."""
+        wid = worker.worker_id
+        if wid in self._taking:
+            return  # a registration and a maintenance pass at once: one take is enough
+        self._taking.add(wid)
+        try:
+            await self._take_over(worker, current)
+        finally:
+            self._taking.discard(wid)
+
+    async def _take_over(self, worker: WorkerIngest, current: Callable[[], bool]) -> None:
         lease = await self.registry.acquire(worker.worker_id)
         if lease is None:
             return  # another router replica ingests this worker

@@ -21,9 +21,10 @@
 * a publisher restart clears the worker. A restart shows as a seq drop, or as a change of
   the worker's lifetime (:mod:`router.workers.lifetime`: the id in a kvroute worker's
   ``GET /health``, a vLLM engine's ``process_start_time_seconds``), checked on every seq
-  jump before it is replayed as a gap, on the first batch after a reconnect and at every
-  maintenance pass, so a restart whose first batches were lost is never taken for a gap
-  or for the old lifetime going on;
+  jump before it is replayed as a gap, on the first batch after a reconnect and by the
+  maintenance passes (every pass, backing off for a worker whose answer stays the same),
+  so a restart whose first batches were lost is never taken for a gap or for the old
+  lifetime going on;
 * while Redis refuses writes for lack of memory, batches are dropped and counted, one
   warning per interval says so, and the workers are rebuilt once it takes writes again
   (:mod:`router.ingest.write_gate`; :attr:`IndexIngest.index_writable`);
@@ -53,8 +54,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import aiohttp
 import msgspec
@@ -73,17 +76,24 @@ from events.subscriber import (
     WorkerStream,
 )
 from router.index.redis_index import RedisPrefixIndex
+from router.ingest.capacity import CapacityError, FleetCapacity, fd_limit
 from router.ingest.metrics import IngestMetrics, StreamCollector
 from router.ingest.ownership import RECOVERY_ERRORS, LeaseKeeper
 from router.ingest.worker import IngestServices, WorkerIngest
 from router.ingest.write_gate import WriteGate, is_out_of_memory
+from router.store.connection import gather_bounded
 from router.tasks.periodic import Periodic
+from router.tasks.quiet_schedule import QuietSchedule
 from router.workers.lifetime import LifetimeTracker
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
+from router.workers.registry_watch import RegistryWatch
 
 __all__ = ["IndexIngest", "IngestConfig"]
 
 log = logging.getLogger(__name__)
+
+_LIFETIME_BACKOFF: Final = 8
+"""A held worker whose lifetime stays the same is asked at least every this many passes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +159,16 @@ class IndexIngest:
         self._subscriber: EventSubscriber | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lifetimes: LifetimeTracker | None = None
+        self._capacity: FleetCapacity | None = None
+        self._registry_watch = RegistryWatch(registry)
+        interval_s = self.config.maintain_interval_s
+        self._lifetime_schedule: QuietSchedule[WorkerId] = QuietSchedule(
+            interval_s, _LIFETIME_BACKOFF * interval_s
+        )
         self._services: IngestServices | None = None
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
-        self._renewer = Periodic(self.renew_leases, self.config.maintain_interval_s)
+        self._renewer = Periodic(self._renew_when_due, self.config.maintain_interval_s)
+        self._renewed_at = float("-inf")
         self._gate = WriteGate(
             index.client,
             self.metrics,
@@ -208,6 +225,8 @@ class IndexIngest:
         self._session = aiohttp.ClientSession()
         self._lifetimes = LifetimeTracker(self._session, self.config.lifetime_timeout_s)
         self._subscriber = EventSubscriber(self, self.config.subscriber)
+        self._capacity = FleetCapacity(fd_limit(), self.config.subscriber.max_sockets)
+        self._capacity.check(len(records))  # the operator's own workers must all fit
         self._services = IngestServices(
             index=self.index,
             metrics=self.metrics,
@@ -271,6 +290,8 @@ class IndexIngest:
             RegistrationConflict: Another registration is saved and ``replace`` is False.
             redis.exceptions.RedisError: Redis failed; nothing was saved.
             events.errors.EventsError: The subscription could not be set up.
+            router.ingest.capacity.CapacityError: This router holds as many workers as
+                its file descriptors allow; nothing was saved.
         """
         async with self._membership:
             outcome, worker = await self._add(record, replace=replace)
@@ -318,6 +339,7 @@ class IndexIngest:
             await self._subscriber.remove_worker(wid)
         if self._lifetimes is not None:
             self._lifetimes.forget(wid)
+        self._lifetime_schedule.forget(wid)
         self.index.expect_block_size(wid, 0)
         with contextlib.suppress(KeyError):
             self.metrics.block_size_mismatch.remove(wid)
@@ -402,8 +424,15 @@ class IndexIngest:
         on no worker's ingest). Redis errors are logged; the next round retries."""
         try:
             await self._leases.renew(self._workers.values())
+            self._renewed_at = time.monotonic()
         except RedisError as exc:
             self._redis_failed(exc, "lease renewal")
+
+    async def _renew_when_due(self) -> None:
+        """The renewal task's step: renew unless a maintenance pass did within half a
+        period (the pass renews first; both at once would double the renewals)."""
+        if time.monotonic() - self._renewed_at >= self.config.maintain_interval_s / 2:
+            await self.renew_leases()
 
     async def maintain_once(self) -> None:
         """Renew leases, sync registrations, take or hand over leases, rebuild what needs
@@ -427,7 +456,7 @@ class IndexIngest:
                 if self._is_current(worker):  # not removed since this pass listed it
                     await self._leases.maintain(worker, functools.partial(self._is_current, worker))
             await self._publish_flags()
-            reaped = await self.registry.reap(self.index)
+            reaped = await self.registry.reap(self.index, set(self.owned_workers))
             self.metrics.reaped.inc(len(reaped))
             self._writable = self._write_errors == self._write_errors_seen
         except RedisError as exc:
@@ -452,15 +481,24 @@ class IndexIngest:
                 worker.flag_synced = seen == worker.events_block_size  # unless it changed
 
     async def _check_lifetimes(self) -> None:
-        """Ask every held worker for its lifetime (concurrently, with no lock held) and
-        reset the ones that restarted unseen (see :meth:`WorkerIngest.check_lifetime`)."""
-        tracker = self._tracker
+        """Ask the held workers that are due for their lifetime (a bounded number at once,
+        with no lock held) and reset the ones that restarted unseen (see
+        :meth:`WorkerIngest.check_lifetime`).
+
+        A worker is due every pass until its answer stays the same, then less and less
+        often, at least every :data:`_LIFETIME_BACKOFF` passes (a restart is also seen
+        on its next batch; this finds one that publishes nothing).
+        """
+        tracker, schedule = self._tracker, self._lifetime_schedule
         if not self._gate.is_open:
             return  # a reset could not be written; the rebuild after it covers restarts
-        held = [w for w in self._workers.values() if w.lease is not None]
-        held = [w for w in held if tracker.can_tell(w.record)]
-        found = await asyncio.gather(*(tracker.current(w.record) for w in held))
-        for worker, current in zip(held, found, strict=True):
+        held = {w.worker_id: w for w in self._workers.values() if w.lease is not None}
+        due = [held[wid] for wid in schedule.due(held, time.monotonic())]
+        due = [w for w in due if tracker.can_tell(w.record)]
+        found = await gather_bounded(tracker.current(w.record) for w in due)
+        now = time.monotonic()
+        for worker, current in zip(due, found, strict=True):
+            schedule.observed(worker.worker_id, current, now, healthy=current is not None)
             if current is None or current == tracker.recorded(worker.worker_id):
                 continue  # the common case: nothing to do, no lock taken
             if worker.lock.is_held or not self._is_current(worker):
@@ -472,13 +510,17 @@ class IndexIngest:
                     worker.failed(exc)
 
     async def _sync_registry(self) -> None:
-        """Persist this router's workers again and follow the saved registrations.
+        """Persist this router's workers again and follow the saved registrations (when
+        the registry changed: :class:`router.workers.registry_watch.RegistryWatch`).
 
         A registration saved by another router is subscribed to (one replaced there is
         resubscribed); one that is invalid, refused by this router's policy, or whose
         subscription cannot be set up is skipped and reported once by the registry.
         """
-        persisted = {r.worker_id: r for r in await self.registry.records()}
+        changed = await self._registry_watch.changed()
+        if changed is None:
+            return  # nothing saved or removed since the last read
+        persisted = {r.worker_id: r for r in changed}
         for worker in list(self._workers.values()):
             if worker.record.worker_id not in persisted:
                 # Redis lost its data (or another replica unregistered the worker
@@ -492,13 +534,20 @@ class IndexIngest:
             if current is None:
                 try:
                     await self._subscribe(record)
-                except (EventsError, zmq.ZMQError) as exc:
+                except (EventsError, zmq.ZMQError, CapacityError) as exc:
                     encoded = msgspec.json.encode(record)
                     self.registry.skip_invalid(record.worker_id, encoded, str(exc))
 
     async def _subscribe(self, record: WorkerRecord) -> WorkerIngest:
-        """Subscribe to ``record``'s stream; on failure nothing of it is kept."""
+        """Subscribe to ``record``'s stream; on failure nothing of it is kept.
+
+        Raises:
+            CapacityError: This process cannot take another worker (nothing was opened).
+            events.errors.EventsError: The subscription could not be set up.
+        """
         assert self._subscriber is not None and self._services is not None
+        assert self._capacity is not None
+        self._capacity.check(len(self._workers) + 1)
         worker = self._workers[record.worker_id] = WorkerIngest(record, self._services)
         try:
             await self._subscriber.add_worker(

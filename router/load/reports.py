@@ -4,10 +4,15 @@ engines) and the models they serve (``/v1/models`` of both).
 :class:`WorkerReportPoller` polls every worker in the background and hands what each
 reports to the :class:`router.load.shared.RedisLoadTracker`, which merges it with the
 routers' own counts; a worker that gives no HTTP answer at all is marked unreachable (the
-service drops it from routing after a while). Every ``models_interval_s`` (and first
-thing for a new worker) it also reads the worker's ``GET /v1/models`` and hands the
-entries to an ``on_models`` callback (a vLLM engine lists its LoRA adapters there too,
-and loads them at run time).
+service drops it from routing after a while). A worker whose report stays the same is
+polled less and less often, down to once per ``max_interval_s``
+(:class:`router.tasks.quiet_schedule.QuietSchedule`): 1,000 idle workers cost ~100 polls
+a second instead of 2,000. A report that changes, or no answer, brings it back to every
+``interval_s``. At most ``max_in_flight`` polls run at once, so a large fleet does not
+time its own polls out. Every ``models_interval_s`` (and first thing for a new worker)
+it also reads the ``GET /v1/models`` of the workers whose registration does not name
+their models, and hands the entries to an ``on_models`` callback (a vLLM engine lists its
+LoRA adapters there too, and loads them at run time).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from events.identity import WorkerId
 from router.load.model import WorkerLoad
 from router.load.shared import RedisLoadTracker
+from router.store.connection import gather_bounded
 from router.tasks.periodic import Periodic
+from router.tasks.quiet_schedule import QuietSchedule
 from router.workers.models import parse_model_list
 
 __all__ = ["ModelsCallback", "WorkerReportPoller", "parse_health_load", "parse_vllm_metrics_load"]
@@ -94,6 +101,9 @@ class WorkerReportPoller:
         timeout_s: Per-request timeout.
         on_models: Hears each worker's model list when it is read.
         models_interval_s: Time between two reads of one worker's model list.
+        max_interval_s: Longest time between two polls of a worker whose report stays
+            the same.
+        max_in_flight: Most polls at once.
     """
 
     def __init__(
@@ -104,6 +114,8 @@ class WorkerReportPoller:
         timeout_s: float = 1.0,
         on_models: ModelsCallback | None = None,
         models_interval_s: float = 10.0,
+        max_interval_s: float = 8.0,
+        max_in_flight: int = 64,
     ) -> None:
         self._tracker = tracker
         self._session = session
@@ -113,19 +125,28 @@ class WorkerReportPoller:
         # NOTE: worker -> monotonic time its model list is due (absent: due now).
         self._models_due: dict[WorkerId, float] = {}
         self._urls: dict[WorkerId, str] = {}
+        # NOTE: the polled workers whose models are read (their registration names none).
+        self._read_models: set[WorkerId] = set()
         # NOTE: a worker is reachable until a poll of it fails (never polled: reachable).
         self._unreachable: set[WorkerId] = set()
+        self._schedule: QuietSchedule[WorkerId] = QuietSchedule(interval_s, max_interval_s)
+        self._max_in_flight = max_in_flight
         self._loop = Periodic(self.poll_once, interval_s)
 
-    def set_worker(self, worker_id: WorkerId, url: str | None) -> None:
-        """Start (``url``) or stop (``None``) polling a worker."""
+    def set_worker(self, worker_id: WorkerId, url: str | None, *, models: bool = True) -> None:
+        """Start (``url``) or stop (``None``) polling a worker; ``models``: also read its
+        model list (not needed when its registration names its models)."""
         self._models_due.pop(worker_id, None)
+        self._schedule.forget(worker_id)
+        self._read_models.discard(worker_id)
         if url is None:
             self._urls.pop(worker_id, None)
             self._unreachable.discard(worker_id)
             self._tracker.report(worker_id, None)
         else:
             self._urls[worker_id] = url.rstrip("/")
+            if models:
+                self._read_models.add(worker_id)
 
     def start(self) -> None:
         """Start polling in the background."""
@@ -136,16 +157,21 @@ class WorkerReportPoller:
         await self._loop.stop()
 
     async def poll_once(self) -> None:
-        """Poll every worker once, concurrently (and the model lists that are due)."""
-        items = list(self._urls.items())
+        """Poll the workers that are due, a bounded number at once (and read the model
+        lists that are due)."""
         now = time.monotonic()
-        due = [(w, url) for w, url in items if self._models_due.get(w, now) <= now]
+        urls = self._urls
+        items = [(w, urls[w]) for w in self._schedule.due(urls, now)]
+        models = [w for w in self._read_models if self._models_due.get(w, now) <= now]
+        limit = self._max_in_flight
         polls, _ = await asyncio.gather(
-            asyncio.gather(*(self._poll(url) for _, url in items)),
-            asyncio.gather(*(self.read_models(w) for w, _ in due)),
+            gather_bounded((self._poll(url) for _, url in items), limit),
+            gather_bounded((self.read_models(w) for w in models), limit),
         )
+        now = time.monotonic()
         for (worker_id, _), (reachable, load) in zip(items, polls, strict=True):
             if worker_id in self._urls:  # not removed while polling
+                self._schedule.observed(worker_id, load, now, healthy=reachable)
                 self._tracker.report(worker_id, load)
                 if reachable:
                     self._unreachable.discard(worker_id)
@@ -153,9 +179,10 @@ class WorkerReportPoller:
                     self._unreachable.add(worker_id)
 
     async def read_models(self, worker_id: WorkerId) -> None:
-        """Read one worker's ``GET /v1/models`` now and hand it to ``on_models``."""
+        """Read one worker's ``GET /v1/models`` now and hand it to ``on_models`` (not for
+        a worker set with ``models=False``)."""
         url = self._urls.get(worker_id)
-        if url is None or self._on_models is None:
+        if url is None or self._on_models is None or worker_id not in self._read_models:
             return
         self._models_due[worker_id] = time.monotonic() + self._models_interval_s
         entries = None

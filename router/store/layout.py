@@ -159,3 +159,8 @@ class KeyLayout:
     def registry(self) -> str:
         """Hash worker id -> JSON registration (endpoints, kind, block size)."""
         return f"{self.prefix}registry"
+
+    @property
+    def registry_version(self) -> str:
+        """Counter bumped after every change of :attr:`registry`."""
+        return f"{self.prefix}registry_version"

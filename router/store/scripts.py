@@ -35,7 +35,7 @@ __all__ = [
     "HEARTBEAT",
     "LOOKUP",
     "RELEASE",
-    "RENEW",
+    "REWRITE_HASH",
     "Script",
     "StaleLeaseError",
 ]
@@ -286,14 +286,6 @@ redis.call('SET', KEYS[1], epoch .. ':' .. ARGV[1], 'PX', ARGV[2])
 return epoch
 """
 
-RENEW: Final = """
--- KEYS: lease   ARGV: token, ttl_ms   Returns 1 when renewed, 0 when the lease is lost.
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
-"""
-
 HEARTBEAT: Final = """
 -- KEYS: routers   ARGV: router id ('' to only read), ttl_ms
 -- Drops lapsed routers, renews the caller's heartbeat, returns the live router ids.
@@ -329,6 +321,20 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
+"""
+
+REWRITE_HASH: Final = """
+-- KEYS: a hash   ARGV: ttl_ms, then field, value pairs (none: the hash is deleted)
+-- Replaces the hash whole and sets its expiry: one key, so one call on any cluster node.
+-- Pairs go in chunks of 500, far below Lua's limit on unpack() results.
+redis.call('DEL', KEYS[1])
+for a = 2, #ARGV, 1000 do
+  redis.call('HSET', KEYS[1], unpack(ARGV, a, math.min(a + 999, #ARGV)))
+end
+if #ARGV > 1 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+return 1
 """
 
 

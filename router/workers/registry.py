@@ -1,12 +1,15 @@
 """Worker registry in Redis: persistent registrations, single-writer leases with epoch fencing.
 
 * Registration (worker id -> endpoints, kind, block size, CURVE server key) persists in
-  one hash, so a restarted router resumes ingesting the same workers.
+  one hash, so a restarted router resumes ingesting the same workers. Every change bumps
+  a version counter after it, so routers re-read the hash only when it changed
+  (:meth:`WorkerRegistry.version`).
 * A lease (``SET`` with ``PX``, value ``"<epoch>:<owner>"``) makes one router the only
   writer of a worker's index entries; every index write checks the token server-side,
   so a router holding an old epoch cannot write (fencing).
-* The holder renews the lease while the worker's stream is alive; when it lapses, any
-  router replica's :meth:`WorkerRegistry.reap` removes the worker's entries.
+* The holder renews the lease while the worker's stream is alive, all of its leases in
+  one round trip (:meth:`WorkerRegistry.renew_all`); when one lapses, any router
+  replica's :meth:`WorkerRegistry.reap` removes the worker's entries.
 * Router replicas share the ingest: each renews a heartbeat (:meth:`WorkerRegistry.heartbeat`)
   and :func:`owner_of` assigns every worker to one live replica by rendezvous hashing, so
   N replicas ingest about 1/N of the workers each and a change of membership moves only
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -31,7 +34,7 @@ from router.errors import PrefixIndexError
 from router.index.redis_index import RedisPrefixIndex
 from router.store.connection import RedisClient, gather_bounded, reply_bytes
 from router.store.layout import KeyLayout
-from router.store.scripts import ACQUIRE, HAND_OFF, HEARTBEAT, RELEASE, RENEW, Script
+from router.store.scripts import ACQUIRE, HAND_OFF, HEARTBEAT, RELEASE, Script
 from router.workers.registration import (
     RegistrationConflict,
     RegistrationError,
@@ -58,7 +61,6 @@ Outcome = Literal["created", "replaced", "unchanged"]
 """What :meth:`WorkerRegistry.save` did with a registration."""
 
 _acquire = Script(ACQUIRE)
-_renew = Script(RENEW)
 _release = Script(RELEASE)
 _hand_off = Script(HAND_OFF)
 _heartbeat = Script(HEARTBEAT)
@@ -265,11 +267,26 @@ class WorkerRegistry:
     async def register(self, record: WorkerRecord) -> None:
         """Save a worker's registration, replacing any other under its id."""
         await self.client.hset(self.layout.registry, record.worker_id, msgspec.json.encode(record))
+        await self._changed()
 
     async def create(self, record: WorkerRecord) -> bool:
         """Save a registration unless one exists under its id (atomic); True when saved."""
         encoded = msgspec.json.encode(record)
-        return bool(await self.client.hsetnx(self.layout.registry, record.worker_id, encoded))
+        created = bool(await self.client.hsetnx(self.layout.registry, record.worker_id, encoded))
+        if created:
+            await self._changed()
+        return created
+
+    async def version(self) -> bytes | None:
+        """The registry's version: it changes after every change of a registration made
+        through a :class:`WorkerRegistry` (``None``: none since Redis started empty)."""
+        raw = await self.client.get(self.layout.registry_version)
+        return None if raw is None else reply_bytes(raw)
+
+    async def _changed(self) -> None:
+        """Bump :meth:`version` (after the change, so a reader that saw the new version
+        reads the change)."""
+        await self.client.incr(self.layout.registry_version)
 
     async def saved(self, worker_id: WorkerId) -> tuple[WorkerRecord | None, str | None]:
         """The registration saved under ``worker_id`` (None: none) and, when what is
@@ -319,7 +336,10 @@ class WorkerRegistry:
 
     async def unregister(self, worker_id: WorkerId) -> bool:
         """Remove a registration; True when it existed (its entries go with its lease)."""
-        return bool(await self.client.hdel(self.layout.registry, worker_id))
+        removed = bool(await self.client.hdel(self.layout.registry, worker_id))
+        if removed:
+            await self._changed()
+        return removed
 
     async def records(self) -> list[WorkerRecord]:
         """Every valid registration that :attr:`policy` admits, sorted by worker id.
@@ -394,10 +414,27 @@ class WorkerRegistry:
 
     async def renew(self, lease: Lease) -> bool:
         """Extend a held lease; False when it lapsed or was taken (stop writing then)."""
-        renewed = await _renew(
-            self.client, [self.layout.lease(lease.worker_id)], [lease.token, self.lease_ttl_ms]
-        )
-        return bool(renewed)
+        return (await self.renew_all([lease]))[0]
+
+    async def renew_all(self, leases: Sequence[Lease]) -> list[bool]:
+        """Extend held leases in one round trip (one ``GETEX`` each, pipelined without a
+        transaction: it works across cluster shards); per lease, False when it lapsed or
+        was taken (stop writing then).
+
+        NOTE: ``GETEX`` extends whatever the key holds: a lease another router took in
+        between is extended by one TTL too, harmlessly (its holder renews it anyway), and
+        this router learns from the value that it lost it.
+        """
+        if not leases:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for lease in leases:
+            pipe.getex(self.layout.lease(lease.worker_id), px=self.lease_ttl_ms)
+        values = await pipe.execute()
+        return [
+            value is not None and reply_bytes(value).decode() == lease.token
+            for lease, value in zip(leases, values, strict=True)
+        ]
 
     async def release(self, lease: Lease) -> None:
         """Give a lease up now (its entries stay until reaped or cleared)."""
@@ -448,17 +485,21 @@ class WorkerRegistry:
         value = await self.client.get(self.layout.lease(worker_id))
         return None if value is None else reply_bytes(value).decode()
 
-    async def reap(self, index: RedisPrefixIndex) -> list[WorkerId]:
+    async def reap(
+        self, index: RedisPrefixIndex, held: Collection[WorkerId] = ()
+    ) -> list[WorkerId]:
         """Remove the entries of every worker whose lease lapsed; returns those workers.
 
         Any router replica may run it: it takes the lapsed lease itself (a new epoch, so
         the previous holder can no longer write), clears the worker and releases it.
+        ``held``: workers whose lease the caller holds (renewed moments ago): not checked,
+        so a router holding its workers costs one command per pass, not one per worker.
         """
         lay = self.layout
         reaped: list[WorkerId] = []
         for raw in await self.client.smembers(lay.indexed):
             worker_id = WorkerId(reply_bytes(raw).decode())
-            if await self.client.exists(lay.lease(worker_id)):
+            if worker_id in held or await self.client.exists(lay.lease(worker_id)):
                 continue
             lease = await self.acquire(worker_id)
             if lease is None:
