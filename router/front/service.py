@@ -268,7 +268,11 @@ class RouterService:
             self.metrics.registry,
         )
         self.poller = WorkerReportPoller(
-            self.load, self._session, cfg.health_poll_s, on_models=self.models.learn
+            self.load,
+            self._session,
+            cfg.health_poll_s,
+            on_models=self.models.learn,
+            on_lifetime=self.ingest.hear_lifetime,
         )
         if cfg.decision_log is not None:
             self._decision_log = DecisionLog(cfg.decision_log)

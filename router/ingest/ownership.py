@@ -105,6 +105,14 @@ class LeaseKeeper:
                 log.warning("worker %s: lease lapsed or taken; retaking it", worker.worker_id)
                 worker.lease = None
                 self.index.forget_lease(worker.worker_id)
+        await self.heartbeat()
+
+    async def heartbeat(self) -> None:
+        """Renew this router's membership and learn the live routers.
+
+        Raises:
+            redis.exceptions.RedisError: Redis failed.
+        """
         self._routers = await self.registry.heartbeat()
 
     def owns(self, worker_id: WorkerId) -> bool:

@@ -165,9 +165,11 @@ class IndexIngest:
         self._lifetime_schedule: QuietSchedule[WorkerId] = QuietSchedule(
             interval_s, _LIFETIME_BACKOFF * interval_s
         )
+        # NOTE: worker -> the lifetime id heard since the last maintenance pass.
+        self._heard_lifetimes: dict[WorkerId, str] = {}
         self._services: IngestServices | None = None
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
-        self._renewer = Periodic(self._renew_when_due, self.config.maintain_interval_s)
+        self._renewer = Periodic(self.renew_leases, self.config.maintain_interval_s)
         self._renewed_at = float("-inf")
         self._gate = WriteGate(
             index.client,
@@ -350,6 +352,13 @@ class IndexIngest:
                 await self.registry.release(worker.lease)
                 worker.lease = None
 
+    def hear_lifetime(self, worker_id: WorkerId, lifetime_id: str) -> None:
+        """A worker's lifetime id as read by someone else (the load poller, from the
+        same ``/health`` or ``/metrics`` answer): the next maintenance pass checks it
+        instead of asking the worker."""
+        if worker_id in self._workers:
+            self._heard_lifetimes[worker_id] = lifetime_id
+
     # -- EventSink -----------------------------------------------------------------------
 
     async def on_batch(self, received: ReceivedBatch) -> None:
@@ -428,20 +437,24 @@ class IndexIngest:
         except RedisError as exc:
             self._redis_failed(exc, "lease renewal")
 
-    async def _renew_when_due(self) -> None:
-        """The renewal task's step: renew unless a maintenance pass did within half a
-        period (the pass renews first; both at once would double the renewals)."""
-        if time.monotonic() - self._renewed_at >= self.config.maintain_interval_s / 2:
-            await self.renew_leases()
-
     async def maintain_once(self) -> None:
-        """Renew leases, sync registrations, take or hand over leases, rebuild what needs
-        it, publish block size flags, reap lapsed workers, check the workers' lifetimes.
+        """Renew leases (unless the renewal task did within a period: then only this
+        router's heartbeat), sync registrations, take or hand over leases, rebuild what
+        needs it, publish block size flags, reap lapsed workers, check the workers'
+        lifetimes.
 
         Redis errors are logged and counted; the next pass retries. A worker whose lock
         is busy (its ingest is at work) is skipped: no pass waits on one worker.
         """
-        await self.renew_leases()
+        if time.monotonic() - self._renewed_at < self.config.maintain_interval_s:
+            # The renewal task renewed the leases within a period: only learn the live
+            # routers now (renewing here too would double the renewals).
+            try:
+                await self._leases.heartbeat()
+            except RedisError as exc:
+                self._redis_failed(exc, "heartbeat")
+        else:
+            await self.renew_leases()
         try:
             await self._gate.probe()
             for worker in self._workers.values():
@@ -487,18 +500,26 @@ class IndexIngest:
 
         A worker is due every pass until its answer stays the same, then less and less
         often, at least every :data:`_LIFETIME_BACKOFF` passes (a restart is also seen
-        on its next batch; this finds one that publishes nothing).
+        on its next batch; this finds one that publishes nothing). A lifetime heard since
+        the last pass (:meth:`hear_lifetime`: the router's load polls read it from the
+        same answers) is checked without asking, and counts as the worker's answer.
         """
         tracker, schedule = self._tracker, self._lifetime_schedule
         if not self._gate.is_open:
             return  # a reset could not be written; the rebuild after it covers restarts
         held = {w.worker_id: w for w in self._workers.values() if w.lease is not None}
-        due = [held[wid] for wid in schedule.due(held, time.monotonic())]
+        heard, self._heard_lifetimes = self._heard_lifetimes, {}
+        told = [(held[wid], lifetime) for wid, lifetime in heard.items() if wid in held]
+        now = time.monotonic()
+        for worker, lifetime in told:  # not asked again while the load polls tell it
+            schedule.observed(worker.worker_id, lifetime, now)
+        due = [held[wid] for wid in schedule.due(held, now)]
         due = [w for w in due if tracker.can_tell(w.record)]
         found = await gather_bounded(tracker.current(w.record) for w in due)
         now = time.monotonic()
         for worker, current in zip(due, found, strict=True):
             schedule.observed(worker.worker_id, current, now, healthy=current is not None)
+        for worker, current in [*told, *zip(due, found, strict=True)]:
             if current is None or current == tracker.recorded(worker.worker_id):
                 continue  # the common case: nothing to do, no lock taken
             if worker.lock.is_held or not self._is_current(worker):

@@ -1,18 +1,20 @@
-"""Workers' own reports: load (``/health`` of kvroute workers, ``/metrics`` of vLLM
-engines) and the models they serve (``/v1/models`` of both).
+"""Workers' own reports: load (``/health`` of kvroute workers, ``/metrics`` of vLLM engines)
+and the models they serve (``/v1/models`` of both).
 
-:class:`WorkerReportPoller` polls every worker in the background and hands what each
-reports to the :class:`router.load.shared.RedisLoadTracker`, which merges it with the
-routers' own counts; a worker that gives no HTTP answer at all is marked unreachable (the
-service drops it from routing after a while). A worker whose report stays the same is
-polled less and less often, down to once per ``max_interval_s``
-(:class:`router.tasks.quiet_schedule.QuietSchedule`): 1,000 idle workers cost ~100 polls
-a second instead of 2,000. A report that changes, or no answer, brings it back to every
-``interval_s``. At most ``max_in_flight`` polls run at once, so a large fleet does not
-time its own polls out. Every ``models_interval_s`` (and first thing for a new worker)
-it also reads the ``GET /v1/models`` of the workers whose registration does not name
-their models, and hands the entries to an ``on_models`` callback (a vLLM engine lists its
-LoRA adapters there too, and loads them at run time).
+:class:`WorkerReportPoller` polls every worker in the background and hands what each reports
+to the :class:`router.load.shared.RedisLoadTracker`, which merges it with the routers' own
+counts; a worker that gives no HTTP answer at all is marked unreachable (the service drops
+it from routing after a while). A worker whose report stays the same is polled less and less
+often, down to once per ``max_interval_s``, or less often in a fleet so large that polls at
+rest would pass ``max_polls_per_s`` (:class:`router.tasks.quiet_schedule.QuietSchedule`):
+1,000 idle workers cost 50 polls a second instead of 2,000. The lifetime id in the same
+answers goes to an ``on_lifetime`` callback, so the ingest need not ask for it again. A
+report that changes, or no answer, brings it back to every ``interval_s``. At most
+``max_in_flight`` polls run at once, so a large fleet does not time its own polls out. Every
+``models_interval_s`` (and first thing for a new worker) it also reads the ``GET
+/v1/models`` of the workers whose registration does not name their models, and hands the
+entries to an ``on_models`` callback (a vLLM engine lists its LoRA adapters there too, and
+loads them at run time).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,12 +34,21 @@ from router.load.shared import RedisLoadTracker
 from router.store.connection import gather_bounded
 from router.tasks.periodic import Periodic
 from router.tasks.quiet_schedule import QuietSchedule
+from router.workers.lifetime import process_start_time
 from router.workers.models import parse_model_list
 
-__all__ = ["ModelsCallback", "WorkerReportPoller", "parse_health_load", "parse_vllm_metrics_load"]
+__all__ = [
+    "LifetimeCallback",
+    "ModelsCallback",
+    "WorkerReportPoller",
+    "parse_health_load",
+    "parse_vllm_metrics_load",
+]
 
 ModelsCallback = Callable[[WorkerId, list[dict[str, Any]] | None], None]
 """Hears a worker's ``/v1/models`` entries (``None``: it gave no model list)."""
+LifetimeCallback = Callable[[WorkerId, str], None]
+"""Hears a worker's publisher lifetime id, read from its load report."""
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +97,14 @@ def parse_vllm_metrics_load(text: str) -> WorkerLoad | None:
     return WorkerLoad(int(total)) if found else None
 
 
+class _Report(NamedTuple):
+    reachable: bool
+    load: WorkerLoad | None
+    lifetime: str | None
+    """The publisher lifetime id in the same answer (``lifetime_id`` in a kvroute
+    worker's ``/health``, ``process_start_time_seconds`` in a vLLM engine's ``/metrics``)."""
+
+
 class WorkerReportPoller:
     """Polls each worker's own load report and hands it to a :class:`RedisLoadTracker`.
 
@@ -102,8 +121,12 @@ class WorkerReportPoller:
         on_models: Hears each worker's model list when it is read.
         models_interval_s: Time between two reads of one worker's model list.
         max_interval_s: Longest time between two polls of a worker whose report stays
-            the same.
+            the same, in a fleet small enough; a larger one backs off further so that
+            polls at rest stay within ``max_polls_per_s``.
         max_in_flight: Most polls at once.
+        max_polls_per_s: Polls per second a fleet at rest costs at most.
+        on_lifetime: Hears the publisher lifetime id each poll reads (so the ingest
+            need not ask for it again).
     """
 
     def __init__(
@@ -116,6 +139,8 @@ class WorkerReportPoller:
         models_interval_s: float = 10.0,
         max_interval_s: float = 8.0,
         max_in_flight: int = 64,
+        max_polls_per_s: float = 50.0,
+        on_lifetime: LifetimeCallback | None = None,
     ) -> None:
         self._tracker = tracker
         self._session = session
@@ -131,6 +156,9 @@ class WorkerReportPoller:
         self._unreachable: set[WorkerId] = set()
         self._schedule: QuietSchedule[WorkerId] = QuietSchedule(interval_s, max_interval_s)
         self._max_in_flight = max_in_flight
+        self._max_interval_s = max_interval_s
+        self._max_polls_per_s = max_polls_per_s
+        self._on_lifetime = on_lifetime
         self._loop = Periodic(self.poll_once, interval_s)
 
     def set_worker(self, worker_id: WorkerId, url: str | None, *, models: bool = True) -> None:
@@ -161,6 +189,8 @@ class WorkerReportPoller:
         lists that are due)."""
         now = time.monotonic()
         urls = self._urls
+        # A large fleet backs off further: at rest, at most max_polls_per_s in all.
+        self._schedule.max_s = max(self._max_interval_s, len(urls) / self._max_polls_per_s)
         items = [(w, urls[w]) for w in self._schedule.due(urls, now)]
         models = [w for w in self._read_models if self._models_due.get(w, now) <= now]
         limit = self._max_in_flight
@@ -169,10 +199,12 @@ class WorkerReportPoller:
             gather_bounded((self.read_models(w) for w in models), limit),
         )
         now = time.monotonic()
-        for (worker_id, _), (reachable, load) in zip(items, polls, strict=True):
+        for (worker_id, _), (reachable, load, lifetime) in zip(items, polls, strict=True):
             if worker_id in self._urls:  # not removed while polling
-                self._schedule.observed(worker_id, load, now, healthy=reachable)
+                self._schedule.observed(worker_id, (load, lifetime), now, healthy=reachable)
                 self._tracker.report(worker_id, load)
+                if lifetime is not None and self._on_lifetime is not None:
+                    self._on_lifetime(worker_id, lifetime)
                 if reachable:
                     self._unreachable.discard(worker_id)
                 else:
@@ -205,19 +237,23 @@ class WorkerReportPoller:
         """True when ``url/health`` gives any HTTP answer."""
         return (await self._poll(url.rstrip("/")))[0]
 
-    async def _poll(self, url: str) -> tuple[bool, WorkerLoad | None]:
-        """Whether the worker answered at all, and the load it reports."""
+    async def _poll(self, url: str) -> _Report:
+        """Whether the worker answered at all, the load it reports and its lifetime id."""
         reachable = False
         try:
             async with self._session.get(f"{url}/health", timeout=self._timeout) as resp:
                 reachable = True
                 if resp.status == 200 and resp.content_type == "application/json":
-                    load = parse_health_load(await resp.json())
+                    body = await resp.json()
+                    load = parse_health_load(body)
                     if load is not None:
-                        return True, load
+                        lifetime = body.get("lifetime_id")  # a dict: it has a load
+                        return _Report(True, load, lifetime if isinstance(lifetime, str) else None)
             async with self._session.get(f"{url}/metrics", timeout=self._timeout) as resp:
                 if resp.status == 200:
-                    return True, parse_vllm_metrics_load(await resp.text())
+                    text = await resp.text()
+                    lifetime = process_start_time(text.encode())
+                    return _Report(True, parse_vllm_metrics_load(text), lifetime)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             logger.debug("load report of %s unavailable: %s", url, exc)
-        return reachable, None
+        return _Report(reachable, None, None)
