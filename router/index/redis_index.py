@@ -139,10 +139,12 @@ class RedisPrefixIndex:
         """Write the worker's entries under this lease token (``"<epoch>:<owner>"``)."""
         self._tokens[WorkerId(check_name("worker id", worker_id))] = token
 
-    def forget_lease(self, worker_id: WorkerId) -> None:
-        """Stop writing for the worker and drop its in-process bridge and queued writes."""
+    def forget_lease(self, worker_id: WorkerId, *, keep_bridge: bool = False) -> None:
+        """Stop writing for the worker and drop its queued writes and (unless
+        ``keep_bridge``: for :meth:`rewrite_worker` under a new lease) its bridge."""
         self._tokens.pop(worker_id, None)
-        self._bridges.pop(worker_id, None)
+        if not keep_bridge:
+            self._bridges.pop(worker_id, None)
         self._sinks.pop(worker_id, None)
         self._queues.discard(worker_id)
 
@@ -361,6 +363,36 @@ class RedisPrefixIndex:
         bridge = self._bridges.get(worker_id)
         if bridge is not None:
             bridge.reset()
+        await self._drop_entries(worker_id, token)
+
+    async def rewrite_worker(self, worker_id: WorkerId) -> int:
+        """Write one worker's entries again from its bridge, which still holds them all,
+        after Redis lost some or all of them (it restarted empty, a shard lost its data).
+
+        What Redis holds of the worker is dropped first (with its queued writes: the
+        bridge includes them), so its entries end exactly the bridge's.
+
+        Returns:
+            The number of entries written.
+
+        Raises:
+            StaleLeaseError: This router no longer holds the worker's lease.
+        """
+        token = self._token(worker_id)
+        self._queues.discard(worker_id)
+        await self._drop_entries(worker_id, token)
+        changes = Changes()
+        entries = self.bridge(worker_id).entries()
+        for key, (tag, mask) in entries.items():
+            changes.note(tag, key, 0, mask)
+        failed = await self._send({worker_id: changes})
+        if worker_id in failed:
+            raise failed[worker_id]
+        return len(entries)
+
+    async def _drop_entries(self, worker_id: WorkerId, token: str) -> None:
+        """Drop every entry Redis holds of the worker (fenced by ``token``), through its
+        family list, leaving the bridge alone."""
         worker_keys = self._worker_keys(worker_id)
         # Fenced first: a router that lost the lease stops here (and an empty list resets
         # the entry count).

@@ -103,8 +103,7 @@ class LeaseKeeper:
             if worker.lease is lease:  # not replaced or dropped meanwhile
                 self.metrics.lease_lost.labels(worker.worker_id).inc()
                 log.warning("worker %s: lease lapsed or taken; retaking it", worker.worker_id)
-                worker.lease = None
-                self.index.forget_lease(worker.worker_id)
+                worker.lease_lost()
         await self.heartbeat()
 
     async def heartbeat(self) -> None:
@@ -143,6 +142,8 @@ class LeaseKeeper:
                 await self.take_over(worker, current)
             return
         async with worker.lock.hold():
+            if worker.restore_pending and not worker.needs_rebuild:  # Redis lost its data
+                await _guarded(worker, worker.restore)
             try:  # surfaces a failed queued write of an idle worker
                 await self.index.flush(worker.worker_id)
             except RECOVERY_ERRORS as exc:
@@ -182,6 +183,12 @@ class LeaseKeeper:
             if await worker.resume(lease, handed):
                 await _guarded(worker, worker.catch_up)
                 return
+            if worker.restore_pending and worker.restorable:  # Redis lost its data
+                await _guarded(worker, worker.restore)
+                if not worker.needs_rebuild:
+                    await _guarded(worker, worker.catch_up)
+                    return
+            worker.restorable = worker.restore_pending = False
             worker.needs_rebuild = True
             # Snapshot workers are rebuilt now (also when idle); others at their next batch,
             # where a replay can be requested.
@@ -206,6 +213,7 @@ class LeaseKeeper:
         except RECOVERY_ERRORS:
             state = None
         worker.lease = None
+        worker.restorable = False  # given up on purpose: the next holder has the state
         self.index.forget_lease(worker.worker_id)
         if state is not None:
             try:

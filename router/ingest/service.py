@@ -82,6 +82,7 @@ from router.ingest.ownership import RECOVERY_ERRORS, LeaseKeeper
 from router.ingest.worker import IngestServices, WorkerIngest
 from router.ingest.write_gate import WriteGate, is_out_of_memory
 from router.store.connection import gather_bounded
+from router.store.markers import DataMarkers
 from router.tasks.periodic import Periodic
 from router.tasks.quiet_schedule import QuietSchedule
 from router.workers.lifetime import LifetimeTracker
@@ -160,6 +161,7 @@ class IndexIngest:
         self._session: aiohttp.ClientSession | None = None
         self._lifetimes: LifetimeTracker | None = None
         self._capacity: FleetCapacity | None = None
+        self._markers = DataMarkers(index.client, registry.layout, registry.owner)
         self._registry_watch = RegistryWatch(registry)
         interval_s = self.config.maintain_interval_s
         self._lifetime_schedule: QuietSchedule[WorkerId] = QuietSchedule(
@@ -229,6 +231,7 @@ class IndexIngest:
         self._subscriber = EventSubscriber(self, self.config.subscriber)
         self._capacity = FleetCapacity(fd_limit(), self.config.subscriber.max_sockets)
         self._capacity.check(len(records))  # the operator's own workers must all fit
+        await self._markers.write()
         self._services = IngestServices(
             index=self.index,
             metrics=self.metrics,
@@ -438,7 +441,7 @@ class IndexIngest:
             self._redis_failed(exc, "lease renewal")
 
     async def maintain_once(self) -> None:
-        """Renew leases (unless the renewal task did within a period: then only this
+        """Renew leases (unless the renewal task keeps them renewed: then only this
         router's heartbeat), sync registrations, take or hand over leases, rebuild what
         needs it, publish block size flags, reap lapsed workers, check the workers'
         lifetimes.
@@ -446,9 +449,9 @@ class IndexIngest:
         Redis errors are logged and counted; the next pass retries. A worker whose lock
         is busy (its ingest is at work) is skipped: no pass waits on one worker.
         """
-        if time.monotonic() - self._renewed_at < self.config.maintain_interval_s:
-            # The renewal task renewed the leases within a period: only learn the live
-            # routers now (renewing here too would double the renewals).
+        if time.monotonic() - self._renewed_at < 1.5 * self.config.maintain_interval_s:
+            # The renewal task keeps the leases renewed: only learn the live routers now
+            # (renewing here too would double the renewals); past 1.5 periods it is late.
             try:
                 await self._leases.heartbeat()
             except RedisError as exc:
@@ -457,6 +460,7 @@ class IndexIngest:
             await self.renew_leases()
         try:
             await self._gate.probe()
+            await self._check_markers()
             for worker in self._workers.values():
                 # A worker this router owns but does not hold is being handed to it (or
                 # will be taken): keep its batches from now on, as the lease may come with
@@ -478,6 +482,29 @@ class IndexIngest:
         self._write_errors_seen = self._write_errors
         await self._check_lifetimes()
         self.metrics.owned.set(len(self.owned_workers))
+
+    async def _check_markers(self) -> None:
+        """If a Redis node lost its data (:mod:`router.store.markers`), mark every worker
+        whose entries this router holds, or held until the loss, for a restore from its
+        bridge (done by this pass: the leases that went with the data are dropped now, so
+        the pass takes them again), then set the markers again."""
+        lost = await self._markers.lost()
+        if not lost:
+            return
+        self.metrics.data_losses.inc(len(lost))
+        marked = 0
+        for worker in self._workers.values():
+            if worker.lease is not None or worker.restorable:
+                worker.restore_pending = True
+                marked += 1
+        log.warning(
+            "Redis lost its data (markers %s gone: restarted empty, or a shard flushed); "
+            "writing the entries of the %d workers this router holds again",
+            ", ".join(lost),
+            marked,
+        )
+        await self._leases.renew(self._workers.values())
+        await self._markers.write()
 
     def _redis_failed(self, exc: RedisError, what: str) -> None:
         if is_out_of_memory(exc):

@@ -160,6 +160,11 @@ class KeyLayout:
         """Hash worker id -> JSON registration (endpoints, kind, block size)."""
         return f"{self.prefix}registry"
 
+    def marker(self, tag: str) -> str:
+        """Hash router id -> 1 in the slot of ``tag``: gone when its node lost its data
+        (:mod:`router.store.markers`)."""
+        return f"{self.prefix}alive:{{{tag}}}"
+
     @property
     def registry_version(self) -> str:
         """Counter bumped after every change of :attr:`registry`."""

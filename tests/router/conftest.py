@@ -10,61 +10,23 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
 import pytest
-import redis
 
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
 from router.store.connection import connect
 from router.store.layout import KeyLayout
-from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRegistry
 from tests.support.index_env import IndexEnv, OpenIndex, drop_namespace
-from tests.support.polling import wait_until
+from tests.support.redis_cluster import redis_cluster
 
-_SLOT_RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
 _CLUSTER = pytest.param("cluster", marks=pytest.mark.slow)
-
-
-def _wait_cluster_ok(clients: list[redis.Redis], timeout_s: float) -> None:
-    def converged() -> bool:
-        infos = [c.cluster("INFO") for c in clients]
-        states = [
-            i
-            if isinstance(i, dict)
-            else dict(line.split(":", 1) for line in i.decode().split() if ":" in line)
-            for i in infos
-        ]
-        return all(
-            str(s.get("cluster_state")) == "ok" and int(s.get("cluster_known_nodes", 0)) == 3
-            for s in states
-        )
-
-    wait_until(converged, "the Redis Cluster to converge", timeout_s=timeout_s)
 
 
 @pytest.fixture(scope="session")
 def redis_cluster_url() -> Iterator[str]:
     """URL of one node of a private three-master Redis Cluster (slots assigned here)."""
-    bus_ports = [free_port() for _ in _SLOT_RANGES]
-    args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-    servers = [
-        RedisServer(extra_args=[*args, "--cluster-port", str(bus_port)]) for bus_port in bus_ports
-    ]
-    try:
-        for server in servers:
-            server.start()
-        clients = [redis.Redis(host=s.host, port=s.port) for s in servers]
-        for client, (first, last) in zip(clients, _SLOT_RANGES, strict=True):
-            client.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
-        for server, bus_port in zip(servers[1:], bus_ports[1:], strict=True):
-            clients[0].execute_command("CLUSTER", "MEET", server.host, server.port, bus_port)
-        _wait_cluster_ok(clients, timeout_s=30.0)
-        for client in clients:
-            client.close()
+    with redis_cluster() as servers:
         yield servers[0].url
-    finally:
-        for server in servers:
-            server.stop()
 
 
 CONTRACT_LEASE_TTL_MS = 300_000
