@@ -167,5 +167,5 @@ class KeyLayout:
 
     @property
     def registry_version(self) -> str:
-        """Counter bumped after every change of :attr:`registry`."""
+        """String set to a new random value after every change of :attr:`registry`."""
         return f"{self.prefix}registry_version"

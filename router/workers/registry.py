@@ -1,8 +1,8 @@
 """Worker registry in Redis: persistent registrations, single-writer leases with epoch fencing.
 
 * Registration (worker id -> endpoints, kind, block size, CURVE server key) persists in
-  one hash, so a restarted router resumes ingesting the same workers. Every change bumps
-  a version counter after it, so routers re-read the hash only when it changed
+  one hash, so a restarted router resumes ingesting the same workers. Every change gives
+  a version key a new value after it, so routers re-read the hash only when it changed
   (:meth:`WorkerRegistry.version`).
 * A lease (``SET`` with ``PX``, value ``"<epoch>:<owner>"``) makes one router the only
   writer of a worker's index entries; every index write checks the token server-side,
@@ -284,9 +284,11 @@ class WorkerRegistry:
         return None if raw is None else reply_bytes(raw)
 
     async def _changed(self) -> None:
-        """Bump :meth:`version` (after the change, so a reader that saw the new version
-        reads the change)."""
-        await self.client.incr(self.layout.registry_version)
+        """Give :meth:`version` a new value (after the change, so a reader that saw the
+        new version reads the change). A random one, not a counter: a Redis restarted
+        empty and changed as often again would bring a counter back to a value a reader
+        has seen."""
+        await self.client.set(self.layout.registry_version, uuid.uuid4().hex)
 
     async def saved(self, worker_id: WorkerId) -> tuple[WorkerRecord | None, str | None]:
         """The registration saved under ``worker_id`` (None: none) and, when what is

@@ -2,7 +2,7 @@
 
 A router follows the registrations other replicas save. Reading them all (one
 ``HGETALL`` and a decode per worker) every maintenance pass costs a 1,000-worker
-router more than everything else it does at rest; the registry's version counter
+router more than everything else it does at rest; the registry's version key
 (:meth:`router.workers.registry.WorkerRegistry.version`) says in one ``GET`` whether
 anything changed. A change made without it (a hand edit in Redis) is still seen within
 ``reread_s``.
