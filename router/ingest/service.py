@@ -438,6 +438,7 @@ class IndexIngest:
             await self._leases.renew(self._workers.values())
             self._renewed_at = time.monotonic()
         except RedisError as exc:
+            self._note_write_error(exc)  # renewals and heartbeats are writes
             self._redis_failed(exc, "lease renewal")
 
     async def maintain_once(self) -> None:
@@ -455,6 +456,7 @@ class IndexIngest:
             try:
                 await self._leases.heartbeat()
             except RedisError as exc:
+                self._note_write_error(exc)
                 self._redis_failed(exc, "heartbeat")
         else:
             await self.renew_leases()
@@ -473,7 +475,9 @@ class IndexIngest:
                 if self._is_current(worker):  # not removed since this pass listed it
                     await self._leases.maintain(worker, functools.partial(self._is_current, worker))
             await self._publish_flags()
-            reaped = await self.registry.reap(self.index, set(self.owned_workers))
+            reaped = await self.registry.reap(
+                self.index, set(self._workers), self._leases.live_holders
+            )
             self.metrics.reaped.inc(len(reaped))
             self._writable = self._write_errors == self._write_errors_seen
         except RedisError as exc:
@@ -503,7 +507,7 @@ class IndexIngest:
             ", ".join(lost),
             marked,
         )
-        await self._leases.renew(self._workers.values())
+        await self._leases.renew(self._workers.values(), force=True)
         await self._markers.write()
 
     def _redis_failed(self, exc: RedisError, what: str) -> None:

@@ -151,6 +151,12 @@ class KeyLayout:
         return f"{self.prefix}indexed"
 
     @property
+    def lease_holders(self) -> str:
+        """Sorted set of live lease holders (routers, and tools such as a replay), scored
+        by when their liveness lapses (ms): a lease of a holder not in it may be taken."""
+        return f"{self.prefix}lease_holders"
+
+    @property
     def routers(self) -> str:
         """Sorted set of live router ids, scored by when their heartbeat lapses (ms)."""
         return f"{self.prefix}routers"

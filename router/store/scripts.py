@@ -271,14 +271,24 @@ return out
 """
 
 ACQUIRE: Final = """
--- KEYS: lease, worker   ARGV: owner, ttl_ms
--- Returns the new epoch, or nil when another owner holds the lease. A lease handed off
--- to nobody in particular ('<epoch>:', see HAND_OFF) is free for any owner.
+-- KEYS: lease, worker   ARGV: owner, ttl_ms, then the live routers as the caller knows
+-- them (none: every holder counts as live)
+-- Returns the new epoch, or nil when another live owner holds the lease. A lease handed
+-- off to nobody in particular ('<epoch>:', see HAND_OFF) is free for any owner, and so
+-- is one whose holder is not among the live routers given (its heartbeat lapsed).
 local current = redis.call('GET', KEYS[1])
 if current then
   local holder = string.match(current, '^%d+:(.*)$')
   if holder ~= '' and holder ~= ARGV[1] then
-    return nil
+    local live = #ARGV == 2
+    for a = 3, #ARGV do
+      if ARGV[a] == holder then
+        live = true
+      end
+    end
+    if live then
+      return nil
+    end
   end
 end
 local epoch = redis.call('HINCRBY', KEYS[2], 'epoch', 1)

@@ -7,9 +7,15 @@
 * A lease (``SET`` with ``PX``, value ``"<epoch>:<owner>"``) makes one router the only
   writer of a worker's index entries; every index write checks the token server-side,
   so a router holding an old epoch cannot write (fencing).
-* The holder renews the lease while the worker's stream is alive, all of its leases in
-  one round trip (:meth:`WorkerRegistry.renew_all`); when one lapses, any router
-  replica's :meth:`WorkerRegistry.reap` removes the worker's entries.
+* A lease lasts while its holder is alive: a holder whose liveness lapsed (one lease
+  TTL without :meth:`WorkerRegistry.hold`, which routers renew with their heartbeat)
+  holds nothing, and any router may take its leases (:meth:`WorkerRegistry.acquire`
+  with the live holders). The key itself expires only
+  after :data:`LEASE_KEY_TTLS` TTLs, a backstop renewed every third of that, all of a
+  router's due leases in one round trip (:meth:`WorkerRegistry.renew_all`): a router
+  with 1,000 workers renews 1,000 keys every 20 s (default TTL), not every 3 s. Any
+  router replica's :meth:`WorkerRegistry.reap` removes the entries of a worker whose
+  lease lapsed or whose holder is gone, when no router ingests it.
 * Router replicas share the ingest: each renews a heartbeat (:meth:`WorkerRegistry.heartbeat`)
   and :func:`owner_of` assigns every worker to one live replica by rendezvous hashing, so
   N replicas ingest about 1/N of the workers each and a change of membership moves only
@@ -23,7 +29,7 @@ import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 import xxhash
@@ -64,6 +70,10 @@ _acquire = Script(ACQUIRE)
 _release = Script(RELEASE)
 _hand_off = Script(HAND_OFF)
 _heartbeat = Script(HEARTBEAT)
+
+LEASE_KEY_TTLS: Final = 6
+"""A lease key's lifetime, in lease TTLs: the holder's heartbeat decides, the key's expiry
+only cleans up after routers that are gone."""
 
 _EVENTS_BLOCK_SIZE = "events_block_size"
 """Field of a worker's hash: the block size its events carry when it is not the registered one."""
@@ -256,6 +266,7 @@ class WorkerRegistry:
         self.layout = layout if layout is not None else KeyLayout()
         self.owner = owner if owner is not None else uuid.uuid4().hex[:16]
         self.lease_ttl_ms = lease_ttl_ms
+        self.lease_key_ttl_ms = LEASE_KEY_TTLS * lease_ttl_ms
         # A restarting router may take longer than a lease TTL to come back for the state
         # it handed itself; the epoch check still tells whether anyone came in between.
         self.handoff_ttl_ms = 6 * lease_ttl_ms
@@ -401,13 +412,14 @@ class WorkerRegistry:
         )
         return {w: int(v) for w, v in zip(worker_ids, values, strict=True) if v is not None}
 
-    async def acquire(self, worker_id: WorkerId) -> Lease | None:
-        """Take the worker's lease with a new epoch, unless another owner holds it."""
+    async def acquire(self, worker_id: WorkerId, live: Sequence[str] = ()) -> Lease | None:
+        """Take the worker's lease with a new epoch, unless another owner holds it: one of
+        the ``live`` holders (none given: any owner, until its key expires)."""
         lay = self.layout
         epoch = await _acquire(
             self.client,
             [lay.lease(worker_id), lay.worker(worker_id)],
-            [self.owner, self.lease_ttl_ms],
+            [self.owner, self.lease_key_ttl_ms, *live],
         )
         if epoch is None:
             return None
@@ -431,7 +443,7 @@ class WorkerRegistry:
             return []
         pipe = self.client.pipeline(transaction=False)
         for lease in leases:
-            pipe.getex(self.layout.lease(lease.worker_id), px=self.lease_ttl_ms)
+            pipe.getex(self.layout.lease(lease.worker_id), px=self.lease_key_ttl_ms)
         values = await pipe.execute()
         return [
             value is not None and reply_bytes(value).decode() == lease.token
@@ -471,6 +483,14 @@ class WorkerRegistry:
         """Renew this router's membership for one lease TTL; returns the live routers."""
         return await self._routers(self.owner)
 
+    async def hold(self) -> list[str]:
+        """Renew this owner's liveness as a lease holder for one lease TTL (routers at
+        every heartbeat; a tool that takes leases once, for as long as its leases last);
+        returns the live holders. A lease whose holder is not among them may be taken
+        (:meth:`acquire` with them)."""
+        lay = self.layout
+        return await live_members(self.client, lay.lease_holders, self.owner, self.lease_ttl_ms)
+
     async def live_routers(self) -> list[str]:
         """The live routers, without joining them (for tools)."""
         return await self._routers("")
@@ -481,29 +501,45 @@ class WorkerRegistry:
     async def leave(self) -> None:
         """Withdraw this router's membership (on shutdown), so others take its workers."""
         await self.client.zrem(self.layout.routers, self.owner)
+        await self.client.zrem(self.layout.lease_holders, self.owner)
 
     async def holder(self, worker_id: WorkerId) -> str | None:
         """The current lease token of a worker, or None when nobody holds it."""
         value = await self.client.get(self.layout.lease(worker_id))
         return None if value is None else reply_bytes(value).decode()
 
-    async def reap(
-        self, index: RedisPrefixIndex, held: Collection[WorkerId] = ()
-    ) -> list[WorkerId]:
-        """Remove the entries of every worker whose lease lapsed; returns those workers.
+    async def _held_by_live(self, worker_id: WorkerId, live: Sequence[str]) -> bool:
+        """Whether someone holds the worker's lease: a live holder (``live`` empty: anyone
+        whose key has not expired), or nobody in particular (parked for any router)."""
+        token = await self.holder(worker_id)
+        if token is None:
+            return False
+        holder = token.partition(":")[2]
+        return not live or holder == "" or holder in live
 
-        Any router replica may run it: it takes the lapsed lease itself (a new epoch, so
-        the previous holder can no longer write), clears the worker and releases it.
-        ``held``: workers whose lease the caller holds (renewed moments ago): not checked,
-        so a router holding its workers costs one command per pass, not one per worker.
+    async def reap(
+        self,
+        index: RedisPrefixIndex,
+        ingested: Collection[WorkerId] = (),
+        live: Sequence[str] = (),
+    ) -> list[WorkerId]:
+        """Remove the entries of every worker whose lease lapsed, or whose holder is not
+        among the ``live`` holders (none given: only lapsed keys count); returns those
+        workers.
+
+        Any router replica may run it: it takes the lease itself (a new epoch, so the
+        previous holder can no longer write), clears the worker and releases it.
+        ``ingested``: workers the caller ingests (their owner among the live routers
+        takes them over instead): not checked, so a router costs one command per pass
+        here, not one per worker.
         """
         lay = self.layout
         reaped: list[WorkerId] = []
         for raw in await self.client.smembers(lay.indexed):
             worker_id = WorkerId(reply_bytes(raw).decode())
-            if worker_id in held or await self.client.exists(lay.lease(worker_id)):
+            if worker_id in ingested or await self._held_by_live(worker_id, live):
                 continue
-            lease = await self.acquire(worker_id)
+            lease = await self.acquire(worker_id, live)
             if lease is None:
                 continue
             index.use_lease(worker_id, lease.token)
