@@ -93,8 +93,10 @@ __all__ = ["IndexIngest", "IngestConfig"]
 
 log = logging.getLogger(__name__)
 
-_LIFETIME_BACKOFF: Final = 8
-"""A held worker whose lifetime stays the same is asked at least every this many passes."""
+_LIFETIME_BACKOFF: Final = 16
+"""A held worker whose lifetime stays the same is asked at least every this many passes
+(53 s at the default TTL: longer than the router's load polls take to come back to a quiet
+worker of 1,000, 40 s, so the lifetime they read comes first and nothing is asked)."""
 
 
 @dataclass(frozen=True, slots=True)

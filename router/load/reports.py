@@ -7,7 +7,7 @@ counts; a worker that gives no HTTP answer at all is marked unreachable (the ser
 it from routing after a while). A worker whose report stays the same is polled less and less
 often, down to once per ``max_interval_s``, or less often in a fleet so large that polls at
 rest would pass ``max_polls_per_s`` (:class:`router.tasks.quiet_schedule.QuietSchedule`):
-1,000 idle workers cost 50 polls a second instead of 2,000. The lifetime id in the same
+1,000 idle workers cost 25 polls a second instead of 2,000. The lifetime id in the same
 answers goes to an ``on_lifetime`` callback, so the ingest need not ask for it again. A
 report that changes, or no answer, brings it back to every ``interval_s``. At most
 ``max_in_flight`` polls run at once, so a large fleet does not time its own polls out. Every
@@ -139,7 +139,7 @@ class WorkerReportPoller:
         models_interval_s: float = 10.0,
         max_interval_s: float = 8.0,
         max_in_flight: int = 64,
-        max_polls_per_s: float = 50.0,
+        max_polls_per_s: float = 25.0,
         on_lifetime: LifetimeCallback | None = None,
     ) -> None:
         self._tracker = tracker
