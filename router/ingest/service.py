@@ -57,7 +57,6 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
 
 import aiohttp
 import msgspec
@@ -77,14 +76,13 @@ from events.subscriber import (
 )
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.capacity import CapacityError, FleetCapacity, fd_limit
+from router.ingest.lifetime_checks import LifetimeChecks
 from router.ingest.metrics import IngestMetrics, StreamCollector
 from router.ingest.ownership import RECOVERY_ERRORS, LeaseKeeper
 from router.ingest.worker import IngestServices, WorkerIngest
 from router.ingest.write_gate import WriteGate, is_out_of_memory
-from router.store.connection import gather_bounded
 from router.store.markers import DataMarkers
 from router.tasks.periodic import Periodic
-from router.tasks.quiet_schedule import QuietSchedule
 from router.workers.lifetime import LifetimeTracker
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
 from router.workers.registry_watch import RegistryWatch
@@ -93,10 +91,6 @@ __all__ = ["IndexIngest", "IngestConfig"]
 
 log = logging.getLogger(__name__)
 
-_LIFETIME_BACKOFF: Final = 16
-"""A held worker whose lifetime stays the same is asked at least every this many passes
-(53 s at the default TTL: longer than the router's load polls take to come back to a quiet
-worker of 1,000, 40 s, so the lifetime they read comes first and nothing is asked)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +159,7 @@ class IndexIngest:
         self._capacity: FleetCapacity | None = None
         self._markers = DataMarkers(index.client, registry.layout, registry.owner)
         self._registry_watch = RegistryWatch(registry)
-        interval_s = self.config.maintain_interval_s
-        self._lifetime_schedule: QuietSchedule[WorkerId] = QuietSchedule(
-            interval_s, _LIFETIME_BACKOFF * interval_s
-        )
-        # NOTE: worker -> the lifetime id heard since the last maintenance pass.
-        self._heard_lifetimes: dict[WorkerId, str] = {}
+        self._lifetime_checks = LifetimeChecks(self.config.maintain_interval_s)
         self._services: IngestServices | None = None
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
         self._renewer = Periodic(self.renew_leases, self.config.maintain_interval_s)
@@ -346,7 +335,7 @@ class IndexIngest:
             await self._subscriber.remove_worker(wid)
         if self._lifetimes is not None:
             self._lifetimes.forget(wid)
-        self._lifetime_schedule.forget(wid)
+        self._lifetime_checks.forget(wid)
         self.index.expect_block_size(wid, 0)
         with contextlib.suppress(KeyError):
             self.metrics.block_size_mismatch.remove(wid)
@@ -362,7 +351,7 @@ class IndexIngest:
         same ``/health`` or ``/metrics`` answer): the next maintenance pass checks it
         instead of asking the worker."""
         if worker_id in self._workers:
-            self._heard_lifetimes[worker_id] = lifetime_id
+            self._lifetime_checks.hear(worker_id, lifetime_id)
 
     # -- EventSink -----------------------------------------------------------------------
 
@@ -527,41 +516,11 @@ class IndexIngest:
                 worker.flag_synced = seen == worker.events_block_size  # unless it changed
 
     async def _check_lifetimes(self) -> None:
-        """Ask the held workers that are due for their lifetime (a bounded number at once,
-        with no lock held) and reset the ones that restarted unseen (see
-        :meth:`WorkerIngest.check_lifetime`).
-
-        A worker is due every pass until its answer stays the same, then less and less
-        often, at least every :data:`_LIFETIME_BACKOFF` passes (a restart is also seen
-        on its next batch; this finds one that publishes nothing). A lifetime heard since
-        the last pass (:meth:`hear_lifetime`: the router's load polls read it from the
-        same answers) is checked without asking, and counts as the worker's answer.
-        """
-        tracker, schedule = self._tracker, self._lifetime_schedule
+        """Check the held workers' lifetimes (:mod:`router.ingest.lifetime_checks`)."""
         if not self._gate.is_open:
             return  # a reset could not be written; the rebuild after it covers restarts
-        held = {w.worker_id: w for w in self._workers.values() if w.lease is not None}
-        heard, self._heard_lifetimes = self._heard_lifetimes, {}
-        told = [(held[wid], lifetime) for wid, lifetime in heard.items() if wid in held]
-        now = time.monotonic()
-        for worker, lifetime in told:  # not asked again while the load polls tell it
-            schedule.observed(worker.worker_id, lifetime, now)
-        due = [held[wid] for wid in schedule.due(held, now)]
-        due = [w for w in due if tracker.can_tell(w.record)]
-        found = await gather_bounded(tracker.current(w.record) for w in due)
-        now = time.monotonic()
-        for worker, current in zip(due, found, strict=True):
-            schedule.observed(worker.worker_id, current, now, healthy=current is not None)
-        for worker, current in [*told, *zip(due, found, strict=True)]:
-            if current is None or current == tracker.recorded(worker.worker_id):
-                continue  # the common case: nothing to do, no lock taken
-            if worker.lock.is_held or not self._is_current(worker):
-                continue  # its ingest is at work (and may see it); the next pass will
-            async with worker.lock.hold():
-                try:
-                    await worker.check_lifetime(current)
-                except RECOVERY_ERRORS as exc:
-                    worker.failed(exc)
+        held = [w for w in self._workers.values() if w.lease is not None]
+        await self._lifetime_checks.run(self._tracker, held, self._is_current)
 
     async def _sync_registry(self) -> None:
         """Persist this router's workers again and follow the saved registrations (when
