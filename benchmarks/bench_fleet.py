@@ -38,7 +38,7 @@ from router.store.server import RedisServer, find_redis_server, free_port
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.support.fleet: the workers live in the checkout
 
-from tests.support.fleet import Fleet  # noqa: E402
+from tests.support.fleet import Fleet, register  # noqa: E402
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -80,21 +80,6 @@ async def measure(redis: Any, pid: int, window_s: float) -> Cost:
     return Cost(100 * (cpu1 - cpu0) / elapsed, delta.total() / elapsed, top)
 
 
-async def register(url: str, bodies: list[dict[str, Any]]) -> None:
-    """Register every worker (8 at a time); fail on any answer but 201."""
-    slots = asyncio.Semaphore(8)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-
-        async def one(body: dict[str, Any]) -> int:
-            async with slots, session.post(f"{url}/v1/workers", json=body) as resp:
-                await resp.read()
-                return resp.status
-
-        statuses = Counter(await asyncio.gather(*(one(b) for b in bodies)))
-    if statuses != {201: len(bodies)}:
-        raise SystemExit(f"registration answered {dict(statuses)}")
-
-
 async def run(args: argparse.Namespace, log_dir: Path) -> tuple[Cost, Cost]:
     import redis.asyncio as aioredis
 
@@ -116,7 +101,9 @@ async def run(args: argparse.Namespace, log_dir: Path) -> tuple[Cost, Cost]:
             await asyncio.sleep(args.settle_s)
             baseline = await measure(redis, pid, args.window_s)
             started = time.monotonic()
-            await register(url, fleet.bodies)
+            statuses = Counter(await register(url, fleet.bodies))
+            if statuses != {201: args.workers}:
+                raise SystemExit(f"registration answered {dict(statuses)}")
             print(f"registered {args.workers} workers in {time.monotonic() - started:.1f} s")
             await asyncio.sleep(args.settle_s)
             group.check_alive()

@@ -11,7 +11,8 @@ each per worker, no model, no pool), prints one JSON line (the workers' ``POST
   numbered per worker, from 0);
 * ``quit``.
 
-:class:`Fleet` starts it and talks to it from a test or a benchmark.
+:class:`Fleet` starts it and talks to it from a test or a benchmark; :func:`register`
+registers its workers with a router.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Final
 
+import aiohttp
 import zmq
 from aiohttp import web
 
@@ -132,6 +134,20 @@ async def _serve(num_workers: int) -> None:
     reader.join()
     publishers.close()
     await runner.cleanup()
+
+
+async def register(url: str, bodies: list[dict[str, Any]]) -> list[int]:
+    """``POST /v1/workers`` every body to the router at ``url`` (8 at a time); the
+    statuses, in order."""
+    slots = asyncio.Semaphore(8)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+        async def one(body: dict[str, Any]) -> int:
+            async with slots, session.post(f"{url}/v1/workers", json=body) as resp:
+                await resp.read()
+                return resp.status
+
+        return await asyncio.gather(*(one(b) for b in bodies))
 
 
 class Fleet:

@@ -27,7 +27,7 @@ from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.store.server import free_port
 from tests.support.faults import python_m
-from tests.support.fleet import BLOCKS, Fleet
+from tests.support.fleet import BLOCKS, Fleet, register
 from tests.support.ingest import KEYER, keys
 from tests.support.polling import eventually
 
@@ -35,20 +35,6 @@ pytestmark = pytest.mark.slow
 
 NUM_WORKERS = 1000
 BOUND_S = 120.0
-
-
-async def _register(url: str, bodies: list[dict[str, object]]) -> list[int]:
-    """POST every body (a few at a time); the statuses in order."""
-    slots = asyncio.Semaphore(8)
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-
-        async def one(body: dict[str, object]) -> int:
-            async with slots, session.post(f"{url}/v1/workers", json=body) as resp:
-                await resp.read()
-                return resp.status
-
-        return await asyncio.gather(*(one(b) for b in bodies))
 
 
 def test_one_router_registers_and_ingests_1000_workers(
@@ -61,7 +47,7 @@ def test_one_router_registers_and_ingests_1000_workers(
     async def scenario(fleet: Fleet, url: str) -> None:
         async with aiohttp.ClientSession() as session:
             await wait_healthy(session, url, group, time.monotonic() + BOUND_S)
-        statuses = await _register(url, fleet.bodies)
+        statuses = await register(url, fleet.bodies)
         assert Counter(statuses) == {201: NUM_WORKERS}
         async with aiohttp.ClientSession() as session, session.get(f"{url}/v1/workers") as r:
             assert len((await r.json())["workers"]) == NUM_WORKERS
@@ -115,7 +101,7 @@ def test_a_worker_beyond_the_routers_capacity_is_refused_and_nothing_saved(
     async def scenario(fleet: Fleet, url: str) -> None:
         async with aiohttp.ClientSession() as session:
             await wait_healthy(session, url, group, time.monotonic() + BOUND_S)
-        assert await _register(url, fleet.bodies[:23]) == [201] * 23
+        assert await register(url, fleet.bodies[:23]) == [201] * 23
         async with (
             aiohttp.ClientSession() as session,
             session.post(f"{url}/v1/workers", json=fleet.bodies[23]) as resp,
