@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import itertools
 import logging
@@ -82,9 +83,7 @@ class _Worker:
     stream: WorkerStream
     sock: zmq.asyncio.Socket
     drain: zmq.Socket[bytes]
-    # NOTE: None when nothing would read its events (no restart probe, no CURVE): a
-    # monitor costs two more sockets per worker (see SubscriberConfig.max_sockets).
-    monitor: zmq.asyncio.Socket | None
+    monitor: zmq.asyncio.Socket
     # NOTE: decode_batch's on_unknown for this worker, bound once rather than per batch.
     on_unknown: Callable[[str], None] = field(init=False)
     counters: WorkerCounters = field(default_factory=WorkerCounters)
@@ -156,22 +155,16 @@ class EventSubscriber:
         try:
             sock = self._context.socket(zmq.SUB)
         except zmq.ZMQError as exc:  # out of sockets or file descriptors
-            raise SubscriberError(
-                f"worker {stream.worker_id!r}: cannot open a socket for its events "
-                f"({zmq.strerror(exc.errno or 0)}; {len(self._workers)} workers subscribed, "
-                f"at most {self._config.max_sockets} sockets): raise the process's file "
-                "descriptor limit (ulimit -n) or spread the workers over more routers"
-            ) from None
+            raise self._out_of_sockets(stream, exc) from None
         monitor: zmq.asyncio.Socket | None = None
         try:
             sock.linger = 0
             sock.rcvhwm = self._config.hwm
             if stream.curve is not None:
                 configure_client(sock, stream.curve)
-            if stream.restart_probe is not None or stream.curve is not None:
-                monitor = sock.get_monitor_socket(
-                    _MONITORED, addr=f"inproc://kvroute-monitor-{next(_monitor_ids)}"
-                )
+            monitor = sock.get_monitor_socket(
+                _MONITORED, addr=f"inproc://kvroute-monitor-{next(_monitor_ids)}"
+            )
             sock.subscribe(stream.topic)
             sock.connect(stream.endpoint)
         except zmq.ZMQError as exc:
@@ -180,6 +173,8 @@ class EventSubscriber:
                 sock.disable_monitor()
                 monitor.close(linger=0)
             sock.close(linger=0)
+            if exc.errno == errno.EMFILE:  # the monitor's sockets did not fit
+                raise self._out_of_sockets(stream, exc) from None
             raise SubscriberError(
                 f"worker {stream.worker_id!r}: cannot subscribe to its events endpoint "
                 f"{stream.endpoint!r} ({zmq.strerror(exc.errno or 0)}); expected e.g. "
@@ -188,17 +183,20 @@ class EventSubscriber:
         worker = _Worker(stream, sock, zmq.Socket.shadow(sock.underlying), monitor)
         worker.on_unknown = functools.partial(self._unknown_event, worker)
         self._workers[stream.worker_id] = worker
-        bodies: list[tuple[str, Callable[[_Worker, bool], Awaitable[None]]]] = [
-            ("reader", self._read)
-        ]
-        if monitor is not None:
-            bodies.append(("monitor", self._watch_connection))
-        for name, body in bodies:
+        for name, body in (("reader", self._read), ("monitor", self._watch_connection)):
             task = asyncio.create_task(
                 self._supervised(worker, name, body), name=f"kv-events-{name}[{stream.worker_id}]"
             )
             task.add_done_callback(self._on_task_done)
             worker.tasks.append(task)
+
+    def _out_of_sockets(self, stream: WorkerStream, exc: zmq.ZMQError) -> SubscriberError:
+        return SubscriberError(
+            f"worker {stream.worker_id!r}: cannot open a socket for its events "
+            f"({zmq.strerror(exc.errno or 0)}; {len(self._workers)} workers subscribed, "
+            f"at most {self._config.max_sockets} sockets): raise the process's file "
+            "descriptor limit (ulimit -n) or spread the workers over more routers"
+        )
 
     async def remove_worker(self, worker_id: WorkerId) -> None:
         """Stop reading a worker's stream and forget its state and counters.
@@ -218,9 +216,8 @@ class EventSubscriber:
         for task in worker.tasks:
             task.cancel()
         await asyncio.gather(*worker.tasks, return_exceptions=True)
-        if worker.monitor is not None:
-            worker.sock.disable_monitor()
-            worker.monitor.close(linger=0)
+        worker.sock.disable_monitor()
+        worker.monitor.close(linger=0)
         worker.sock.close(linger=0)
 
     async def request_replay(
@@ -341,10 +338,9 @@ class EventSubscriber:
                     await self._on_live(worker, frames)
 
     async def _watch_connection(self, worker: _Worker, restarted: bool) -> None:
-        stream, monitor = worker.stream, worker.monitor
-        assert monitor is not None, "only workers with a monitor are watched"
+        stream = worker.stream
         while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
+            event = parse_monitor_message(await worker.monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 # The worker may come back as a new publisher lifetime whose first batches
                 # are lost; seqs cannot always tell (see _on_live).

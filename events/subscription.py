@@ -134,9 +134,9 @@ class SubscriberConfig:
             each failure that follows quickly, up to ``restart_backoff_max_s``.
         restart_backoff_max_s: The longest wait before a failed task restarts.
         max_sockets: ZeroMQ sockets the subscriber's context may open (libzmq's default
-            is 1,023). A worker takes one SUB socket, two more for a connection monitor
-            when it has a restart probe or CURVE keys, and one DEALER while it replays:
-            at most 4, so the default leaves room for 4,000 workers.
+            is 1,023: 341 workers). A worker takes one SUB socket, two more for its
+            connection monitor (disconnects, failed handshakes) and one DEALER while it
+            replays: at most 4, so the default leaves room for 4,000 workers.
     """
 
     replay_timeout_s: float = 5.0

@@ -1,8 +1,8 @@
 """How many workers one router process can ingest: file descriptors and sockets per worker.
 
 Each worker costs the router a few file descriptors: its SUB socket (an eventfd mailbox
-and a TCP connection), a connection monitor (two sockets, two eventfds) when the stream
-has a restart probe or CURVE keys, a DEALER and its connection while it replays, and the
+and a TCP connection), its connection monitor (two sockets, two eventfds), a DEALER and
+its connection while it replays, and the
 HTTP connections kept alive to it (load reports, lifetimes, proxied requests).
 :func:`raise_fd_limit` lifts the process's soft ``RLIMIT_NOFILE`` to its hard limit at
 router start (a common default soft limit of 1,024 would stop a router at ~170 workers),

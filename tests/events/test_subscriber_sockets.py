@@ -1,4 +1,4 @@
-"""The subscriber's ZeroMQ sockets: a monitor only where it is read, a deliberate socket limit."""
+"""The subscriber's ZeroMQ sockets: three per stream, a deliberate limit, 1,000 streams."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from events.subscriber import EventSubscriber, SubscriberConfig, SubscriberError
 from tests.support.event_streams import RecordingSink, batch, loopback_publisher
 from tests.support.polling import eventually
 
-MAX_SOCKETS = 30
+MAX_SOCKETS = 31
+"""Not a multiple of 3: the stream that does not fit fails on its monitor's sockets."""
 NUM_STREAMS = 1000
 FDS_NEEDED = 8192
 """Per stream: a SUB and a monitor pair (3 eventfds), its connection at both ends."""
@@ -22,28 +23,28 @@ async def _no_restart() -> bool:
     return False
 
 
-def _stream(i: int, *, probe: bool) -> WorkerStream:
-    return WorkerStream(f"w{i}", ENDPOINT, restart_probe=_no_restart if probe else None)
+def _stream(i: int) -> WorkerStream:
+    return WorkerStream(f"w{i}", ENDPOINT)
 
 
-@pytest.mark.parametrize(("probe", "fit"), [(False, MAX_SOCKETS), (True, MAX_SOCKETS // 3)])
-def test_streams_take_one_socket_and_two_more_for_a_monitor(probe: bool, fit: int) -> None:
-    """A plain stream is one SUB socket; one with a restart probe also gets a connection
-    monitor (two sockets). Past the context's limit a clear error, and nothing is kept."""
+def test_each_stream_takes_three_sockets_and_past_the_limit_a_clear_error() -> None:
+    """A stream is a SUB socket and its connection monitor (two sockets). Past the
+    context's limit a clear error, nothing is kept, and a removal frees room."""
+    fit = MAX_SOCKETS // 3
 
     async def scenario() -> None:
         config = SubscriberConfig(max_sockets=MAX_SOCKETS)
         async with EventSubscriber(RecordingSink(), config) as sub:
             for i in range(fit):
-                await sub.add_worker(_stream(i, probe=probe))
+                await sub.add_worker(_stream(i))
             with pytest.raises(SubscriberError, match="cannot open a socket"):
-                await sub.add_worker(_stream(fit, probe=probe))
+                await sub.add_worker(_stream(fit))
             assert sub.worker_ids == [f"w{i}" for i in range(fit)]
             await sub.remove_worker(sub.worker_ids[0])  # frees its sockets for another
 
             async def added() -> bool:  # libzmq frees a closed socket's slot in the background
                 try:
-                    await sub.add_worker(_stream(fit, probe=probe))
+                    await sub.add_worker(_stream(fit))
                 except SubscriberError:
                     return False
                 return True
@@ -54,8 +55,8 @@ def test_streams_take_one_socket_and_two_more_for_a_monitor(probe: bool, fit: in
 
 
 @pytest.mark.slow
-def test_the_default_limit_takes_a_thousand_monitored_streams() -> None:
-    """libzmq's own default (1,023 sockets) stopped at 341 monitored streams. All of them
+def test_the_default_limit_takes_a_thousand_streams() -> None:
+    """libzmq's own default (1,023 sockets) stopped at 341 streams. All of them
     connect to one real publisher here (no reconnect churn) and hear it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < FDS_NEEDED:
