@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import itertools
 import logging
-import resource
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -119,15 +119,6 @@ class _Worker:
     heard_s: float = field(default_factory=time.monotonic)
 
 
-def _open_file_limit() -> int:
-    """The process's soft limit on open files (0 where it cannot be read)."""
-    try:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (OSError, ValueError):
-        return 0
-    return soft if soft != resource.RLIM_INFINITY else 0
-
-
 class EventSubscriber:
     """Subscribes to the KV event streams of many workers and feeds one sink.
 
@@ -144,10 +135,10 @@ class EventSubscriber:
         self._sink = sink
         self._config = config or SubscriberConfig()
         self._context = zmq.asyncio.Context()
-        # libzmq caps a context at 1,023 sockets by default: one SUB per worker would stop
-        # a router at ~1,000 workers (bench_router's 1,000-worker row). The process's
-        # open-file limit is the real bound.
-        self._context.max_sockets = max(self._context.max_sockets, _open_file_limit())
+        # Set before the first socket: libzmq's default (1,023) would stop at a few
+        # hundred workers.
+        limit = self._context.get(zmq.SOCKET_LIMIT)
+        self._context.set(zmq.MAX_SOCKETS, min(self._config.max_sockets, limit))
         self._workers: dict[WorkerId, _Worker] = {}
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None
@@ -246,7 +237,10 @@ class EventSubscriber:
         """
         if stream.worker_id in self._workers:
             raise SubscriberError(f"worker {stream.worker_id!r} is already subscribed")
-        sock = self._context.socket(zmq.SUB)
+        try:
+            sock = self._context.socket(zmq.SUB)
+        except zmq.ZMQError as exc:  # out of sockets or file descriptors
+            raise self._out_of_sockets(stream, exc) from None
         monitor: zmq.asyncio.Socket | None = None
         try:
             sock.linger = 0
@@ -265,6 +259,8 @@ class EventSubscriber:
                 sock.disable_monitor()
                 monitor.close(linger=0)
             sock.close(linger=0)
+            if exc.errno == errno.EMFILE:  # the monitor's sockets did not fit
+                raise self._out_of_sockets(stream, exc) from None
             raise SubscriberError(
                 f"worker {stream.worker_id!r}: cannot subscribe to its events endpoint "
                 f"{stream.endpoint!r} ({zmq.strerror(exc.errno or 0)}); expected e.g. "
@@ -279,6 +275,14 @@ class EventSubscriber:
             )
             task.add_done_callback(self._on_task_done)
             worker.tasks.append(task)
+
+    def _out_of_sockets(self, stream: WorkerStream, exc: zmq.ZMQError) -> SubscriberError:
+        return SubscriberError(
+            f"worker {stream.worker_id!r}: cannot open a socket for its events "
+            f"({zmq.strerror(exc.errno or 0)}; {len(self._workers)} workers subscribed, "
+            f"at most {self._config.max_sockets} sockets): raise the process's file "
+            "descriptor limit (ulimit -n) or spread the workers over more routers"
+        )
 
     async def remove_worker(self, worker_id: WorkerId) -> None:
         """Stop reading a worker's stream and forget its state and counters.

@@ -137,6 +137,10 @@ class SubscriberConfig:
         liveness: Heartbeats and TCP keepalive on the SUB and replay sockets, so a
             connection whose publisher side is gone is dropped and made again instead of
             staying silently open (see :mod:`events.liveness`).
+        max_sockets: ZeroMQ sockets the subscriber's context may open (libzmq's default
+            is 1,023: 341 workers). A worker takes one SUB socket, two more for its
+            connection monitor (disconnects, failed handshakes) and one DEALER while it
+            replays: at most 4, so the default leaves room for 4,000 workers.
     """
 
     replay_timeout_s: float = 5.0
@@ -148,6 +152,7 @@ class SubscriberConfig:
     restart_backoff_s: float = 0.1
     restart_backoff_max_s: float = 5.0
     liveness: SocketLiveness = field(default_factory=SocketLiveness)
+    max_sockets: int = 16_384
 
 
 @dataclass

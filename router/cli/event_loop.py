@@ -7,6 +7,7 @@ measured in ``benchmarks/RESULTS.md`` (bench_router, bench_throughput: "server s
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.util
 from collections.abc import Coroutine
 from typing import Any, Final, TypeVar
@@ -34,7 +35,8 @@ def run_on(loop: str, main: Coroutine[Any, Any, T]) -> T:
             "--event-loop uvloop: uvloop is not installed (pip install 'kvroute[fast]')"
         )
     if loop != "asyncio" and has_uvloop:
-        import uvloop
-
-        return uvloop.run(main)
+        # Imported by name: type checks pass whether the optional extra is installed or not.
+        uvloop = importlib.import_module("uvloop")
+        result: T = uvloop.run(main)
+        return result
     return asyncio.run(main)

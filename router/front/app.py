@@ -17,7 +17,9 @@ Endpoints:
 * ``POST /v1/route``: the decision only, body like ``/v1/completions`` (one prompt) plus
   optional ``"dry_run": true`` (decide and explain, record nothing). Answer:
   ``{"worker_id", "url", "matched_tokens", "candidates": [{"worker_id",
-  "matched_tokens", "predicted_tokens", "load", "score"}, ...]}``.
+  "matched_tokens", "predicted_tokens", "load", "score"}, ...], "num_candidates"}``:
+  the best 8 candidates, best first, unless ``?top_k=N`` / ``"top_k": N`` or
+  ``?candidates=all`` asks otherwise (:mod:`router.front.route_answer`).
 * ``GET /v1/workers`` (each registration plus its ``"circuit": {"state",
   "consecutive_failures", "retry_in_s"}``, and whether its events carry another block
   size than its registration's: ``"block_size_mismatch"``, ``"events_block_size"``);
@@ -85,6 +87,7 @@ from router.front.config import RouterConfig
 from router.front.identity import answer_request_id, identify
 from router.front.openai_api import OpenAIHandlers
 from router.front.service import NoWorkersError
+from router.ingest.capacity import CapacityError
 from router.workers.models import ModelNotFoundError, ModelRequiredError
 from router.workers.registration import RegistrationConflict, RegistrationError
 from router.workers.registry import WorkerRecord
@@ -217,7 +220,7 @@ class _Handlers:
             raise ApiError(
                 503, f"cannot register now, Redis failed: {exc}; nothing was saved", "unavailable"
             ) from exc
-        except (EventsError, zmq.ZMQError) as exc:
+        except (EventsError, zmq.ZMQError, CapacityError) as exc:
             raise ApiError(
                 503,
                 f"cannot subscribe to the worker's events now: {exc}; nothing was saved",

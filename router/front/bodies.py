@@ -89,9 +89,12 @@ B = TypeVar("B", bound="CompletionBody")
 
 
 class RouteBody(CompletionBody, kw_only=True):
-    """A ``/v1/route`` body: a completion plus ``dry_run``."""
+    """A ``/v1/route`` body: a completion plus ``dry_run`` and ``top_k`` (how many
+    candidates the answer lists, best first; ``None``: the default, see
+    :mod:`router.front.route_answer`)."""
 
     dry_run: bool = False
+    top_k: int | None = None
 
 
 class _CompletionIds(CompletionBody, kw_only=True):

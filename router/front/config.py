@@ -76,7 +76,9 @@ class RouterConfig:
             (up to ~350 bytes each, 35 MB at the default); past it the oldest are
             forgotten early, which only costs possible cache misses.
         load_refresh_s: How often other replicas' load is re-read.
-        health_poll_s: How often workers' own load reports are polled.
+        health_poll_s: How often workers' own load reports are polled while they change
+            (a worker whose report stays the same is polled less and less often:
+            :class:`router.load.reports.WorkerReportPoller`).
         replica_id: This replica's id (random by default); it names the replica's leases,
             its ingest heartbeat and its shared-load hash.
         client_keys: The router's CURVE key pair for workers registered with a

@@ -25,6 +25,7 @@ from router.front.hops import hop_refusal, next_hops
 from router.front.identity import context_of
 from router.front.proxy import WORKER_HEADER, ProxyResult, WorkersUnavailableError
 from router.front.request_context import session_key
+from router.front.route_answer import listed_candidates, requested_top_k
 from router.front.served import RequestTiming, ServedRequest
 from router.front.stream_usage import UsageStripper, ask_for_usage, usage_asked
 from router.front.tokenization import PromptError
@@ -272,6 +273,7 @@ class OpenAIHandlers:
         raw = await read_body(request, self.limits)
         body = decode_token_ids_body(raw, RouteBody) or decode_body(raw, RouteBody)
         self._check_output(body)
+        top_k = requested_top_k(request.query, body.top_k)
         try:
             prompts = body.prompts()
         except ValueError as exc:
@@ -290,7 +292,8 @@ class OpenAIHandlers:
             "worker_id": decision.worker_id,
             "url": routed.targets[0].url,
             "matched_tokens": routed.chosen.matched_tokens,
-            "candidates": decision.candidates,
+            "candidates": listed_candidates(decision, top_k),
+            "num_candidates": len(decision.candidates),
         }
         return web.Response(body=msgspec.json.encode(answer), content_type="application/json")
 

@@ -51,6 +51,7 @@ from router.front.worker_view import CandidateSet, WorkerView
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
+from router.ingest.capacity import raise_fd_limit
 from router.ingest.metrics import IngestMetrics
 from router.ingest.service import IndexIngest, IngestConfig
 from router.load.model import finished, prefilled, routed
@@ -74,6 +75,7 @@ from router.workers.liveness import Liveness
 from router.workers.models import WorkerModels
 from router.workers.registration import RegistrationError, RegistrationPolicy
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
+from router.workers.registry_watch import RegistryWatch
 
 __all__ = ["NoWorkersError", "Readiness", "Routed", "RouterService"]
 
@@ -199,7 +201,9 @@ class RouterService:
         Raises:
             router.store.connection.RedisConnectError: Redis cannot be reached.
             router.workers.registration.RegistrationError: A configured worker is refused.
-            RouterError: The HTTP port cannot be bound.
+            RouterError: The HTTP port cannot be bound, or the configured workers need
+                more file descriptors than the process may open
+                (:class:`router.ingest.capacity.CapacityError`).
         """
         service = cls(config)
         try:
@@ -219,6 +223,7 @@ class RouterService:
         from router.front.app import make_app  # the HTTP layer imports this module
 
         cfg = self.config
+        raise_fd_limit()  # each worker costs file descriptors (router.ingest.capacity)
         for record in cfg.workers:  # the operator's own workers: refused means misconfigured
             self.registration.check(record)
             cfg.tokenizers.check(record)
@@ -249,6 +254,7 @@ class RouterService:
             policy=self.registration,
             on_invalid=self.metrics.invalid_registrations.inc,
         )
+        self._registry_watch = RegistryWatch(self.registry)
         self.ingest = IndexIngest(
             BridgedIndex(RedisPrefixIndex(self._client, layout), self.keyer),
             self.registry,
@@ -287,6 +293,7 @@ class RouterService:
             timeout_s=_POLL_TIMEOUT_S,
             on_models=self.models.learn,
             on_silent=lambda wid: self.proxy.suspect(wid, _POLL_TIMEOUT_S),
+            on_lifetime=self.ingest.hear_lifetime,
         )
         if cfg.decision_log is not None:
             self._decision_log = DecisionLog(cfg.decision_log)
@@ -401,6 +408,8 @@ class RouterService:
                 and ``replace`` is False.
             redis.exceptions.RedisError: Redis is unreachable; nothing was saved.
             events.errors.EventsError: Its event stream cannot be subscribed to.
+            router.ingest.capacity.CapacityError: This router holds as many workers as it
+                can; nothing was saved.
         """
         self.registration.check(record)
         self.config.tokenizers.check(record)
@@ -426,7 +435,7 @@ class RouterService:
         wid = record.worker_id
         self._records[wid] = record
         self._view.changed()
-        self.poller.set_worker(wid, record.http_url)
+        self.poller.set_worker(wid, record.http_url, models=not record.models)
 
     def _drop_worker(self, worker_id: WorkerId) -> None:
         self._records.pop(worker_id, None)
@@ -447,12 +456,13 @@ class RouterService:
         return record.block_size if record is not None else 1
 
     async def _sync_workers(self) -> None:
-        """Adopt registrations made by other replicas (through Redis).
+        """Adopt registrations made by other replicas (through Redis), when the registry
+        changed since the last pass.
 
         NOTE: a worker missing from Redis is kept: Redis may have restarted empty, and the
         ingest registers its workers again on its next pass.
         """
-        for record in await self.registry.records():
+        for record in await self._registry_watch.changed() or ():
             wid = record.worker_id
             if self._records.get(wid) != record and not self._liveness.is_retired(wid):
                 self._set_worker(record)

@@ -168,6 +168,19 @@ class IngestMetrics:
             ["worker", "outcome"],
             registry=r,
         )
+        self.data_losses = Counter(
+            "kvroute_index_data_losses",
+            "Redis nodes found to have lost their data (restarted empty, a shard flushed): "
+            "this router's marker on them was gone (router.store.markers).",
+            registry=r,
+        )
+        self.restores = Counter(
+            "kvroute_ingest_restores",
+            "Workers whose entries this router wrote again from what it held of them, "
+            "after Redis lost them.",
+            ["worker"],
+            registry=r,
+        )
         self.reaped = Counter(
             "kvroute_ingest_reaped_workers",
             "Workers whose lease lapsed and whose entries this router removed.",

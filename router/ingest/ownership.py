@@ -35,7 +35,7 @@ from router.ingest.metrics import IngestMetrics
 from router.ingest.worker import WorkerIngest
 from router.ingest.write_gate import WriteGate
 from router.store.scripts import StaleLeaseError
-from router.workers.registry import WorkerRegistry, owner_of
+from router.workers.registry import Lease, WorkerRegistry, owner_of
 
 __all__ = ["RECOVERY_ERRORS", "LeaseKeeper"]
 
@@ -85,28 +85,71 @@ class LeaseKeeper:
         # first: then every worker counts as its own); per worker it does not own, when
         # it first found the lease free (cleared once anyone holds it).
         self._routers: list[str] = []
+        self._holders: list[str] = []
         self._unclaimed_since: dict[str, float] = {}
         # NOTE: the recovery steps in flight in tasks of their own (run_apart), one per
         # worker at most.
         self._apart: dict[WorkerId, asyncio.Task[None]] = {}
+        # NOTE: when each held lease's key was last renewed (monotonic; absent: just
+        # acquired, due at the next renewal), and when this router's heartbeat last
+        # succeeded (monotonic; its leases are its own while it is within a lease TTL).
+        self._renewed_at: dict[Lease, float] = {}
+        self._beat_at = time.monotonic()
+        # NOTE: workers whose lease a take_over() is acquiring now (a second one at once
+        # would bump the epoch under the first, whose writes would then be fenced).
+        self._taking: set[WorkerId] = set()
 
-    async def renew(self, workers: Iterable[WorkerIngest]) -> None:
-        """Renew every lease held among ``workers``, then this router's membership (and
-        learn the live routers). Takes no worker's lock: it never waits on an ingest.
+    async def renew(self, workers: Iterable[WorkerIngest], *, force: bool = False) -> None:
+        """Renew the keys of the leases held among ``workers`` that are due (a third of
+        the key's lifetime since the last renewal; all of them with ``force``, or when
+        this router's heartbeat was late: its leases may have been taken), in one round
+        trip, then this router's membership (and learn the live routers). A lease found
+        lost is dropped. Takes no worker's lock: it never waits on an ingest.
 
         Raises:
-            redis.exceptions.RedisError: Redis failed (the leases renewed before stay).
+            redis.exceptions.RedisError: Redis failed (no lease is taken for lost).
         """
-        for worker in list(workers):
+        now = time.monotonic()
+        force = force or now - self._beat_at > self.registry.lease_ttl_ms / 1000
+        every_s = self.registry.lease_key_ttl_ms / 3000
+        held: list[tuple[WorkerIngest, Lease]] = []
+        renewed_at: dict[Lease, float] = {}  # (leases no longer held are forgotten)
+        for worker in workers:
             lease = worker.lease
-            if lease is None or await self.registry.renew(lease):
+            if lease is None:
                 continue
+            renewed_at[lease] = self._renewed_at.get(lease, now)
+            if force or now - renewed_at[lease] >= every_s:
+                held.append((worker, lease))
+        self._renewed_at = renewed_at
+        renewed = await self.registry.renew_all([lease for _, lease in held])
+        for (worker, lease), ok in zip(held, renewed, strict=True):
+            if ok:
+                self._renewed_at[lease] = now
+                continue
+            self._renewed_at.pop(lease, None)
             if worker.lease is lease:  # not replaced or dropped meanwhile
                 self.metrics.lease_lost.labels(worker.worker_id).inc()
                 log.warning("worker %s: lease lapsed or taken; retaking it", worker.worker_id)
-                worker.lease = None
-                self.index.forget_lease(worker.worker_id)
+                worker.lease_lost()
+        await self.heartbeat()
+
+    async def heartbeat(self) -> None:
+        """Renew this router's membership and learn the live routers.
+
+        Raises:
+            redis.exceptions.RedisError: Redis failed.
+        """
+        now = time.monotonic()
         self._routers = await self.registry.heartbeat()
+        self._holders = await self.registry.hold()
+        self._beat_at = now
+
+    @property
+    def live_holders(self) -> list[str]:
+        """The live lease holders as of this router's last heartbeat (empty before the
+        first: then every holder counts as live)."""
+        return self._holders
 
     def owns(self, worker_id: WorkerId) -> bool:
         """Whether this router is the worker's owner among the live routers."""
@@ -136,6 +179,8 @@ class LeaseKeeper:
                 await self.take_over(worker, current)
             return
         async with worker.lock.hold():
+            if worker.restore_pending and not worker.needs_rebuild:  # Redis lost its data
+                await _guarded(worker, worker.restore)
             try:  # surfaces a failed queued write of an idle worker
                 await self.index.flush(worker.worker_id)
             except RECOVERY_ERRORS as exc:
@@ -147,9 +192,20 @@ class LeaseKeeper:
         """Take ``worker``'s lease if free (or handed to this router): resume from the
         previous holder's handoff, else rebuild the worker (later, when the index does
         not take writes now)."""
-        lease = await self.registry.acquire(worker.worker_id)
+        wid = worker.worker_id
+        if wid in self._taking:
+            return  # a registration and a maintenance pass at once: one take is enough
+        self._taking.add(wid)
+        try:
+            await self._take_over(worker, current)
+        finally:
+            self._taking.discard(wid)
+
+    async def _take_over(self, worker: WorkerIngest, current: Callable[[], bool]) -> None:
+        lease = await self.registry.acquire(worker.worker_id, self._holders)
         if lease is None:
             return  # another router replica ingests this worker
+        self._renewed_at[lease] = time.monotonic()
         self._unclaimed_since.pop(worker.worker_id, None)
         async with worker.lock.hold():
             if not current():
@@ -165,6 +221,12 @@ class LeaseKeeper:
             if await worker.resume(lease, handed):
                 await _guarded(worker, worker.catch_up)
                 return
+            if worker.restore_pending and worker.restorable:  # Redis lost its data
+                await _guarded(worker, worker.restore)
+                if not worker.needs_rebuild:
+                    await _guarded(worker, worker.catch_up)
+                    return
+            worker.restorable = worker.restore_pending = False
             worker.needs_rebuild = True
             # Snapshot workers are rebuilt now (also when idle); others at their next batch,
             # where a replay can be requested.
@@ -189,6 +251,7 @@ class LeaseKeeper:
         except RECOVERY_ERRORS:
             state = None
         worker.lease = None
+        worker.restorable = False  # given up on purpose: the next holder has the state
         self.index.forget_lease(worker.worker_id)
         if state is not None:
             try:
@@ -268,10 +331,13 @@ class LeaseKeeper:
         log.info("worker %s: lease handed over to router %s (its owner)", worker.worker_id, owner)
 
     async def _unclaimed(self, worker: WorkerIngest) -> bool:
-        """True once the worker's lease has been free for a whole TTL (its owner is not
-        taking it: stalled, or its ingest broken): then any router may."""
+        """True once the worker's lease has been free (or held by a router no longer
+        live) for a whole TTL (its owner is not taking it: stalled, or its ingest
+        broken): then any router may."""
         wid = worker.worker_id
-        if await self.registry.holder(WorkerId(wid)) is not None:
+        token = await self.registry.holder(WorkerId(wid))
+        holder = None if token is None else token.partition(":")[2]
+        if holder is not None and (not self._holders or holder in self._holders):
             self._unclaimed_since.pop(wid, None)
             return False
         since = self._unclaimed_since.setdefault(wid, time.monotonic())

@@ -21,9 +21,10 @@
 * a publisher restart clears the worker. A restart shows as a seq drop, or as a change of
   the worker's lifetime (:mod:`router.workers.lifetime`: the id in a kvroute worker's
   ``GET /health``, a vLLM engine's ``process_start_time_seconds``), checked on every seq
-  jump before it is replayed as a gap, on the first batch after a reconnect and at every
-  maintenance pass, so a restart whose first batches were lost is never taken for a gap
-  or for the old lifetime going on;
+  jump before it is replayed as a gap, on the first batch after a reconnect and by the
+  maintenance passes (every pass, backing off for a worker whose answer stays the same),
+  so a restart whose first batches were lost is never taken for a gap or for the old
+  lifetime going on;
 * a stream quiet for longer than the idle bound has its position checked against its
   publisher's (:mod:`router.ingest.watchdog`): batches it missed on a connection that
   died half-open are replayed (or the worker resynced) and the connection made again;
@@ -56,6 +57,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -77,18 +79,23 @@ from events.subscriber import (
     WorkerStream,
 )
 from router.ingest.bridged_index import BridgedIndex
+from router.ingest.capacity import CapacityError, FleetCapacity, fd_limit
+from router.ingest.lifetime_checks import LifetimeChecks
 from router.ingest.metrics import IngestMetrics, StreamCollector
 from router.ingest.ownership import RECOVERY_ERRORS, LeaseKeeper
 from router.ingest.watchdog import DEFAULT_IDLE_CHECK_S, IdleWatchdog
 from router.ingest.worker import IngestServices, WorkerIngest
 from router.ingest.write_gate import WriteGate, shut_reason
+from router.store.markers import DataMarkers
 from router.tasks.periodic import Periodic
 from router.workers.lifetime import LifetimeTracker
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
+from router.workers.registry_watch import RegistryWatch
 
 __all__ = ["IndexIngest", "IngestConfig"]
 
 log = logging.getLogger(__name__)
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,12 +169,17 @@ class IndexIngest:
         self._subscriber: EventSubscriber | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lifetimes: LifetimeTracker | None = None
+        self._capacity: FleetCapacity | None = None
+        self._markers = DataMarkers(registry.client, registry.layout, registry.owner)
+        self._registry_watch = RegistryWatch(registry)
+        self._lifetime_checks = LifetimeChecks(self.config.maintain_interval_s)
         self._services: IngestServices | None = None
         self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
         self._renewer = Periodic(self.renew_leases, self.config.maintain_interval_s)
         self._watchdog: IdleWatchdog | None = None
         # The watchdog looks often; each worker is checked at most once per idle bound.
         self._watcher = Periodic(self._check_idle, min(1.0, self.config.idle_check_s / 4))
+        self._renewed_at = float("-inf")
         self._gate = WriteGate(
             registry.client,
             self.metrics,
@@ -229,6 +241,9 @@ class IndexIngest:
         )
         self._lifetimes = LifetimeTracker(self._session, self.config.lifetime_timeout_s)
         self._subscriber = EventSubscriber(self, self.config.subscriber)
+        self._capacity = FleetCapacity(fd_limit(), self.config.subscriber.max_sockets)
+        self._capacity.check(len(records))  # the operator's own workers must all fit
+        await self._markers.write()
         self._services = IngestServices(
             index=self.index,
             metrics=self.metrics,
@@ -307,6 +322,8 @@ class IndexIngest:
             RegistrationConflict: Another registration is saved and ``replace`` is False.
             redis.exceptions.RedisError: Redis failed; nothing was saved.
             events.errors.EventsError: The subscription could not be set up.
+            router.ingest.capacity.CapacityError: This router holds as many workers as
+                its file descriptors allow; nothing was saved.
         """
         async with self._membership:
             outcome, worker = await self._add(record, replace=replace)
@@ -357,6 +374,7 @@ class IndexIngest:
             await self._subscriber.remove_worker(wid)
         if self._lifetimes is not None:
             self._lifetimes.forget(wid)
+        self._lifetime_checks.forget(wid)
         self.index.expect_block_size(wid, 0)
         with contextlib.suppress(KeyError):
             self.metrics.block_size_mismatch.remove(wid)
@@ -366,6 +384,13 @@ class IndexIngest:
                 self.index.forget_lease(wid)
                 await self.registry.release(worker.lease)
                 worker.lease = None
+
+    def hear_lifetime(self, worker_id: WorkerId, lifetime_id: str) -> None:
+        """A worker's lifetime id as read by someone else (the load poller, from the
+        same ``/health`` or ``/metrics`` answer): the next maintenance pass checks it
+        instead of asking the worker."""
+        if worker_id in self._workers:
+            self._lifetime_checks.hear(worker_id, lifetime_id)
 
     # -- EventSink -----------------------------------------------------------------------
 
@@ -441,19 +466,33 @@ class IndexIngest:
         on no worker's ingest). Redis errors are logged; the next round retries."""
         try:
             await self._leases.renew(self._workers.values())
+            self._renewed_at = time.monotonic()
         except RedisError as exc:
+            self._note_write_error(exc)  # renewals and heartbeats are writes
             self._redis_failed(exc, "lease renewal")
 
     async def maintain_once(self) -> None:
-        """Renew leases, sync registrations, take or hand over leases, rebuild what needs
-        it, publish block size flags, reap lapsed workers, check the workers' lifetimes.
+        """Renew leases (unless the renewal task keeps them renewed: then only this
+        router's heartbeat), sync registrations, take or hand over leases, rebuild what
+        needs it, publish block size flags, reap lapsed workers, check the workers'
+        lifetimes.
 
         Redis errors are logged and counted; the next pass retries. A worker whose lock
         is busy (its ingest is at work) is skipped: no pass waits on one worker.
         """
-        await self.renew_leases()
+        if time.monotonic() - self._renewed_at < 1.5 * self.config.maintain_interval_s:
+            # The renewal task keeps the leases renewed: only learn the live routers now
+            # (renewing here too would double the renewals); past 1.5 periods it is late.
+            try:
+                await self._leases.heartbeat()
+            except RedisError as exc:
+                self._note_write_error(exc)
+                self._redis_failed(exc, "heartbeat")
+        else:
+            await self.renew_leases()
         try:
             await self._gate.probe()
+            await self._check_markers()
             for worker in self._workers.values():
                 # A worker this router owns but does not hold is being handed to it (or
                 # will be taken): keep its batches from now on, as the lease may come with
@@ -466,7 +505,9 @@ class IndexIngest:
                 if self._is_current(worker):  # not removed since this pass listed it
                     await self._leases.maintain(worker, functools.partial(self._is_current, worker))
             await self._publish_flags()
-            reaped = await self.registry.reap(self.index.store)
+            reaped = await self.registry.reap(
+                self.index.store, set(self._workers), self._leases.live_holders
+            )
             self.metrics.reaped.inc(len(reaped))
             self._writable = self._write_errors == self._write_errors_seen
         except RedisError as exc:
@@ -480,6 +521,28 @@ class IndexIngest:
         """The idle watchdog's round over the workers ingested (see its module)."""
         assert self._watchdog is not None
         self._watchdog.check(w for w in list(self._workers.values()) if self._is_current(w))
+    async def _check_markers(self) -> None:
+        """If a Redis node lost its data (:mod:`router.store.markers`), mark every worker
+        whose entries this router holds, or held until the loss, for a restore from its
+        bridge (done by this pass: the leases that went with the data are dropped now, so
+        the pass takes them again), then set the markers again."""
+        lost = await self._markers.lost()
+        if not lost:
+            return
+        self.metrics.data_losses.inc(len(lost))
+        marked = 0
+        for worker in self._workers.values():
+            if worker.lease is not None or worker.restorable:
+                worker.restore_pending = True
+                marked += 1
+        log.warning(
+            "Redis lost its data (markers %s gone: restarted empty, or a shard flushed); "
+            "writing the entries of the %d workers this router holds again",
+            ", ".join(lost),
+            marked,
+        )
+        await self._leases.renew(self._workers.values(), force=True)
+        await self._markers.write()
 
     def _redis_failed(self, exc: RedisError, what: str) -> None:
         if shut_reason(exc) is not None:
@@ -496,30 +559,26 @@ class IndexIngest:
                 worker.flag_synced = seen == worker.events_block_size  # unless it changed
 
     async def _check_lifetimes(self) -> None:
-        """Ask every held worker for its lifetime (concurrently, with no lock held) and
-        reset the ones that restarted unseen (see :meth:`WorkerIngest.check_lifetime`)."""
-        tracker = self._tracker
+        """Check the held workers' lifetimes (:mod:`router.ingest.lifetime_checks`)."""
         if not self._gate.is_open:
             return  # a reset could not be written; the rebuild after it covers restarts
         held = [w for w in self._workers.values() if w.lease is not None]
-        held = [w for w in held if tracker.can_tell(w.record)]
-        found = await asyncio.gather(*(tracker.current(w.record) for w in held))
-        for worker, current in zip(held, found, strict=True):
-            if current is None or current == tracker.recorded(worker.worker_id):
-                continue  # the common case: nothing to do, no lock taken
-            if worker.is_busy or not self._is_current(worker):
-                continue  # its ingest is at work (and may see it); the next pass will
-            # Apart: a reset loads the worker's snapshot, which this pass must not wait on.
-            self._leases.run_apart(worker, functools.partial(worker.check_lifetime, current))
+        await self._lifetime_checks.run(
+            self._tracker, held, self._is_current, self._leases.run_apart
+        )
 
     async def _sync_registry(self) -> None:
-        """Persist this router's workers again and follow the saved registrations.
+        """Persist this router's workers again and follow the saved registrations (when
+        the registry changed: :class:`router.workers.registry_watch.RegistryWatch`).
 
         A registration saved by another router is subscribed to (one replaced there is
         resubscribed); one that is invalid, refused by this router's policy, or whose
         subscription cannot be set up is skipped and reported once by the registry.
         """
-        persisted = {r.worker_id: r for r in await self.registry.records()}
+        changed = await self._registry_watch.changed()
+        if changed is None:
+            return  # nothing saved or removed since the last read
+        persisted = {r.worker_id: r for r in changed}
         for worker in list(self._workers.values()):
             if worker.record.worker_id not in persisted:
                 # Redis lost its data (or another replica unregistered the worker
@@ -533,13 +592,20 @@ class IndexIngest:
             if current is None:
                 try:
                     await self._subscribe(record)
-                except (EventsError, zmq.ZMQError) as exc:
+                except (EventsError, zmq.ZMQError, CapacityError) as exc:
                     encoded = msgspec.json.encode(record)
                     self.registry.skip_invalid(record.worker_id, encoded, str(exc))
 
     async def _subscribe(self, record: WorkerRecord) -> WorkerIngest:
-        """Subscribe to ``record``'s stream; on failure nothing of it is kept."""
+        """Subscribe to ``record``'s stream; on failure nothing of it is kept.
+
+        Raises:
+            CapacityError: This process cannot take another worker (nothing was opened).
+            events.errors.EventsError: The subscription could not be set up.
+        """
         assert self._subscriber is not None and self._services is not None
+        assert self._capacity is not None
+        self._capacity.check(len(self._workers) + 1)
         worker = self._workers[record.worker_id] = WorkerIngest(record, self._services)
         try:
             await self._subscriber.add_worker(

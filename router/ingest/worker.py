@@ -92,6 +92,13 @@ class WorkerIngest:
         self.lease: Lease | None = None
         self.position = StreamPosition()
         self.needs_rebuild = False
+        # NOTE: restorable: the lease was lost by surprise (lapsed, refused by a fenced
+        # write) with no rebuild pending, so the bridge holds every batch applied (those
+        # since are kept, not dropped); if Redis lost its data (restore_pending, set by
+        # the ingest from its markers) the entries are written again from the bridge
+        # instead of being rebuilt.
+        self.restorable = False
+        self.restore_pending = False
         self.in_batch = False
         # NOTE: held by whatever changes the worker's entries (see TaskLock).
         self.lock = TaskLock()
@@ -144,6 +151,9 @@ class WorkerIngest:
         holder did not apply are applied from here, not lost."""
         if not keep:
             self._kept = None
+            if self.restorable:  # the bridge kept for a restore misses batches from now on
+                self.restorable = False
+                self._services.index.forget_lease(self.worker_id)
         elif self._kept is None:
             self._kept = KeptStream()
 
@@ -170,6 +180,8 @@ class WorkerIngest:
         if self.lease is None:
             if self._kept is not None:
                 self._kept.add(received)
+            else:
+                self.restorable = False  # the bridge misses this batch now
             self._batches["not_owner"].inc()
             return
         await self._apply_kept(in_batch=True)
@@ -232,6 +244,7 @@ class WorkerIngest:
         if not self._services.gate.is_open:
             # Redis refuses writes: drop the batch, rebuild the worker once it takes them.
             self.needs_rebuild = True
+            self.restorable = False
             self._batches["index_full"].inc()
             return True
         if self.needs_rebuild:
@@ -402,6 +415,25 @@ class WorkerIngest:
 
     # -- recovery ------------------------------------------------------------------------
 
+    def lease_lost(self) -> None:
+        """The lease lapsed or was refused (not given up): keep the batches delivered
+        from now on, and the bridge for a restore unless a rebuild was pending anyway
+        (see :attr:`restorable`)."""
+        self.lease = None
+        self.restorable = not self.needs_rebuild
+        self._services.index.forget_lease(self.worker_id, keep_bridge=self.restorable)
+        self.keep_batches(True)
+
+    async def restore(self) -> None:
+        """Redis lost the worker's entries (some or all) while this router held them: write
+        them again from the bridge, which holds every batch applied, instead of
+        rebuilding the worker from its events."""
+        wid, services = self.worker_id, self._services
+        written = await services.index.rewrite_worker(wid)
+        self.restorable = self.restore_pending = self.needs_rebuild = False
+        services.metrics.restores.labels(wid).inc()
+        log.warning("worker %s: Redis lost its entries; wrote its %d entries again", wid, written)
+
     async def resync(self, reason: str) -> None:
         """Batches were lost for good: clear the worker and rebuild what can be (later,
         when a network wait of its ingest is in progress: marked for a rebuild)."""
@@ -429,6 +461,7 @@ class WorkerIngest:
 
     async def clear(self, applied_through: int | None) -> None:
         """Drop the worker's entries; the stream continues after ``applied_through``."""
+        self.restorable = self.restore_pending = False
         index = self._services.index
         await index.clear_worker(self.worker_id)
         index.bridge(self.worker_id).tolerate_orphans = False
@@ -443,9 +476,11 @@ class WorkerIngest:
         if isinstance(exc, StaleLeaseError):
             metrics.lease_lost.labels(wid).inc()
             log.warning("worker %s: lost its lease (%s); maintenance will retake it", wid, exc)
-            self.lease = None
-            self._services.index.forget_lease(wid)
+            self.lease_lost()
         else:
+            # A write that failed on a Redis error may be followed by batches that meet
+            # the same trouble: this worker is rebuilt, not restored from its bridge.
+            self.restorable = False
             if isinstance(exc, RedisError):
                 metrics.redis_errors.labels(wid).inc()
             if shut_reason(exc) is not None:

@@ -7,7 +7,8 @@ whole and renews its expiry. A replica that crashes stops renewing, so its hash 
 after ``ttl_s`` and the load it held disappears instead of leaking forever. Every replica
 sums the hashes of the others (refreshed in the background every ``refresh_interval_s``)
 with its own exact in-process figures, so two replicas see each other's traffic and do
-not herd onto one worker.
+not herd onto one worker. Who the others are is learned at each heartbeat (every
+``ttl_s / 3``), so a replica alone sends Redis nothing between heartbeats.
 
 Workers' own figures (``/health`` of kvroute workers, ``/metrics`` of vLLM engines, polled
 by :class:`router.load.reports.WorkerReportPoller`) are merged field by field with
@@ -36,7 +37,7 @@ from events.rate_limited_log import RateLimitedLog
 from router.errors import RouterError
 from router.load.model import WorkerLoad
 from router.store.connection import RedisClient
-from router.store.scripts import ADD_LOAD, Script
+from router.store.scripts import ADD_LOAD, REWRITE_HASH, Script
 from router.tasks.periodic import Periodic
 from router.workers.registry import live_members
 
@@ -48,6 +49,7 @@ _add_load = Script(ADD_LOAD)
 _FIELDS: Final = ("r", "p", "d")  # num_requests, queued_prefill_tokens, decode_tokens
 _IDLE: Final = WorkerLoad()
 _LOG_INTERVAL_S: Final = 10.0
+_REWRITE: Final = Script(REWRITE_HASH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +108,16 @@ class RedisLoadTracker:
         # scheduled but has not started; it is empty whenever no such task is pending.
         self._unsent: dict[WorkerId, WorkerLoad] = {}
         self._remote: dict[WorkerId, WorkerLoad] = {}
+        # NOTE: the other live replicas as of this replica's last heartbeat (a replica
+        # that joined since is read from the next one on, within ttl_s / 3).
+        self._others: list[str] = []
         self._reported: dict[WorkerId, WorkerLoad] = {}
         self._is_shared = False
         # Each retry of a failing Redis (down, or out of memory) fails again: say so at
         # most once per interval, not once per retry.
         self._warn = RateLimitedLog(_LOG_INTERVAL_S, logger)
         self._next_heartbeat = 0.0
-        self._loop = Periodic(self.refresh, self.config.refresh_interval_s)
+        self._loop = Periodic(self._tick, self.config.refresh_interval_s)
         self.num_errors = 0
         """Redis operations that failed (each also logged)."""
 
@@ -132,10 +137,8 @@ class RedisLoadTracker:
         if self._pending:
             await asyncio.wait(list(self._pending))
         with contextlib.suppress(RedisError, OSError):
-            pipe = self._client.pipeline(transaction=True)
-            pipe.delete(self._own_key)
-            pipe.zrem(self._replicas_key, self.replica_id)
-            await pipe.execute()
+            await self._client.delete(self._own_key)
+            await self._client.zrem(self._replicas_key, self.replica_id)
 
     async def add(self, worker_id: WorkerId, delta: WorkerLoad) -> None:
         """Add ``delta`` to this replica's load on a worker, locally and in Redis."""
@@ -225,30 +228,42 @@ class RedisLoadTracker:
                 self._reported[worker_id] = clamped
 
     async def refresh(self) -> None:
-        """Heartbeat when due and re-read the other replicas' load now."""
+        """Heartbeat when due, learn who the other replicas are and re-read their load now."""
+        await self._tick(membership=True)
+
+    async def _tick(self, *, membership: bool = False) -> None:
+        """The loop's step: heartbeat when due (which learns the other replicas), then
+        re-read their load (``membership``: learn who they are first)."""
         if time.monotonic() >= self._next_heartbeat:
             await self._sync()
+        elif membership and self._is_shared:
+            await self._guard(self._read_members(), "refresh")
         if self._is_shared:
             await self._guard(self._read_remote(), "refresh")
+
+    async def _read_members(self) -> None:
+        ttl_ms = int(self.config.ttl_s * 1000)
+        self._learn(await live_members(self._client, self._replicas_key, "", ttl_ms))
+
+    def _learn(self, live: list[str]) -> None:
+        self._others = [rid for rid in live if rid != self.replica_id]
 
     async def _sync(self) -> None:
         """Rewrite this replica's hash from the local figures and renew its lease."""
         ttl_ms = int(self.config.ttl_s * 1000)
         self._unsent.clear()  # the rewrite below includes them (they are in _local)
-        mapping: dict[str, int] = {}
+        pairs: list[str | int] = [ttl_ms]
         for w, load in self._local.items():
             for name, value in zip(_FIELDS, _values(load), strict=True):
                 if value:
-                    mapping[f"{name}:{w}"] = value
-        pipe = self._client.pipeline(transaction=True)
-        pipe.delete(self._own_key)
-        if mapping:
-            pipe.hset(self._own_key, mapping=mapping)  # type: ignore[arg-type]
-            pipe.pexpire(self._own_key, ttl_ms)
+                    pairs += (f"{name}:{w}", value)
 
         async def write() -> None:
-            await pipe.execute()
-            await live_members(self._client, self._replicas_key, self.replica_id, ttl_ms)
+            # One script on one key, no MULTI: a cluster client runs it on the event loop
+            # like any command (its transactions take a helper thread and loop).
+            await _REWRITE(self._client, [self._own_key], pairs)
+            key, me = self._replicas_key, self.replica_id
+            self._learn(await live_members(self._client, key, me, ttl_ms))
 
         was_shared = self._is_shared
         self._is_shared = True
@@ -260,14 +275,14 @@ class RedisLoadTracker:
                 )
 
     async def _read_remote(self) -> None:
-        live = await live_members(
-            self._client, self._replicas_key, "", int(self.config.ttl_s * 1000)
-        )
-        others = [rid for rid in live if rid != self.replica_id]
+        others = self._others
+        if not others:
+            self._remote = {}
+            return  # alone: nothing to read (the next heartbeat says who joined)
         pipe = self._client.pipeline(transaction=False)
         for rid in others:
             pipe.hgetall(f"{self._base}:r:{rid}")
-        hashes: list[dict[bytes, bytes]] = await pipe.execute() if others else []
+        hashes: list[dict[bytes, bytes]] = await pipe.execute()
         totals: dict[WorkerId, list[int]] = {}
         for fields in hashes:
             for raw_field, raw_value in fields.items():

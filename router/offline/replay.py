@@ -330,6 +330,7 @@ def redis_lease_taker(
     """
 
     async def take(worker_id: WorkerId) -> None:
+        await registry.hold()  # live for as long as the lease lasts: routers leave it alone
         lease = await registry.acquire(worker_id)
         if lease is None:
             raise ReplayError(

@@ -158,6 +158,12 @@ class KeyLayout:
         return f"{self.prefix}indexed"
 
     @property
+    def lease_holders(self) -> str:
+        """Sorted set of live lease holders (routers, and tools such as a replay), scored
+        by when their liveness lapses (ms): a lease of a holder not in it may be taken."""
+        return f"{self.prefix}lease_holders"
+
+    @property
     def routers(self) -> str:
         """Sorted set of live router ids, scored by when their heartbeat lapses (ms)."""
         return f"{self.prefix}routers"
@@ -166,3 +172,13 @@ class KeyLayout:
     def registry(self) -> str:
         """Hash worker id -> JSON registration (endpoints, kind, block size)."""
         return f"{self.prefix}registry"
+
+    def marker(self, tag: str) -> str:
+        """Hash router id -> 1 in the slot of ``tag``: gone when its node lost its data
+        (:mod:`router.store.markers`)."""
+        return f"{self.prefix}alive:{{{tag}}}"
+
+    @property
+    def registry_version(self) -> str:
+        """String set to a new random value after every change of :attr:`registry`."""
+        return f"{self.prefix}registry_version"

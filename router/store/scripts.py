@@ -36,7 +36,7 @@ __all__ = [
     "HEARTBEAT",
     "LOOKUP",
     "RELEASE",
-    "RENEW",
+    "REWRITE_HASH",
     "Script",
     "StaleLeaseError",
 ]
@@ -282,27 +282,29 @@ return out
 """
 
 ACQUIRE: Final = """
--- KEYS: lease, worker   ARGV: owner, ttl_ms
--- Returns the new epoch, or nil when another owner holds the lease. A lease handed off
--- to nobody in particular ('<epoch>:', see HAND_OFF) is free for any owner.
+-- KEYS: lease, worker   ARGV: owner, ttl_ms, then the live routers as the caller knows
+-- them (none: every holder counts as live)
+-- Returns the new epoch, or nil when another live owner holds the lease. A lease handed
+-- off to nobody in particular ('<epoch>:', see HAND_OFF) is free for any owner, and so
+-- is one whose holder is not among the live routers given (its heartbeat lapsed).
 local current = redis.call('GET', KEYS[1])
 if current then
   local holder = string.match(current, '^%d+:(.*)$')
   if holder ~= '' and holder ~= ARGV[1] then
-    return nil
+    local live = #ARGV == 2
+    for a = 3, #ARGV do
+      if ARGV[a] == holder then
+        live = true
+      end
+    end
+    if live then
+      return nil
+    end
   end
 end
 local epoch = redis.call('HINCRBY', KEYS[2], 'epoch', 1)
 redis.call('SET', KEYS[1], epoch .. ':' .. ARGV[1], 'PX', ARGV[2])
 return epoch
-"""
-
-RENEW: Final = """
--- KEYS: lease   ARGV: token, ttl_ms   Returns 1 when renewed, 0 when the lease is lost.
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
 """
 
 HEARTBEAT: Final = """
@@ -340,6 +342,20 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
+"""
+
+REWRITE_HASH: Final = """
+-- KEYS: a hash   ARGV: ttl_ms, then field, value pairs (none: the hash is deleted)
+-- Replaces the hash whole and sets its expiry: one key, so one call on any cluster node.
+-- Pairs go in chunks of 500, far below Lua's limit on unpack() results.
+redis.call('DEL', KEYS[1])
+for a = 2, #ARGV, 1000 do
+  redis.call('HSET', KEYS[1], unpack(ARGV, a, math.min(a + 999, #ARGV)))
+end
+if #ARGV > 1 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+end
+return 1
 """
 
 

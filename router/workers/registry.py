@@ -1,12 +1,21 @@
 """Worker registry in Redis: persistent registrations, single-writer leases with epoch fencing.
 
 * Registration (worker id -> endpoints, kind, block size, CURVE server key) persists in
-  one hash, so a restarted router resumes ingesting the same workers.
+  one hash, so a restarted router resumes ingesting the same workers. Every change gives
+  a version key a new value after it, so routers re-read the hash only when it changed
+  (:meth:`WorkerRegistry.version`).
 * A lease (``SET`` with ``PX``, value ``"<epoch>:<owner>"``) makes one router the only
   writer of a worker's index entries; every index write checks the token server-side,
   so a router holding an old epoch cannot write (fencing).
-* The holder renews the lease while the worker's stream is alive; when it lapses, any
-  router replica's :meth:`WorkerRegistry.reap` removes the worker's entries.
+* A lease lasts while its holder is alive: a holder whose liveness lapsed (one lease
+  TTL without :meth:`WorkerRegistry.hold`, which routers renew with their heartbeat)
+  holds nothing, and any router may take its leases (:meth:`WorkerRegistry.acquire`
+  with the live holders). The key itself expires only
+  after :data:`LEASE_KEY_TTLS` TTLs, a backstop renewed every third of that, all of a
+  router's due leases in one round trip (:meth:`WorkerRegistry.renew_all`): a router
+  with 1,000 workers renews 1,000 keys every 20 s (default TTL), not every 3 s. Any
+  router replica's :meth:`WorkerRegistry.reap` removes the entries of a worker whose
+  lease lapsed or whose holder is gone, when no router ingests it.
 * Router replicas share the ingest: each renews a heartbeat (:meth:`WorkerRegistry.heartbeat`)
   and :func:`owner_of` assigns every worker to one live replica by rendezvous hashing, so
   N replicas ingest about 1/N of the workers each and a change of membership moves only
@@ -17,10 +26,10 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 import xxhash
@@ -31,7 +40,7 @@ from router.errors import PrefixIndexError
 from router.index.base import PrefixIndex
 from router.store.connection import RedisClient, gather_bounded, reply_bytes
 from router.store.layout import KeyLayout
-from router.store.scripts import ACQUIRE, HAND_OFF, HEARTBEAT, RELEASE, RENEW, Script
+from router.store.scripts import ACQUIRE, HAND_OFF, HEARTBEAT, RELEASE, Script
 from router.workers.registration import (
     RegistrationConflict,
     RegistrationError,
@@ -58,10 +67,13 @@ Outcome = Literal["created", "replaced", "unchanged"]
 """What :meth:`WorkerRegistry.save` did with a registration."""
 
 _acquire = Script(ACQUIRE)
-_renew = Script(RENEW)
 _release = Script(RELEASE)
 _hand_off = Script(HAND_OFF)
 _heartbeat = Script(HEARTBEAT)
+
+LEASE_KEY_TTLS: Final = 6
+"""A lease key's lifetime, in lease TTLs: the holder's heartbeat decides, the key's expiry
+only cleans up after routers that are gone."""
 
 _EVENTS_BLOCK_SIZE = "events_block_size"
 """Field of a worker's hash: the block size its events carry when it is not the registered one."""
@@ -254,6 +266,7 @@ class WorkerRegistry:
         self.layout = layout if layout is not None else KeyLayout()
         self.owner = owner if owner is not None else uuid.uuid4().hex[:16]
         self.lease_ttl_ms = lease_ttl_ms
+        self.lease_key_ttl_ms = LEASE_KEY_TTLS * lease_ttl_ms
         # A restarting router may take longer than a lease TTL to come back for the state
         # it handed itself; the epoch check still tells whether anyone came in between.
         self.handoff_ttl_ms = 6 * lease_ttl_ms
@@ -270,11 +283,28 @@ class WorkerRegistry:
     async def register(self, record: WorkerRecord) -> None:
         """Save a worker's registration, replacing any other under its id."""
         await self.client.hset(self.layout.registry, record.worker_id, msgspec.json.encode(record))
+        await self._changed()
 
     async def create(self, record: WorkerRecord) -> bool:
         """Save a registration unless one exists under its id (atomic); True when saved."""
         encoded = msgspec.json.encode(record)
-        return bool(await self.client.hsetnx(self.layout.registry, record.worker_id, encoded))
+        created = bool(await self.client.hsetnx(self.layout.registry, record.worker_id, encoded))
+        if created:
+            await self._changed()
+        return created
+
+    async def version(self) -> bytes | None:
+        """The registry's version: it changes after every change of a registration made
+        through a :class:`WorkerRegistry` (``None``: none since Redis started empty)."""
+        raw = await self.client.get(self.layout.registry_version)
+        return None if raw is None else reply_bytes(raw)
+
+    async def _changed(self) -> None:
+        """Give :meth:`version` a new value (after the change, so a reader that saw the
+        new version reads the change). A random one, not a counter: a Redis restarted
+        empty and changed as often again would bring a counter back to a value a reader
+        has seen."""
+        await self.client.set(self.layout.registry_version, uuid.uuid4().hex)
 
     async def saved(self, worker_id: WorkerId) -> tuple[WorkerRecord | None, str | None]:
         """The registration saved under ``worker_id`` (None: none) and, when what is
@@ -324,7 +354,10 @@ class WorkerRegistry:
 
     async def unregister(self, worker_id: WorkerId) -> bool:
         """Remove a registration; True when it existed (its entries go with its lease)."""
-        return bool(await self.client.hdel(self.layout.registry, worker_id))
+        removed = bool(await self.client.hdel(self.layout.registry, worker_id))
+        if removed:
+            await self._changed()
+        return removed
 
     async def records(self) -> list[WorkerRecord]:
         """Every valid registration that :attr:`policy` admits, sorted by worker id.
@@ -394,13 +427,14 @@ class WorkerRegistry:
         )
         return {w: int(v) for w, v in zip(worker_ids, values, strict=True) if v is not None}
 
-    async def acquire(self, worker_id: WorkerId) -> Lease | None:
-        """Take the worker's lease with a new epoch, unless another owner holds it."""
+    async def acquire(self, worker_id: WorkerId, live: Sequence[str] = ()) -> Lease | None:
+        """Take the worker's lease with a new epoch, unless another owner holds it: one of
+        the ``live`` holders (none given: any owner, until its key expires)."""
         lay = self.layout
         epoch = await _acquire(
             self.client,
             [lay.lease(worker_id), lay.worker(worker_id)],
-            [self.owner, self.lease_ttl_ms],
+            [self.owner, self.lease_key_ttl_ms, *live],
         )
         if epoch is None:
             return None
@@ -409,10 +443,27 @@ class WorkerRegistry:
 
     async def renew(self, lease: Lease) -> bool:
         """Extend a held lease; False when it lapsed or was taken (stop writing then)."""
-        renewed = await _renew(
-            self.client, [self.layout.lease(lease.worker_id)], [lease.token, self.lease_ttl_ms]
-        )
-        return bool(renewed)
+        return (await self.renew_all([lease]))[0]
+
+    async def renew_all(self, leases: Sequence[Lease]) -> list[bool]:
+        """Extend held leases in one round trip (one ``GETEX`` each, pipelined without a
+        transaction: it works across cluster shards); per lease, False when it lapsed or
+        was taken (stop writing then).
+
+        NOTE: ``GETEX`` extends whatever the key holds: a lease another router took in
+        between is extended by one TTL too, harmlessly (its holder renews it anyway), and
+        this router learns from the value that it lost it.
+        """
+        if not leases:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for lease in leases:
+            pipe.getex(self.layout.lease(lease.worker_id), px=self.lease_key_ttl_ms)
+        values = await pipe.execute()
+        return [
+            value is not None and reply_bytes(value).decode() == lease.token
+            for lease, value in zip(leases, values, strict=True)
+        ]
 
     async def release(self, lease: Lease) -> None:
         """Give a lease up now (its entries stay until reaped or cleared)."""
@@ -447,6 +498,14 @@ class WorkerRegistry:
         """Renew this router's membership for one lease TTL; returns the live routers."""
         return await self._routers(self.owner)
 
+    async def hold(self) -> list[str]:
+        """Renew this owner's liveness as a lease holder for one lease TTL (routers at
+        every heartbeat; a tool that takes leases once, for as long as its leases last);
+        returns the live holders. A lease whose holder is not among them may be taken
+        (:meth:`acquire` with them)."""
+        lay = self.layout
+        return await live_members(self.client, lay.lease_holders, self.owner, self.lease_ttl_ms)
+
     async def live_routers(self) -> list[str]:
         """The live routers, without joining them (for tools)."""
         return await self._routers("")
@@ -457,25 +516,45 @@ class WorkerRegistry:
     async def leave(self) -> None:
         """Withdraw this router's membership (on shutdown), so others take its workers."""
         await self.client.zrem(self.layout.routers, self.owner)
+        await self.client.zrem(self.layout.lease_holders, self.owner)
 
     async def holder(self, worker_id: WorkerId) -> str | None:
         """The current lease token of a worker, or None when nobody holds it."""
         value = await self.client.get(self.layout.lease(worker_id))
         return None if value is None else reply_bytes(value).decode()
 
-    async def reap(self, index: PrefixIndex) -> list[WorkerId]:
-        """Remove the entries of every worker whose lease lapsed; returns those workers.
+    async def _held_by_live(self, worker_id: WorkerId, live: Sequence[str]) -> bool:
+        """Whether someone holds the worker's lease: a live holder (``live`` empty: anyone
+        whose key has not expired), or nobody in particular (parked for any router)."""
+        token = await self.holder(worker_id)
+        if token is None:
+            return False
+        holder = token.partition(":")[2]
+        return not live or holder == "" or holder in live
 
-        Any router replica may run it: it takes the lapsed lease itself (a new epoch, so
-        the previous holder can no longer write), clears the worker and releases it.
+    async def reap(
+        self,
+        index: PrefixIndex,
+        ingested: Collection[WorkerId] = (),
+        live: Sequence[str] = (),
+    ) -> list[WorkerId]:
+        """Remove the entries of every worker whose lease lapsed, or whose holder is not
+        among the ``live`` holders (none given: only lapsed keys count); returns those
+        workers.
+
+        Any router replica may run it: it takes the lease itself (a new epoch, so the
+        previous holder can no longer write), clears the worker and releases it.
+        ``ingested``: workers the caller ingests (their owner among the live routers
+        takes them over instead): not checked, so a router costs one command per pass
+        here, not one per worker.
         """
         lay = self.layout
         reaped: list[WorkerId] = []
         for raw in await self.client.smembers(lay.indexed):
             worker_id = WorkerId(reply_bytes(raw).decode())
-            if await self.client.exists(lay.lease(worker_id)):
+            if worker_id in ingested or await self._held_by_live(worker_id, live):
                 continue
-            lease = await self.acquire(worker_id)
+            lease = await self.acquire(worker_id, live)
             if lease is None:
                 continue
             index.use_lease(worker_id, lease.token)

@@ -16,10 +16,9 @@ from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import connect
 from router.store.layout import KeyLayout
-from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRegistry
 from tests.support.index_env import IndexEnv, OpenIndex, drop_namespace
-from tests.support.redis_cluster import ClusterNode, cluster_args, form_cluster
+from tests.support.redis_cluster import redis_cluster
 
 _CLUSTER = pytest.param("cluster", marks=pytest.mark.slow)
 
@@ -27,16 +26,8 @@ _CLUSTER = pytest.param("cluster", marks=pytest.mark.slow)
 @pytest.fixture(scope="session")
 def redis_cluster_url() -> Iterator[str]:
     """URL of one node of a private three-master Redis Cluster (slots assigned here)."""
-    nodes = [ClusterNode("127.0.0.1", free_port(), free_port()) for _ in range(3)]
-    servers = [RedisServer(port=n.port, extra_args=cluster_args(n)) for n in nodes]
-    try:
-        for server in servers:
-            server.start()
-        form_cluster(nodes, timeout_s=30.0)
+    with redis_cluster() as servers:
         yield servers[0].url
-    finally:
-        for server in servers:
-            server.stop()
 
 
 CONTRACT_LEASE_TTL_MS = 300_000

@@ -3,15 +3,19 @@
 :func:`form_cluster` gives each master an equal share of the 16384 hash slots, makes every
 node meet the first, and waits until each reports ``cluster_state:ok`` with every node
 known. The servers are the caller's (on loopback, or one per host in namespaces).
+:func:`redis_cluster` starts and forms a private three-master cluster on loopback, for the
+session fixture of the router tests and for the tests that break a shard of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
 
+from router.store.server import RedisServer, free_port
 from tests.support.polling import wait_until
 
 NUM_SLOTS = 16384
@@ -67,3 +71,23 @@ def form_cluster(nodes: Sequence[ClusterNode], timeout_s: float) -> None:
     finally:
         for client in clients:
             client.close()
+
+
+SLOT_RANGES = tuple(slot_ranges(3))
+"""The slots of each master of :func:`redis_cluster`, in the order of its servers."""
+
+
+@contextmanager
+def redis_cluster(timeout_s: float = 30.0) -> Iterator[list[RedisServer]]:
+    """Start three empty masters on loopback and form them into a cluster (slots as
+    :data:`SLOT_RANGES`); yields their servers, stopped on exit."""
+    nodes = [ClusterNode("127.0.0.1", free_port(), free_port()) for _ in SLOT_RANGES]
+    servers = [RedisServer(port=n.port, extra_args=cluster_args(n)) for n in nodes]
+    try:
+        for server in servers:
+            server.start()
+        form_cluster(nodes, timeout_s=timeout_s)
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
