@@ -85,7 +85,9 @@ def test_a_frozen_worker_is_failed_over_in_seconds_and_then_avoided(tmp_path: Pa
     # One request waited on w0 and failed over; the next ones never tried it.
     failed = metric(samples, "kvroute_router_proxy_attempts_total", worker="w0", outcome="failed")
     assert failed == 1
-    assert f"w0 failed before answering: silent for {FIRST_BYTE_TIMEOUT_S:g} s" in log
+    # Given up by the first-byte timeout, or sooner when its health poll went unanswered.
+    assert re.search(r"w0 failed before answering: silent for [0-9.]+ s.* no answer to GET "
+                     r"/health within", log), log[-2000:]  # fmt: skip
     assert metric(samples, "kvroute_router_worker_circuit_state", worker="w0") == 2
     assert metric(samples, "kvroute_router_circuit_opens_total", worker="w0") == 1
     circuits = {w["worker_id"]: w["circuit"]["state"] for w in workers["workers"]}

@@ -28,7 +28,7 @@ from router.store.layout import KeyLayout
 from router.store.server import free_port
 from tests.support.faults import python_m
 from tests.support.fleet import BLOCKS, Fleet, register
-from tests.support.ingest import KEYER, keys
+from tests.support.ingest import keys
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def test_one_router_registers_and_ingests_1000_workers(
             assert len((await r.json())["workers"]) == NUM_WORKERS
         client = await connect(redis_url)
         try:
-            index = RedisPrefixIndex(client, KeyLayout(namespace), KEYER)
+            index = RedisPrefixIndex(client, KeyLayout(namespace))
             for i in sample:
                 worker = WorkerId(f"f{i}")
 
