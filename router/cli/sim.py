@@ -98,6 +98,9 @@ def run_policies(
 ) -> list[PolicyResult]:
     """Simulate each policy on the same requests, each over fresh workers.
 
+    Every policy runs on one event loop, so a Ctrl-C between two policies meets the same
+    loop's interrupt handling as one during a policy (never a loop half made).
+
     Args:
         requests: The trace.
         policies: Policy names, simulated in this order.
@@ -108,27 +111,31 @@ def run_policies(
     ideal = ideal_hits(requests)
     capacity_tokens = config.num_workers * config.capacity_blocks * config.block_size
     lru = pooled_lru_hits(requests, capacity_tokens)
-    results = []
-    for name in policies:
-        if shown is not None:
-            shown.set_description(name)
-        started_s, started_cpu_s = time.perf_counter(), time.process_time()
-        outcomes = asyncio.run(
-            simulate(
+
+    async def run_all() -> list[PolicyResult]:
+        results = []
+        for name in policies:
+            if shown is not None:
+                shown.set_description(name)
+            started_s, started_cpu_s = time.perf_counter(), time.process_time()
+            outcomes = await simulate(
                 requests,
                 make_policy(name, config.policy),
                 config,
                 factory,
                 None if shown is None else shown.update,
             )
-        )
-        wall_s = time.perf_counter() - started_s
-        cpu_s = time.process_time() - started_cpu_s
-        results.append(
-            summarize(name, requests, outcomes, ideal, config.num_workers, wall_s, cpu_s, lru)
-        )
-        logger.info("%s: %d requests in %.1f s (%.1f s CPU)", name, len(requests), wall_s, cpu_s)
-    return results
+            wall_s = time.perf_counter() - started_s
+            cpu_s = time.process_time() - started_cpu_s
+            results.append(
+                summarize(name, requests, outcomes, ideal, config.num_workers, wall_s, cpu_s, lru)
+            )
+            logger.info(
+                "%s: %d requests in %.1f s (%.1f s CPU)", name, len(requests), wall_s, cpu_s
+            )
+        return results
+
+    return asyncio.run(run_all())
 
 
 def _parser() -> argparse.ArgumentParser:
