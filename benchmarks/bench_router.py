@@ -122,6 +122,9 @@ async def index_prompt(redis_url: str, namespace: str, records: Sequence[WorkerR
     index = BridgedIndex(RedisPrefixIndex(client, layout))
     registry = WorkerRegistry(client, layout, lease_ttl_ms=3_600_000)
     tokens = list(prompt_text().encode())
+    # A live lease holder for the run (the TTL above): the router leaves these leases,
+    # and so the entries written here, alone.
+    await registry.hold()
     for i, record in enumerate(records):
         await registry.register(record)
         wid = record.worker_id
