@@ -31,6 +31,7 @@ from tests.support.event_streams import (
     handshake,
     loopback_publisher,
 )
+from tests.support.polling import wait_until
 
 
 def stream_of(publisher: EventPublisher, worker_id: str = "w0", **kw: object) -> WorkerStream:
@@ -352,6 +353,8 @@ def test_late_joiner_catches_up_through_replay_then_goes_live() -> None:
         with loopback_publisher() as pub:
             for i in range(5):
                 pub.publish(batch(i))
+            # In its replay ring before anyone asks (its thread sends them, not publish()).
+            wait_until(lambda: pub.num_published == 5, "the publisher to send its batches")
             sink = RecordingSink()
             async with EventSubscriber(sink) as sub:
                 await sub.add_worker(stream_of(pub))
