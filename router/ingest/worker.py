@@ -111,6 +111,11 @@ class WorkerIngest:
         # NOTE: network waits in progress with the lock set down (see _unlocked); while
         # any is, deliveries go to _kept.
         self._waits = 0
+        # NOTE: set when a restart was found by the worker's lifetime (a periodic or
+        # position check, a handoff) while its stream still stood in the old lifetime:
+        # the seq drop that stream shows next is that restart, already reset for. Cleared
+        # by the next delivered batch (a drop after one is a restart of its own).
+        self._restart_ahead_of_stream = False
         # NOTE: the block size the worker's events carry when it is not the registered
         # one (None: they agree, as far as seen); published in Redis by the maintenance
         # pass while flag_synced is False (at first too: a flag left by an earlier
@@ -158,9 +163,18 @@ class WorkerIngest:
             self._kept = KeptStream()
 
     def note_restart(self, seq: int) -> bool:
-        """The subscriber saw the publisher restart (a seq drop to ``seq``): if batches
-        are being kept (as during a network wait), it joins them in order (applied there)
-        and True is returned."""
+        """The subscriber saw the publisher restart (a seq drop to ``seq``): True when
+        nothing more is to be done here, because the restart was already reset for (found
+        by the worker's lifetime before its stream showed it), or because batches are
+        being kept (as during a network wait) and it joins them in order (applied there)."""
+        if self._restart_ahead_of_stream:
+            self._restart_ahead_of_stream = False
+            log.info(
+                "worker %s: its stream shows the restart already reset for (seq %d)",
+                self.worker_id,
+                seq,
+            )
+            return True
         if self._waits:
             self.keep_batches(True)
         if self._kept is None:
@@ -172,6 +186,7 @@ class WorkerIngest:
         """Apply one delivered batch (see :mod:`router.ingest.service` for the recovery paths),
         after any batches kept while the lease was on its way (or while a network wait
         had the lock set down)."""
+        self._restart_ahead_of_stream = False
         if self._waits:
             self.keep_batches(True)
             assert self._kept is not None
@@ -546,6 +561,7 @@ class WorkerIngest:
         """
         wid, lifetimes = self.worker_id, self._services.lifetimes
         how = self.rules.after_restart()
+        self._restart_ahead_of_stream = not in_batch
         self._services.metrics.resets.labels(wid).inc()
         log.warning(
             "worker %s: a new publisher lifetime %s: it restarted; %s", wid, when,

@@ -117,8 +117,10 @@ def test_worker_restarted_in_place_resets_its_entries(tmp_path: Path) -> None:
         after = worker_entries(cluster, "w0")
         assert after and not set(after) & set(before), "stale entries of w0 survived"
         samples = scrape(router)
-        assert metric(samples, "kvroute_stream_resets_total", worker="w0") == 1
+        # Found by the stream (a seq drop) or first by the worker's lifetime (a health
+        # poll, a periodic check): either way one reset; the stream shows it at most once.
         assert metric(samples, "kvroute_ingest_resets_total", worker="w0") == 1
+        assert metric(samples, "kvroute_stream_resets_total", worker="w0") <= 1
         assert index_check(cluster, targets) == {"w0": 0, "w1": 0}
     assert took < CONVERGE_BOUND_S
 

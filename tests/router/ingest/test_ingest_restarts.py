@@ -174,3 +174,41 @@ def test_a_quiet_restart_is_found_by_the_periodic_check(
                 assert stream_count(s, "resyncs", "k1") == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["kvroute", "vllm"])
+def test_a_restart_found_first_by_the_periodic_check_is_reset_once(
+    redis_url: str, namespace: str, kind: Kind
+) -> None:
+    """The maintenance pass finds the new lifetime and resets the worker (a kvroute worker
+    from its snapshot); then the stream shows the same restart as a seq drop (a batch of
+    the new lifetime below the old lifetime's last seq). That is the restart already
+    handled: counted and reset once, nothing reset for it is cleared again."""
+
+    async def main() -> None:
+        with LiveRelay() as relay:
+            async with (
+                fake_workers(make_worker(kind)) as (k1,),
+                stack(redis_url, namespace, maintain_interval_s=0.2) as s,
+            ):
+                record = msgspec.structs.replace(k1.record(), events_endpoint=relay.address)
+                await start(s, record)
+                await old_lifetime(s, k1, relay)  # seqs 0..2
+                relay.restart()
+                k1.restart_publisher()
+                k1.publish(stored(2, 0, 3))  # seq 0 of the new lifetime, lost on the way
+                await eventually(lookup_is(s.index, 1, {}), what="old lifetime dropped")
+                if kind == "kvroute":
+                    await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="snapshot")
+                await asyncio.to_thread(relay.wait_subscribed)
+                seq = k1.publish(stored(4, 0, 1))
+                assert seq == 1  # below the old lifetime's last seq: a drop
+                relay.send(seq, k1.last_batch)
+                await eventually(lookup_is(s.index, 4, {"k1": match(1)}), what="seq 1")
+                await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="seq 0")
+                assert s.count("resets", worker="k1") == 1
+                assert stream_count(s, "resets", "k1") == 1
+                assert stream_count(s, "resyncs", "k1") == 0
+
+    asyncio.run(main())
