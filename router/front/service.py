@@ -52,8 +52,9 @@ from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
 from router.ingest.capacity import raise_fd_limit
+from router.ingest.config import IngestConfig
 from router.ingest.metrics import IngestMetrics
-from router.ingest.service import IndexIngest, IngestConfig
+from router.ingest.service import IndexIngest
 from router.load.model import finished, prefilled, routed
 from router.load.reports import WorkerReportPoller
 from router.load.shared import RedisLoadTracker, SharedLoadConfig
