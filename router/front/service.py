@@ -112,6 +112,9 @@ class RouterService:
         self._shares = WorkShares(config.policy_config.weights.fair_share_half_life_s)
         self._records: dict[WorkerId, WorkerRecord] = {}
         self._view = WorkerView(self._records, self.models)
+        self._routable = RoutableWorkers(
+            self._view, self.breakers, lambda wid: self.poller.is_reachable(wid)
+        )
         self._decision_log: DecisionLog | None = None
         self._maintainer = Periodic(self.maintain_once, min(1.0, config.lease_ttl_s / 3))
         self.port = config.port
@@ -239,7 +242,6 @@ class RouterService:
             admit=self._admit,
             on_drop=self._forget,
         )
-        self._routable = RoutableWorkers(self._view, self.breakers, self.poller.is_reachable)
         if cfg.decision_log is not None:
             self._decision_log = DecisionLog(cfg.decision_log)
             stack.callback(self._decision_log.close)
@@ -381,15 +383,9 @@ class RouterService:
         return list(self._view.proxied)
 
     def select_model(self, model: str | None) -> tuple[str | None, Sequence[WorkerRecord]]:
-        """The model a request is for and the workers serving it (see
-        :meth:`router.workers.models.WorkerModels.select`), circuits not considered.
-
-        Raises:
-            NoWorkersError: No worker with an HTTP URL is registered.
-            router.workers.models.ModelNotFoundError: No worker serves ``model``.
-            router.workers.models.ModelRequiredError: ``model`` is ``None`` and several
-                models are served.
-        """
+        """The model a request is for and the workers serving it, circuits not considered
+        (see :meth:`router.front.candidates.RoutableWorkers.select`, which says what it
+        raises)."""
         name, candidates = self._routable.select(model)
         return name, candidates.records
 
