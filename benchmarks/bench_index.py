@@ -16,7 +16,7 @@ One private ``redis-server`` (127.0.0.1, no persistence) serves every row, in on
    and reports the round with the median ratio (noting every round's).
    One more row runs the population ingest in ``--replicas`` processes (2 by default),
    each a router replica holding the leases of the workers it owns by rendezvous hashing
-   (:func:`router.index.registry.owner_of`), as ``kvroute router`` replicas share them;
+   (:func:`router.workers.leases.owner_of`), as ``kvroute router`` replicas share them;
    its figure is the aggregate rate over all of them.
 2. Lookup: p50/p99 of ``lookup`` of a 512-block prompt across 64 workers with the index
    holding ``--entries`` block entries (1,000,000 by default); eight workers hold the
@@ -62,7 +62,8 @@ from router.ingest.handoff import decode_handoff, encode_handoff
 from router.store.connection import RedisClient, connect
 from router.store.layout import KeyLayout
 from router.store.server import RedisServer, find_redis_server
-from router.workers.registry import WorkerRegistry, owner_of
+from router.workers.leases import owner_of
+from router.workers.registry import WorkerRegistry
 
 __all__ = ["main"]
 

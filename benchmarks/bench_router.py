@@ -51,7 +51,8 @@ from events.schema import BlockStored, KVEventBatch
 from router.cli.event_loop import EVENT_LOOPS, run_on
 from router.front.accuracy import AccuracyConfig
 from router.front.config import RouterConfig
-from router.front.service import Routed, RouterService
+from router.front.decisions import Routed
+from router.front.service import RouterService
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridged_index import BridgedIndex

@@ -40,8 +40,9 @@ from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridge import WorkerBridge
 from router.store.connection import RedisClient, RedisOptions, connect, redact_url, reply_bytes
 from router.store.layout import NAMESPACE_MARKERS, KeyLayout, namespace_of
+from router.workers.leases import owner_of
 from router.workers.registration import RegistrationConflict
-from router.workers.registry import WorkerRegistry, load_records, owner_of, parse_worker_spec
+from router.workers.registry import WorkerRegistry, load_records, parse_worker_spec
 from router.workers.snapshot import fetch_snapshot, snapshot_events
 
 __all__ = ["WorkerCheck", "check_workers", "expected_entries", "main"]

@@ -82,11 +82,11 @@ from router.front.api_requests import (
     read_body,
 )
 from router.front.bodies import CompletionBody, RouteBody
+from router.front.candidates import NoWorkersError
 from router.front.chat import ChatBody
 from router.front.config import RouterConfig
 from router.front.identity import answer_request_id, identify
 from router.front.openai_api import OpenAIHandlers
-from router.front.service import NoWorkersError
 from router.ingest.capacity import CapacityError
 from router.workers.models import ModelNotFoundError, ModelRequiredError
 from router.workers.registration import RegistrationConflict, RegistrationError

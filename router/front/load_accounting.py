@@ -1,20 +1,25 @@
-"""Load accounting of one forwarded request: what each attempt adds to and removes from a worker.
+"""Load accounting of routed requests: what each one adds to and removes from a worker.
 
-The service hands a :class:`LoadAccounting` to the proxy as its attempt observer.
+The service hands a :class:`LoadAccounting` to the proxy as the attempt observer of each
+request it forwards; a ``/v1/route`` decision, whose request the client forwards itself,
+counts for a while through :class:`RouteHolds`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING
 
 from events.identity import WorkerId
 from router.front.proxy import AttemptOutcome, ProxyTarget
 from router.load.model import finished, prefilled, routed
+from router.load.shared import RedisLoadTracker
 
 if TYPE_CHECKING:
-    from router.front.service import Routed, RouterService
+    from router.front.decisions import Routed
+    from router.front.service import RouterService
 
-__all__ = ["LoadAccounting"]
+__all__ = ["LoadAccounting", "RouteHolds"]
 
 
 class LoadAccounting:
@@ -56,3 +61,38 @@ class LoadAccounting:
             delta = delta + prefilled(self._routed.prefill_of(wid))
         self._service.load.add_nowait(wid, delta)
         self._service.metrics.proxy_attempts.labels(wid, outcome).inc()
+
+
+class RouteHolds:
+    """``/v1/route`` decisions counted as load on their worker for a while.
+
+    Args:
+        load: The shared in-flight load.
+        hold_s: How long a decision counts.
+    """
+
+    def __init__(self, load: RedisLoadTracker, hold_s: float) -> None:
+        self._load = load
+        self._hold_s = hold_s
+        self._holds: set[asyncio.TimerHandle] = set()
+
+    def hold(self, routed_: Routed) -> None:
+        """Count a decision as load on its worker for ``hold_s``."""
+        wid = routed_.decision.worker_id
+        prefill = routed_.prefill_of(wid)
+        self._load.add_nowait(wid, routed(prefill, routed_.num_output_tokens))
+        release = prefilled(prefill) + finished(routed_.num_output_tokens)
+
+        def expire() -> None:
+            self._holds.discard(handle)
+            self._load.add_nowait(wid, release)
+
+        # A timer, not a sleeping task per decision: /v1/route is the hot path.
+        handle = asyncio.get_running_loop().call_later(self._hold_s, expire)
+        self._holds.add(handle)
+
+    def cancel(self) -> None:
+        """Cancel every pending release."""
+        for handle in self._holds:
+            handle.cancel()
+        self._holds.clear()

@@ -32,7 +32,8 @@ from router.front.tokenization import PromptError
 from router.workers.registry import WorkerRecord
 
 if TYPE_CHECKING:
-    from router.front.service import Routed, RouterService
+    from router.front.decisions import Routed
+    from router.front.service import RouterService
 
 __all__ = ["OpenAIHandlers"]
 

@@ -2,7 +2,7 @@
 
 Router replicas share the ingest. Every maintenance pass renews this router's heartbeat,
 and a worker is ingested by its owner among the live routers (rendezvous hashing,
-:func:`router.index.registry.owner_of`). :class:`LeaseKeeper` hands the lease of a worker
+:func:`router.workers.leases.owner_of`). :class:`LeaseKeeper` hands the lease of a worker
 this router holds but does not own to the owner, takes a worker it owns, and takes one it
 does not own only when the owner left it unclaimed for a whole lease TTL.
 
@@ -35,7 +35,8 @@ from router.ingest.metrics import IngestMetrics
 from router.ingest.worker import WorkerIngest
 from router.ingest.write_gate import WriteGate
 from router.store.scripts import StaleLeaseError
-from router.workers.registry import Lease, WorkerRegistry, owner_of
+from router.workers.leases import Lease, owner_of
+from router.workers.registry import WorkerRegistry
 
 __all__ = ["RECOVERY_ERRORS", "LeaseKeeper"]
 

@@ -45,96 +45,46 @@ Registrations persist in Redis (:class:`router.workers.registry.WorkerRegistry`)
 restarted router resumes the same workers; a maintenance pass also reaps workers whose
 lease lapsed (their router died).
 
-This module holds the membership, the event sink and the maintenance pass; the leases are
-a :class:`router.ingest.ownership.LeaseKeeper`, each worker's batch and recovery paths a
+This module holds the event sink and the ingest's life; the workers ingested are an
+:class:`router.ingest.membership.IngestMembership`, the maintenance pass an
+:class:`router.ingest.maintenance.IngestMaintenance`, the leases a
+:class:`router.ingest.ownership.LeaseKeeper`, each worker's batch and recovery paths a
 :class:`router.ingest.worker.WorkerIngest`, and which rebuild follows which loss is
 decided by :mod:`router.ingest.recovery` (shared with the offline replay).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import aiohttp
-import msgspec
-import zmq
 from redis.exceptions import RedisError
 
-from events.auth import SentKey
-from events.curve import CurveClientConfig, CurveKeyPair
-from events.errors import EventsError
+from events.curve import CurveClientConfig
 from events.identity import WorkerId
 from events.rate_limited_log import RateLimitedLog
-from events.subscriber import (
-    EventSubscriber,
-    ReceivedBatch,
-    SubscriberConfig,
-    WorkerCounters,
-    WorkerStream,
-)
+from events.subscriber import EventSubscriber, ReceivedBatch, WorkerCounters, WorkerStream
 from router.ingest.bridged_index import BridgedIndex
-from router.ingest.capacity import CapacityError, FleetCapacity, fd_limit
+from router.ingest.capacity import FleetCapacity, fd_limit
+from router.ingest.config import IngestConfig
 from router.ingest.lifetime_checks import LifetimeChecks
+from router.ingest.maintenance import IngestMaintenance
+from router.ingest.membership import IngestMembership
 from router.ingest.metrics import IngestMetrics, StreamCollector
 from router.ingest.ownership import RECOVERY_ERRORS, LeaseKeeper
-from router.ingest.watchdog import DEFAULT_IDLE_CHECK_S, IdleWatchdog
+from router.ingest.watchdog import IdleWatchdog
 from router.ingest.worker import IngestServices, WorkerIngest
-from router.ingest.write_gate import WriteGate, shut_reason
-from router.store.markers import DataMarkers
+from router.ingest.write_gate import WriteGate
 from router.tasks.periodic import Periodic
 from router.workers.lifetime import LifetimeTracker
 from router.workers.registry import Outcome, WorkerRecord, WorkerRegistry
-from router.workers.registry_watch import RegistryWatch
 
-__all__ = ["IndexIngest", "IngestConfig"]
+__all__ = ["IndexIngest"]
 
 log = logging.getLogger(__name__)
-
-
-
-@dataclass(frozen=True, slots=True)
-class IngestConfig:
-    """Settings of :class:`IndexIngest`.
-
-    Attributes:
-        maintain_interval_s: Period of the lease renewal and of the maintenance pass
-            (takeover of lapsed workers, rebuilds, reaping, registry sync, lifetime
-            checks); keep it at most a third of the registry's lease TTL.
-        snapshot_timeout_s: Timeout of one ``GET /v1/snapshot``.
-        lifetime_timeout_s: Timeout of one request that reads a worker's lifetime
-            (a seq jump waits for it; no answer: the jump is a gap).
-        idle_check_s: A held worker's stream that delivered nothing for this long has
-            its position checked (:mod:`router.ingest.watchdog`), and again after as
-            long; 0 turns the checks off.
-        write_retry_max_s: While Redis refuses writes for lack of memory, the longest
-            wait between two probes of whether it takes them again.
-        snapshot_chunk_runs: Snapshot runs written per index batch.
-        group_commit: Turn on the index's group commit: a batch returns once folded, and
-            a worker's batches that arrive while its previous write is in flight go to
-            Redis together (see :mod:`router.index.group_commit`).
-        subscriber: Settings of the event subscriber.
-        client_keys: The router's CURVE key pair, presented to workers registered with a
-            ``server_key`` (a fresh one by default: admitted by workers without an allow-list).
-        worker_admin_key: The workers' admin key, sent with every request the ingest makes
-            of a worker (its snapshot, its lifetime); None: no ``Authorization``.
-    """
-
-    maintain_interval_s: float = 3.0
-    snapshot_timeout_s: float = 10.0
-    lifetime_timeout_s: float = 2.0
-    idle_check_s: float = DEFAULT_IDLE_CHECK_S
-    write_retry_max_s: float = 10.0
-    snapshot_chunk_runs: int = 512
-    group_commit: bool = True
-    subscriber: SubscriberConfig = field(default_factory=SubscriberConfig)
-    client_keys: CurveKeyPair = field(default_factory=CurveKeyPair.generate)
-    worker_admin_key: SentKey | None = None
 
 
 class IndexIngest:
@@ -162,24 +112,15 @@ class IndexIngest:
         index.store.on_write_error(self._write_failed)
         self.metrics = metrics or IngestMetrics()
         self._workers: dict[WorkerId, WorkerIngest] = {}
-        # NOTE: held while the set of workers changes (add, remove, the maintenance's
-        # registry sync), so a removal is never undone by a sync that read the registry
-        # before the registration was deleted.
-        self._membership = asyncio.Lock()
         self._subscriber: EventSubscriber | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lifetimes: LifetimeTracker | None = None
         self._capacity: FleetCapacity | None = None
-        self._markers = DataMarkers(registry.client, registry.layout, registry.owner)
-        self._registry_watch = RegistryWatch(registry)
         self._lifetime_checks = LifetimeChecks(self.config.maintain_interval_s)
         self._services: IngestServices | None = None
-        self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
-        self._renewer = Periodic(self.renew_leases, self.config.maintain_interval_s)
         self._watchdog: IdleWatchdog | None = None
         # The watchdog looks often; each worker is checked at most once per idle bound.
         self._watcher = Periodic(self._check_idle, min(1.0, self.config.idle_check_s / 4))
-        self._renewed_at = float("-inf")
         self._gate = WriteGate(
             registry.client,
             self.metrics,
@@ -188,11 +129,29 @@ class IndexIngest:
         )
         self._leases = LeaseKeeper(index, registry, self.metrics, self._gate)
         self._warn = RateLimitedLog(self.config.subscriber.log_interval_s, log)
-        # NOTE: _writable is False from a failed write until a maintenance pass completes
-        # with no write failed since the pass before (the gate covers out-of-memory apart).
-        self._writable = True
-        self._write_errors = 0
-        self._write_errors_seen = 0  # as of the end of the last maintenance pass
+        self._membership = IngestMembership(
+            self._workers,
+            registry,
+            self._leases,
+            subscribe=self._subscribe,
+            unsubscribe=self._unsubscribe,
+            is_current=self._is_current,
+        )
+        self._maintenance = IngestMaintenance(
+            self._workers,
+            index,
+            registry,
+            self.metrics,
+            self._leases,
+            self._gate,
+            self._lifetime_checks,
+            self.config.maintain_interval_s,
+            sync_registry=self._membership.sync,
+            is_current=self._is_current,
+            tracker=lambda: self._tracker,
+        )
+        self._maintainer = Periodic(self.maintain_once, self.config.maintain_interval_s)
+        self._renewer = Periodic(self._maintenance.renew_leases, self.config.maintain_interval_s)
 
     @property
     def ingested_workers(self) -> list[WorkerId]:
@@ -214,7 +173,7 @@ class IndexIngest:
         maintenance pass completes with no write failed since the pass before. A lost
         lease is no such failure.
         """
-        return self._gate.is_open and self._writable
+        return self._gate.is_open and self._maintenance.writable
 
     @property
     def index_full(self) -> bool:
@@ -243,7 +202,7 @@ class IndexIngest:
         self._subscriber = EventSubscriber(self, self.config.subscriber)
         self._capacity = FleetCapacity(fd_limit(), self.config.subscriber.max_sockets)
         self._capacity.check(len(records))  # the operator's own workers must all fit
-        await self._markers.write()
+        await self._maintenance.markers.write()
         self._services = IngestServices(
             index=self.index,
             metrics=self.metrics,
@@ -265,10 +224,7 @@ class IndexIngest:
             )
         # Subscribe before the first heartbeat announces this router: the others hand
         # it their workers from then on, and what they publish meanwhile must arrive.
-        async with self._membership:
-            for record in records:  # the operator's flags and config replace saved ones
-                await self._add(record, replace=True)
-            await self._sync_registry()
+        await self._membership.start(records)
         await self.maintain_once()
         await self._leases.settle()  # the snapshots taken at the first pass are in
         self._renewer.start("kvroute-lease-renewal", wait_first=True)
@@ -302,67 +258,14 @@ class IndexIngest:
             await self._session.close()
 
     async def add_worker(self, record: WorkerRecord, *, replace: bool = False) -> Outcome:
-        """Start ingesting a worker, then save its registration (persisted in Redis).
-
-        The subscription comes first and the registration is saved last, so a saved
-        registration always has a subscription behind it; if saving fails, the new
-        subscription is undone and nothing of ``record`` remains (a registration it was
-        to replace stays saved, and the next maintenance pass subscribes to it again).
-
-        Args:
-            record: The worker (already validated and admitted by the caller).
-            replace: Replace a different registration saved under its id; without it,
-                that is a conflict.
-
-        Returns:
-            ``"created"``, ``"replaced"``, or ``"unchanged"`` when the same registration
-            was saved (then only its subscription and lease are ensured).
-
-        Raises:
-            RegistrationConflict: Another registration is saved and ``replace`` is False.
-            redis.exceptions.RedisError: Redis failed; nothing was saved.
-            events.errors.EventsError: The subscription could not be set up.
-            router.ingest.capacity.CapacityError: This router holds as many workers as
-                its file descriptors allow; nothing was saved.
-        """
-        async with self._membership:
-            outcome, worker = await self._add(record, replace=replace)
-        if worker.lease is None and self._leases.owns(worker.worker_id):
-            await self._leases.take_over(worker, functools.partial(self._is_current, worker))
-            await self._leases.settle(worker.worker_id)  # its snapshot is in
-        return outcome
-
-    async def _add(self, record: WorkerRecord, *, replace: bool) -> tuple[Outcome, WorkerIngest]:
-        """:meth:`add_worker` without the lease; the caller holds the membership lock."""
-        if not replace:
-            await self.registry.check_free(record)  # before touching any subscription
-        worker = self._workers.get(record.worker_id)
-        if worker is not None and worker.record != record:
-            await self._unsubscribe(worker)
-            worker = None
-        fresh = worker is None
-        if worker is None:
-            worker = await self._subscribe(record)
-        try:
-            outcome = await self.registry.save(record, replace=replace)
-        except BaseException:
-            if fresh:
-                await self._unsubscribe(worker)
-            raise
-        return outcome, worker
+        """Start ingesting a worker, then save its registration (see
+        :meth:`router.ingest.membership.IngestMembership.add_worker`)."""
+        return await self._membership.add_worker(record, replace=replace)
 
     async def remove_worker(self, worker_id: WorkerId) -> bool:
-        """Stop ingesting a worker, drop its entries and its registration.
-
-        Returns:
-            Whether a registration was saved (usable or not) or the worker ingested.
-        """
-        async with self._membership:
-            worker = self._workers.get(worker_id)
-            if worker is not None:
-                await self._unsubscribe(worker)
-            saved = await self.registry.unregister(worker_id)
-        return saved or worker is not None
+        """Stop ingesting a worker, drop its entries and its registration (see
+        :meth:`router.ingest.membership.IngestMembership.remove_worker`)."""
+        return await self._membership.remove_worker(worker_id)
 
     async def _unsubscribe(self, worker: WorkerIngest) -> None:
         """Stop reading ``worker``'s stream, drop its entries and release its lease."""
@@ -459,142 +362,17 @@ class IndexIngest:
         if worker is not None:
             worker.failed(exc)
 
-    # -- maintenance ---------------------------------------------------------------------
-
-    async def renew_leases(self) -> None:
-        """Renew the held leases and this router's heartbeat (a task of its own: it waits
-        on no worker's ingest). Redis errors are logged; the next round retries."""
-        try:
-            await self._leases.renew(self._workers.values())
-            self._renewed_at = time.monotonic()
-        except RedisError as exc:
-            self._note_write_error(exc)  # renewals and heartbeats are writes
-            self._redis_failed(exc, "lease renewal")
+    # -- background ----------------------------------------------------------------------
 
     async def maintain_once(self) -> None:
-        """Renew leases (unless the renewal task keeps them renewed: then only this
-        router's heartbeat), sync registrations, take or hand over leases, rebuild what
-        needs it, publish block size flags, reap lapsed workers, check the workers'
-        lifetimes.
-
-        Redis errors are logged and counted; the next pass retries. A worker whose lock
-        is busy (its ingest is at work) is skipped: no pass waits on one worker.
-        """
-        if time.monotonic() - self._renewed_at < 1.5 * self.config.maintain_interval_s:
-            # The renewal task keeps the leases renewed: only learn the live routers now
-            # (renewing here too would double the renewals); past 1.5 periods it is late.
-            try:
-                await self._leases.heartbeat()
-            except RedisError as exc:
-                self._note_write_error(exc)
-                self._redis_failed(exc, "heartbeat")
-        else:
-            await self.renew_leases()
-        try:
-            await self._gate.probe()
-            await self._check_markers()
-            for worker in self._workers.values():
-                # A worker this router owns but does not hold is being handed to it (or
-                # will be taken): keep its batches from now on, as the lease may come with
-                # the previous holder's state, which they continue.
-                if worker.lease is None:
-                    worker.keep_batches(self._leases.owns(worker.worker_id))
-            async with self._membership:
-                await self._sync_registry()
-            for worker in list(self._workers.values()):
-                if self._is_current(worker):  # not removed since this pass listed it
-                    await self._leases.maintain(worker, functools.partial(self._is_current, worker))
-            await self._publish_flags()
-            reaped = await self.registry.reap(
-                self.index.store, set(self._workers), self._leases.live_holders
-            )
-            self.metrics.reaped.inc(len(reaped))
-            self._writable = self._write_errors == self._write_errors_seen
-        except RedisError as exc:
-            self._writable = False
-            self._redis_failed(exc, "maintenance")
-        self._write_errors_seen = self._write_errors
-        await self._check_lifetimes()
-        self.metrics.owned.set(len(self.owned_workers))
+        """One maintenance pass (see
+        :meth:`router.ingest.maintenance.IngestMaintenance.maintain_once`)."""
+        await self._maintenance.maintain_once()
 
     async def _check_idle(self) -> None:
         """The idle watchdog's round over the workers ingested (see its module)."""
         assert self._watchdog is not None
         self._watchdog.check(w for w in list(self._workers.values()) if self._is_current(w))
-    async def _check_markers(self) -> None:
-        """If a Redis node lost its data (:mod:`router.store.markers`), mark every worker
-        whose entries this router holds, or held until the loss, for a restore from its
-        bridge (done by this pass: the leases that went with the data are dropped now, so
-        the pass takes them again), then set the markers again."""
-        lost = await self._markers.lost()
-        if not lost:
-            return
-        self.metrics.data_losses.inc(len(lost))
-        marked = 0
-        for worker in self._workers.values():
-            if worker.lease is not None or worker.restorable:
-                worker.restore_pending = True
-                marked += 1
-        log.warning(
-            "Redis lost its data (markers %s gone: restarted empty, or a shard flushed); "
-            "writing the entries of the %d workers this router holds again",
-            ", ".join(lost),
-            marked,
-        )
-        await self._leases.renew(self._workers.values(), force=True)
-        await self._markers.write()
-
-    def _redis_failed(self, exc: RedisError, what: str) -> None:
-        if shut_reason(exc) is not None:
-            self._gate.refused(exc, what)
-        else:
-            log.warning("ingest %s: Redis error (%s); retrying next pass", what, exc)
-
-    async def _publish_flags(self) -> None:
-        """Record in Redis which held workers' events disagree with their block size."""
-        for worker in list(self._workers.values()):
-            if worker.lease is not None and not worker.flag_synced:
-                seen = worker.events_block_size
-                await self.registry.flag_block_size(worker.worker_id, seen)
-                worker.flag_synced = seen == worker.events_block_size  # unless it changed
-
-    async def _check_lifetimes(self) -> None:
-        """Check the held workers' lifetimes (:mod:`router.ingest.lifetime_checks`)."""
-        if not self._gate.is_open:
-            return  # a reset could not be written; the rebuild after it covers restarts
-        held = [w for w in self._workers.values() if w.lease is not None]
-        await self._lifetime_checks.run(
-            self._tracker, held, self._is_current, self._leases.run_apart
-        )
-
-    async def _sync_registry(self) -> None:
-        """Persist this router's workers again and follow the saved registrations (when
-        the registry changed: :class:`router.workers.registry_watch.RegistryWatch`).
-
-        A registration saved by another router is subscribed to (one replaced there is
-        resubscribed); one that is invalid, refused by this router's policy, or whose
-        subscription cannot be set up is skipped and reported once by the registry.
-        """
-        changed = await self._registry_watch.changed()
-        if changed is None:
-            return  # nothing saved or removed since the last read
-        persisted = {r.worker_id: r for r in changed}
-        for worker in list(self._workers.values()):
-            if worker.record.worker_id not in persisted:
-                # Redis lost its data (or another replica unregistered the worker
-                # without us knowing): persist it again, unless someone saved another.
-                await self.registry.create(worker.record)
-        for record in persisted.values():
-            current = self._workers.get(record.worker_id)
-            if current is not None and current.record != record:
-                await self._unsubscribe(current)  # replaced through another router
-                current = None
-            if current is None:
-                try:
-                    await self._subscribe(record)
-                except (EventsError, zmq.ZMQError, CapacityError) as exc:
-                    encoded = msgspec.json.encode(record)
-                    self.registry.skip_invalid(record.worker_id, encoded, str(exc))
 
     async def _subscribe(self, record: WorkerRecord) -> WorkerIngest:
         """Subscribe to ``record``'s stream; on failure nothing of it is kept.
@@ -630,9 +408,7 @@ class IndexIngest:
     # -- helpers -------------------------------------------------------------------------
 
     def _note_write_error(self, exc: Exception) -> None:
-        if isinstance(exc, RedisError):
-            self._writable = False
-            self._write_errors += 1
+        self._maintenance.note_write_error(exc)
 
     def _is_current(self, worker: WorkerIngest) -> bool:
         """Whether ``worker`` is still the one ingested under its id."""

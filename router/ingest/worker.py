@@ -40,8 +40,9 @@ from router.ingest.recovery import KeptStream, Rebuild, RecoveryRules, Restart, 
 from router.ingest.task_lock import TaskLock
 from router.ingest.write_gate import WriteGate, shut_reason
 from router.store.scripts import StaleLeaseError
+from router.workers.leases import Lease
 from router.workers.lifetime import LifetimeTracker
-from router.workers.registry import Lease, WorkerRecord
+from router.workers.registry import WorkerRecord
 from router.workers.snapshot import fetch_snapshot, snapshot_events
 
 __all__ = ["IngestServices", "WorkerIngest"]

@@ -39,7 +39,7 @@ from router.load.model import WorkerLoad
 from router.store.connection import RedisClient
 from router.store.scripts import ADD_LOAD, REWRITE_HASH, Script
 from router.tasks.periodic import Periodic
-from router.workers.registry import live_members
+from router.workers.leases import live_members
 
 __all__ = ["RedisLoadTracker", "SharedLoadConfig"]
 

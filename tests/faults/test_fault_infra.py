@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import pytest
 
-from router.workers.registry import owner_of
+from router.workers.leases import owner_of
 from tests.support.faults import (
     Cluster,
     Load,

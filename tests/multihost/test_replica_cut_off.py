@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from router.workers.registry import owner_of
+from router.workers.leases import owner_of
 from tests.support.faults import metric, scrape, wait_converged
 from tests.support.multihost import MultiHostCluster
 from tests.support.polling import wait_until

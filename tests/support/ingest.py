@@ -28,8 +28,9 @@ from router.front.service import RouterService
 from router.index.base import PrefixMatch
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
+from router.ingest.config import IngestConfig
 from router.ingest.metrics import IngestMetrics
-from router.ingest.service import IndexIngest, IngestConfig
+from router.ingest.service import IndexIngest
 from router.store.connection import RedisClient, connect
 from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRecord, WorkerRegistry

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from events.identity import WorkerId
-from router.workers.registry import owner_of
+from router.workers.leases import owner_of
 from tests.support.ingest import (
     FakeWorker,
     Stack,

@@ -20,7 +20,8 @@ from events.identity import WorkerId
 from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.store.server import RedisServer
-from router.workers.registry import WorkerRegistry, owner_of
+from router.workers.leases import owner_of
+from router.workers.registry import WorkerRegistry
 from tests.support.ingest import (
     FakeWorker,
     Stack,

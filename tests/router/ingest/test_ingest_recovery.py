@@ -72,7 +72,7 @@ def test_second_replica_takes_over_and_restarted_router_resumes(
             k1.publish(stored(1, 0, 2))
             async with (
                 stack(redis_url, namespace, [k1.record()], owner="a") as a,
-                # Named so that k1's owner among {a, b} is a (router.index.registry.owner_of).
+                # Named so that k1's owner among {a, b} is a (router.workers.leases.owner_of).
                 stack(redis_url, namespace, [], owner="e") as b,
             ):
                 # b found the persisted registration but a holds the lease.

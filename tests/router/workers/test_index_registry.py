@@ -22,12 +22,12 @@ from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import RedisClient, connect
 from router.store.layout import KeyLayout
 from router.store.scripts import StaleLeaseError
+from router.workers.leases import owner_of
 from router.workers.registration import RegistrationConflict, RegistrationPolicy
 from router.workers.registry import (
     WorkerRecord,
     WorkerRegistry,
     load_records,
-    owner_of,
     parse_worker_spec,
 )
 from tests.support.index_env import drop_namespace
