@@ -6,7 +6,7 @@ maintenance pass checks the held workers: with the lifetime ids the router's loa
 read from the same ``/health`` or ``/metrics`` answers (:meth:`LifetimeChecks.hear`), else
 by asking the worker, at every pass while its answer changes and less and less often while
 it stays the same (at least every :data:`LIFETIME_BACKOFF` passes). A new lifetime resets
-the worker (:meth:`router.ingest.worker.WorkerIngest.check_lifetime`).
+the worker (:meth:`router.ingest.worker_recovery.WorkerRecovery.check_lifetime`).
 """
 
 from __future__ import annotations
@@ -82,4 +82,4 @@ class LifetimeChecks:
                 continue  # the common case: nothing to do, no lock taken
             if worker.is_busy or not is_current(worker):
                 continue  # its ingest is at work (and may see it); the next pass will
-            run_apart(worker, functools.partial(worker.check_lifetime, current))
+            run_apart(worker, functools.partial(worker.recovery.check_lifetime, current))

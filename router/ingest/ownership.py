@@ -55,7 +55,7 @@ async def _guarded(worker: WorkerIngest, step: Callable[[], Awaitable[None]]) ->
     try:
         await step()
     except RECOVERY_ERRORS as exc:
-        worker.failed(exc)
+        worker.recovery.failed(exc)
 
 
 class LeaseKeeper:
@@ -132,7 +132,7 @@ class LeaseKeeper:
             if worker.lease is lease:  # not replaced or dropped meanwhile
                 self.metrics.lease_lost.labels(worker.worker_id).inc()
                 log.warning("worker %s: lease lapsed or taken; retaking it", worker.worker_id)
-                worker.lease_lost()
+                worker.recovery.lease_lost()
         await self.heartbeat()
 
     async def heartbeat(self) -> None:
@@ -181,13 +181,13 @@ class LeaseKeeper:
             return
         async with worker.lock.hold():
             if worker.restore_pending and not worker.needs_rebuild:  # Redis lost its data
-                await _guarded(worker, worker.restore)
+                await _guarded(worker, worker.recovery.restore)
             try:  # surfaces a failed queued write of an idle worker
                 await self.index.flush(worker.worker_id)
             except RECOVERY_ERRORS as exc:
-                worker.failed(exc)
+                worker.recovery.failed(exc)
             if worker.needs_rebuild and worker.record.has_snapshot and self.gate.is_open:
-                self.run_apart(worker, worker.rebuild, when=_needs_rebuild)
+                self.run_apart(worker, worker.recovery.rebuild, when=_needs_rebuild)
 
     async def take_over(self, worker: WorkerIngest, current: Callable[[], bool]) -> None:
         """Take ``worker``'s lease if free (or handed to this router): resume from the
@@ -219,11 +219,11 @@ class LeaseKeeper:
                 handed = await self.registry.take_handoff(worker.worker_id)
             except RedisError:
                 handed = None  # rebuilt below (which meets the same Redis trouble)
-            if await worker.resume(lease, handed):
+            if await worker.recovery.resume(lease, handed):
                 await _guarded(worker, worker.catch_up)
                 return
             if worker.restore_pending and worker.restorable:  # Redis lost its data
-                await _guarded(worker, worker.restore)
+                await _guarded(worker, worker.recovery.restore)
                 if not worker.needs_rebuild:
                     await _guarded(worker, worker.catch_up)
                     return
@@ -234,10 +234,10 @@ class LeaseKeeper:
             if not self.gate.is_open:
                 return
             if worker.record.has_snapshot:
-                first = functools.partial(worker.rebuild, is_first_lease=lease.epoch == 1)
+                first = functools.partial(worker.recovery.rebuild, is_first_lease=lease.epoch == 1)
                 self.run_apart(worker, first, when=_needs_rebuild)
             else:
-                await _guarded(worker, functools.partial(worker.clear, applied_through=-1))
+                await _guarded(worker, functools.partial(worker.recovery.clear, applied_through=-1))
 
     async def pass_on(self, worker: WorkerIngest, next_owner: str) -> None:
         """Give up a held lease (callers hold the worker's lock): to ``next_owner`` (``""``:
@@ -248,7 +248,7 @@ class LeaseKeeper:
             return
         try:
             await self.index.flush(worker.worker_id)  # its queued writes land first
-            state = await worker.handoff()
+            state = await worker.recovery.handoff()
         except RECOVERY_ERRORS:
             state = None
         worker.lease = None
@@ -309,7 +309,7 @@ class LeaseKeeper:
                 raise
             except Exception as exc:  # a bug: the worker is rebuilt later
                 log.exception("worker %s: a recovery step failed", wid)
-                worker.failed(exc)
+                worker.recovery.failed(exc)
             finally:
                 self._apart.pop(wid, None)
 

@@ -48,9 +48,10 @@ lease lapsed (their router died).
 This module holds the event sink and the ingest's life; the workers ingested are an
 :class:`router.ingest.membership.IngestMembership`, the maintenance pass an
 :class:`router.ingest.maintenance.IngestMaintenance`, the leases a
-:class:`router.ingest.ownership.LeaseKeeper`, each worker's batch and recovery paths a
-:class:`router.ingest.worker.WorkerIngest`, and which rebuild follows which loss is
-decided by :mod:`router.ingest.recovery` (shared with the offline replay).
+:class:`router.ingest.ownership.LeaseKeeper`, each worker's batch path a
+:class:`router.ingest.worker.WorkerIngest` and its recovery paths a
+:class:`router.ingest.worker_recovery.WorkerRecovery`, and which rebuild follows which loss
+is decided by :mod:`router.ingest.recovery` (shared with the offline replay).
 """
 
 from __future__ import annotations
@@ -310,12 +311,12 @@ class IndexIngest:
                 await worker.apply_batch(received)
             except RECOVERY_ERRORS as exc:
                 self._note_write_error(exc)
-                worker.failed(exc)
+                worker.recovery.failed(exc)
                 self.metrics.batches.labels(worker.worker_id, "failed").inc()
             except Exception as exc:  # a bug: the worker's stream must outlive it
                 log.exception("worker %s: applying seq %d failed", received.worker_id,
                               received.seq)  # fmt: skip
-                worker.failed(exc)
+                worker.recovery.failed(exc)
                 self.metrics.batches.labels(worker.worker_id, "failed").inc()
             finally:
                 if outer:
@@ -331,10 +332,10 @@ class IndexIngest:
                 return  # in order with the batches kept for a handoff, or not ours
             self.metrics.resets.labels(worker_id).inc()
             try:
-                await worker.clear(applied_through=-1)
+                await worker.recovery.clear(applied_through=-1)
             except RECOVERY_ERRORS as exc:
-                worker.failed(exc)
-            await worker.record_lifetime()
+                worker.recovery.failed(exc)
+            await worker.recovery.record_lifetime()
 
     async def on_resync_needed(self, worker_id: WorkerId, reason: str) -> None:
         """Batches were lost for good: clear the worker and rebuild what can be."""
@@ -345,9 +346,9 @@ class IndexIngest:
             if worker.lease is None:
                 return
             try:
-                await worker.resync(reason)
+                await worker.recovery.resync(reason)
             except RECOVERY_ERRORS as exc:
-                worker.failed(exc)
+                worker.recovery.failed(exc)
 
     async def _restart_probe(self, worker_id: WorkerId) -> bool:
         """The subscriber's restart probe of a worker's stream (see ``WorkerStream``)."""
@@ -360,7 +361,7 @@ class IndexIngest:
         self._note_write_error(exc)
         worker = self._workers.get(worker_id)
         if worker is not None:
-            worker.failed(exc)
+            worker.recovery.failed(exc)
 
     # -- background ----------------------------------------------------------------------
 

@@ -146,9 +146,11 @@ class IdleWatchdog:
         outcome = silence.value
         if silence is Silence.RESTARTED:
             assert reported is not None
-            self._run_apart(worker, functools.partial(worker.check_lifetime, reported.lifetime_id))
+            self._run_apart(
+                worker, functools.partial(worker.recovery.check_lifetime, reported.lifetime_id)
+            )
         elif silence is Silence.BEHIND:
-            self._run_apart(worker, functools.partial(worker.resync, "idle_behind"))
+            self._run_apart(worker, functools.partial(worker.recovery.resync, "idle_behind"))
             outcome = "resynced"
         elif silence is Silence.CATCH_UP:
             delivered = await self._subscriber.catch_up(wid, 0 if seen is None else seen + 1)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-import router.ingest.worker as worker_ingest
+import router.ingest.worker_recovery as worker_recovery
 from events.identity import WorkerId
 from router.store.connection import connect
 from router.store.layout import KeyLayout
@@ -91,7 +91,7 @@ def test_a_joining_replica_continues_the_workers_it_is_handed(
         return call
 
     for name in ("encode_handoff", "decode_handoff"):
-        monkeypatch.setattr(worker_ingest, name, spy(getattr(worker_ingest, name)))
+        monkeypatch.setattr(worker_recovery, name, spy(getattr(worker_recovery, name)))
 
     async def main() -> None:
         async with (
