@@ -66,7 +66,6 @@ from redis.exceptions import RedisError
 
 from events.curve import CurveClientConfig
 from events.identity import WorkerId
-from events.rate_limited_log import RateLimitedLog
 from events.subscriber import EventSubscriber, ReceivedBatch, WorkerCounters, WorkerStream
 from router.ingest.bridged_index import BridgedIndex
 from router.ingest.capacity import FleetCapacity, fd_limit
@@ -129,7 +128,6 @@ class IndexIngest:
             log_interval_s=self.config.subscriber.log_interval_s,
         )
         self._leases = LeaseKeeper(index, registry, self.metrics, self._gate)
-        self._warn = RateLimitedLog(self.config.subscriber.log_interval_s, log)
         self._membership = IngestMembership(
             self._workers,
             registry,
