@@ -1,19 +1,12 @@
-"""EventSubscriber: consumes many workers' KV event streams with gap, replay and restart recovery.
+"""EventSubscriber: subscribes to many workers' KV event streams and reads each on its own task.
 
 One asyncio task per worker reads that worker's SUB socket, so one worker's replay or slow
-sink never stalls another worker. Per worker, batches reach the :class:`EventSink` strictly
-in seq order and exactly once. A seq gap is closed by a vLLM-compatible replay over DEALER
-(:mod:`events.replay_client`); what replay cannot close is signalled with
-``on_resync_needed``, a seq at or below the last one with ``on_reset`` (a publisher
-restart). A stream with a restart probe (a worker that names its publisher lifetimes) is
-asked on each gap whether it restarted, since a new lifetime whose first batches were lost
-shows as a jump, not a drop; it is also asked about the first batch after the connection
-to the worker dropped, since a restart whose lost first batches end where the old lifetime
-did looks continuous. Malformed messages are counted, logged at a limited rate and
-skipped.
+sink never stalls another worker; a second one watches the socket's connection (drops,
+reconnects, failed CURVE handshakes). What is read is handed to the
+:class:`events.delivery.StreamDelivery`, which delivers it to the :class:`EventSink` in seq
+order, exactly once, with gap, replay and restart recovery (see there); the subscriber's
+state of each worker is an :class:`events.stream_state.StreamState`.
 
-A replay is fetched whole before its batches are delivered: whoever asks for one inside a
-sink call may release its locks for the network part (see :meth:`EventSubscriber.request_replay`).
 Each worker's reader task is supervised: an unexpected failure is logged with the worker
 id, counted, and the reader restarts after a backoff (doubling up to a cap), first asking
 the sink for a resync (the batch in flight may be lost).
@@ -40,7 +33,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Final
 
@@ -49,13 +41,13 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from events.curve import configure_client
-from events.errors import EventDecodeError, FramingError
-from events.framing import parse_message, recv_frames
+from events.delivery import StreamDelivery
+from events.framing import recv_frames
 from events.identity import WorkerId
 from events.liveness import apply_liveness
 from events.rate_limited_log import RateLimitedLog
 from events.replay_client import ReplayClient
-from events.schema import decode_batch
+from events.stream_state import StreamState
 from events.subscription import (
     EventSink,
     ReceivedBatch,
@@ -86,39 +78,6 @@ _MONITORED: Final = _HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDS
 _monitor_ids = itertools.count()
 
 
-@dataclass(eq=False)
-class _Worker:
-    stream: WorkerStream
-    sock: zmq.asyncio.Socket
-    drain: zmq.Socket[bytes]
-    monitor: zmq.asyncio.Socket
-    # NOTE: decode_batch's on_unknown for this worker, bound once rather than per batch.
-    on_unknown: Callable[[str], None] = field(init=False)
-    counters: WorkerCounters = field(default_factory=WorkerCounters)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    # NOTE: last_seq is the highest seq delivered (-1 after a reset: the new lifetime
-    # starts at 0); live_seq the highest seen on the live stream (None before the first).
-    # While the live stream lags behind what a replay delivered, a live seq in
-    # (live_seq, last_seq] is a duplicate; one at or below live_seq is a restart.
-    last_seq: int | None = None
-    live_seq: int | None = None
-    replaying: bool = False
-    # NOTE: set when the connection to the worker dropped (it may have restarted): the
-    # next live batch asks the stream's restart probe first, whatever its seq.
-    probe_next: bool = False
-    # NOTE: dropped is set when the connection to the worker dropped; reconnected when it
-    # was made again since (cleared by take_reconnected).
-    dropped: bool = False
-    reconnected: bool = False
-    # NOTE: a task other than the reader that holds `lock` while it delivers (catch_up):
-    # the sink's replay requests from it are served in place, as the reader's are.
-    holder: asyncio.Task[object] | None = None
-    # NOTE: time.monotonic() of the last live message received, or of the subscription
-    # or the last resubscribe when later (what idle_s measures from).
-    heard_s: float = field(default_factory=time.monotonic)
-
-
 class EventSubscriber:
     """Subscribes to the KV event streams of many workers and feeds one sink.
 
@@ -132,23 +91,23 @@ class EventSubscriber:
     """
 
     def __init__(self, sink: EventSink, config: SubscriberConfig | None = None) -> None:
-        self._sink = sink
         self._config = config or SubscriberConfig()
         self._context = zmq.asyncio.Context()
         # Set before the first socket: libzmq's default (1,023) would stop at a few
         # hundred workers.
         limit = self._context.get(zmq.SOCKET_LIMIT)
         self._context.set(zmq.MAX_SOCKETS, min(self._config.max_sockets, limit))
-        self._workers: dict[WorkerId, _Worker] = {}
+        self._workers: dict[WorkerId, StreamState] = {}
         self._stopped = asyncio.Event()
         self._failure: BaseException | None = None
         self._warn = RateLimitedLog(self._config.log_interval_s, _log)
-        self._replay_client = ReplayClient(
+        replay_client = ReplayClient(
             self._context,
             self._config.replay_timeout_s,
             self._config.replay_deadline_s,
             self._config.liveness,
         )
+        self._delivery = StreamDelivery(sink, replay_client, self._config.log_interval_s)
 
     @property
     def worker_ids(self) -> list[WorkerId]:
@@ -220,7 +179,7 @@ class EventSubscriber:
             worker.holder = asyncio.current_task()
             try:
                 before = worker.counters.num_batches
-                done = await self._replay(
+                done = await self._delivery.replay(
                     worker, from_seq, through=from_seq - 1, redeliver=False, nested_ok=True
                 )
             finally:
@@ -266,8 +225,8 @@ class EventSubscriber:
                 f"{stream.endpoint!r} ({zmq.strerror(exc.errno or 0)}); expected e.g. "
                 "tcp://HOST:PORT"
             ) from None
-        worker = _Worker(stream, sock, zmq.Socket.shadow(sock.underlying), monitor)
-        worker.on_unknown = functools.partial(self._unknown_event, worker)
+        worker = StreamState(stream, sock, zmq.Socket.shadow(sock.underlying), monitor)
+        worker.on_unknown = functools.partial(self._delivery.unknown_event, worker)
         self._workers[stream.worker_id] = worker
         for name, body in (("reader", self._read), ("monitor", self._watch_connection)):
             task = asyncio.create_task(
@@ -335,9 +294,9 @@ class EventSubscriber:
         worker = self._worker(worker_id)
         task = asyncio.current_task()
         if task in worker.tasks or (task is not None and task is worker.holder):
-            return await self._redeliver(worker, from_seq, release)
+            return await self._delivery.redeliver(worker, from_seq, release)
         async with worker.lock:
-            return await self._redeliver(worker, from_seq, release)
+            return await self._delivery.redeliver(worker, from_seq, release)
 
     async def run(self) -> None:
         """Wait until :meth:`close`; with ``on_reader_failure="stop"``, re-raises the first
@@ -366,7 +325,7 @@ class EventSubscriber:
     ) -> None:
         await self.close()
 
-    def _worker(self, worker_id: WorkerId) -> _Worker:
+    def _worker(self, worker_id: WorkerId) -> StreamState:
         try:
             return self._workers[worker_id]
         except KeyError:
@@ -381,7 +340,7 @@ class EventSubscriber:
         self._stopped.set()
 
     async def _supervised(
-        self, worker: _Worker, name: str, body: Callable[[_Worker, bool], Awaitable[None]]
+        self, worker: StreamState, name: str, body: Callable[[StreamState, bool], Awaitable[None]]
     ) -> None:
         """Run one of the worker's tasks; restart it after a failure (see the module
         docstring), unless the config says to stop (then the failure ends the task)."""
@@ -406,32 +365,32 @@ class EventSubscriber:
             backoff_s = min(backoff_s * 2, config.restart_backoff_max_s)
             restarted = True
 
-    async def _read(self, worker: _Worker, restarted: bool) -> None:
+    async def _read(self, worker: StreamState, restarted: bool) -> None:
         if restarted:
             # The batch in flight when the reader failed may never have reached the sink.
             async with worker.lock:
-                await self._resync(worker, "reader_restarted")
+                await self._delivery.resync(worker, "reader_restarted")
         sock, drain, max_drain = worker.sock, worker.drain, self._config.max_drain
         while True:
             frames: list[bytes] = await sock.recv_multipart()
             worker.heard_s = time.monotonic()
             async with worker.lock:
-                await self._on_live(worker, frames)
+                await self._delivery.on_live(worker, frames)
                 # Drain what is already queued without a future per message.
                 for _ in range(max_drain):
                     try:
                         frames = recv_frames(drain, zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    await self._on_live(worker, frames)
+                    await self._delivery.on_live(worker, frames)
 
-    async def _watch_connection(self, worker: _Worker, restarted: bool) -> None:
+    async def _watch_connection(self, worker: StreamState, restarted: bool) -> None:
         stream = worker.stream
         while True:
             event = parse_monitor_message(await worker.monitor.recv_multipart())
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 # The worker may come back as a new publisher lifetime whose first batches
-                # are lost; seqs cannot always tell (see _on_live).
+                # are lost; seqs cannot always tell (see StreamDelivery.on_live).
                 worker.probe_next = stream.restart_probe is not None
                 worker.dropped = True
                 continue
@@ -447,192 +406,3 @@ class EventSubscriber:
                 stream.endpoint,
                 event["event"],
             )
-
-    async def _on_live(self, worker: _Worker, frames: list[bytes]) -> None:
-        recv_ts = time.time()
-        try:
-            _, seq, payload = parse_message(frames)
-        except FramingError as exc:
-            self._malformed(worker, exc)
-            return
-        last = worker.last_seq
-        if (
-            last is not None
-            and (seq != last + 1 or worker.probe_next)
-            and not await self._out_of_order(worker, seq)
-        ):
-            return
-        worker.live_seq = seq
-        await self._deliver(worker, seq, payload, recv_ts, replayed=False)
-
-    async def _out_of_order(self, worker: _Worker, seq: int) -> bool:
-        """Handle a live ``seq`` other than the next one, or the first after the connection
-        dropped; ``True``: deliver it now.
-
-        A duplicate is counted, a restart reset, and a gap before ``seq`` replayed.
-        """
-        last = worker.last_seq
-        assert last is not None
-        if seq <= last:
-            if worker.live_seq is None or seq > worker.live_seq:
-                worker.live_seq = seq
-                worker.counters.num_duplicates += 1
-                return False
-            await self._reset(worker, seq, "seq went back")
-            last = worker.last_seq = -1
-        elif await self._restarted(worker):
-            await self._reset(worker, seq, "restart probe: new publisher lifetime")
-            last = worker.last_seq = -1
-        worker.live_seq = seq
-        if seq > last + 1:
-            await self._gap(worker, last + 1, seq)
-            delivered = worker.last_seq
-            assert delivered is not None
-            if seq <= delivered:  # the replay delivered it
-                worker.counters.num_duplicates += 1
-                return False
-        return True
-
-    async def _deliver(
-        self, worker: _Worker, seq: int, payload: bytes, recv_ts: float, *, replayed: bool
-    ) -> None:
-        if worker.last_seq is None or seq > worker.last_seq:
-            worker.last_seq = seq
-        try:
-            batch = decode_batch(payload, worker.on_unknown)
-        except EventDecodeError as exc:
-            # The seq was valid, so this batch's events are lost for good: a skipped
-            # BlockRemoved would leave the index claiming blocks the worker no longer has.
-            self._malformed(worker, exc)
-            await self._resync(worker, "undecodable_batch")
-            return
-        counters = worker.counters
-        counters.num_batches += 1
-        counters.num_replayed += replayed
-        await self._sink.on_batch(
-            ReceivedBatch(worker.stream.worker_id, seq, batch, payload, recv_ts, replayed)
-        )
-
-    async def _restarted(self, worker: _Worker) -> bool:
-        worker.probe_next = False
-        probe = worker.stream.restart_probe
-        return probe is not None and await probe()
-
-    async def _reset(self, worker: _Worker, seq: int, why: str) -> None:
-        worker.probe_next = False  # this is the restart the probe would have found
-        worker.counters.num_resets += 1
-        self._warn.warning(
-            (worker.stream.worker_id, "reset"),
-            "worker %s: seq %d after %d: publisher restarted (%s), resetting its stream",
-            worker.stream.worker_id,
-            seq,
-            worker.last_seq,
-            why,
-        )
-        await self._sink.on_reset(worker.stream.worker_id, seq)
-
-    async def _gap(self, worker: _Worker, first_missing: int, seq: int) -> None:
-        counters = worker.counters
-        counters.num_gaps += 1
-        counters.num_missed += seq - first_missing
-        self._warn.warning(
-            (worker.stream.worker_id, "gap"),
-            "worker %s: gap of %d batches before seq %d; replaying from %d",
-            worker.stream.worker_id,
-            seq - first_missing,
-            seq,
-            first_missing,
-        )
-        await self._replay(worker, first_missing, through=seq - 1, redeliver=False)
-
-    async def _resync(self, worker: _Worker, reason: str) -> None:
-        worker.counters.resyncs[reason] += 1
-        self._warn.warning(
-            (worker.stream.worker_id, f"resync:{reason}"),
-            "worker %s: events lost for good (%s); its state needs a resync",
-            worker.stream.worker_id,
-            reason,
-        )
-        await self._sink.on_resync_needed(worker.stream.worker_id, reason)
-
-    def _malformed(self, worker: _Worker, exc: EventDecodeError) -> None:
-        worker.counters.malformed[exc.reason] += 1
-        self._warn.warning(
-            (worker.stream.worker_id, f"malformed:{exc.reason}"),
-            "worker %s: skipped a malformed message: %s",
-            worker.stream.worker_id,
-            exc,
-        )
-
-    def _unknown_event(self, worker: _Worker, what: str) -> None:
-        worker.counters.malformed["unknown_tag"] += 1
-        self._warn.warning(
-            (worker.stream.worker_id, "malformed:unknown_tag"),
-            "worker %s: skipped an event of a type this version does not know (%s); "
-            "the rest of its batch was applied",
-            worker.stream.worker_id,
-            what,
-        )
-
-    async def _redeliver(
-        self,
-        worker: _Worker,
-        from_seq: int,
-        release: AbstractAsyncContextManager[object] | None,
-    ) -> bool:
-        last = worker.last_seq
-        if last is None:
-            through = from_seq - 1
-        else:
-            from_seq = min(from_seq, last + 1)
-            through = last
-        return await self._replay(
-            worker, from_seq, through=through, redeliver=True, release=release
-        )
-
-    async def _replay(
-        self,
-        worker: _Worker,
-        from_seq: int,
-        *,
-        through: int,
-        redeliver: bool,
-        release: AbstractAsyncContextManager[object] | None = None,
-        nested_ok: bool = False,
-    ) -> bool:
-        """Replay from ``from_seq``; it must reach at least ``through`` to succeed.
-
-        The replies are fetched inside ``release`` (the caller's locks released), then
-        delivered in order. With ``nested_ok`` the sink may ask for a replay of its own
-        while they are delivered (the rest of them then skipped as duplicates where that
-        one delivered them); else that is a ``replay_nested`` resync.
-        """
-        stream = worker.stream
-        if worker.replaying:
-            await self._resync(worker, "replay_nested")
-            return False
-        if stream.replay_endpoint is None:
-            await self._resync(worker, "no_replay_endpoint")
-            return False
-        worker.replaying = True
-        worker.counters.num_replays += 1
-        try:
-            async with release or contextlib.nullcontext():
-                result = await self._replay_client.fetch(
-                    stream.replay_endpoint, stream.curve, from_seq, through=through
-                )
-            for exc in result.malformed:
-                self._malformed(worker, exc)
-            worker.replaying = not nested_ok
-            for seq, payload in result.batches:
-                if redeliver or worker.last_seq is None or seq > worker.last_seq:
-                    await self._deliver(worker, seq, payload, time.time(), replayed=True)
-                else:
-                    worker.counters.num_duplicates += 1
-        finally:
-            worker.replaying = False
-        if result.failure is not None:
-            await self._resync(worker, result.failure)
-            return False
-        _log.info("worker %s: replayed from seq %d", stream.worker_id, from_seq)
-        return True
