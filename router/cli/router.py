@@ -56,7 +56,7 @@ from router.front.app import guards
 from router.front.breaker import BreakerConfig
 from router.front.config import RequestLimits, RouterConfig
 from router.front.engine_tokenizer import DEFAULT_CACHE_TOKENS
-from router.front.proxy import ProxyConfig
+from router.front.proxy_contracts import ProxyConfig
 from router.front.service import RouterService
 from router.front.tokenization import TokenizerSources
 from router.front.tracing import wants_tracing

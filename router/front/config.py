@@ -14,7 +14,7 @@ from events.liveness import SocketLiveness
 from events.subscriber import SubscriberConfig
 from router.front.accuracy import AccuracyConfig
 from router.front.breaker import BreakerConfig
-from router.front.proxy import ProxyConfig
+from router.front.proxy_contracts import ProxyConfig
 from router.front.tokenization import TokenizerSources
 from router.ingest.watchdog import DEFAULT_IDLE_CHECK_S
 from router.routing.policies import DEFAULT_POLICY, PolicyConfig

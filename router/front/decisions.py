@@ -19,7 +19,7 @@ from router.front.candidates import RoutableWorkers
 from router.front.decision_log import DecisionLog
 from router.front.lookup import IndexLookup
 from router.front.metrics import RouterMetrics
-from router.front.proxy import ProxyTarget
+from router.front.proxy_contracts import ProxyTarget
 from router.front.request_context import RequestContext
 from router.front.targets import RankedTargets
 from router.index.base import PrefixMatch

@@ -11,7 +11,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from events.identity import WorkerId
-from router.front.proxy import AttemptOutcome, ProxyTarget
+from router.front.proxy_contracts import AttemptOutcome, ProxyTarget
 from router.load.model import finished, prefilled, routed
 from router.load.shared import RedisLoadTracker
 
@@ -28,7 +28,7 @@ class LoadAccounting:
     Routed load is added when an attempt starts, its prefill leaves the queue at the first
     byte of the answer, and the rest when the attempt ends (a failed attempt leaves no
     load behind). Local figures change at once; Redis hears of it without delaying the
-    request. Implements :class:`router.front.proxy.AttemptObserver`.
+    request. Implements :class:`router.front.proxy_contracts.AttemptObserver`.
     """
 
     def __init__(self, service: RouterService, routed_: Routed) -> None:

@@ -23,12 +23,13 @@ from router.front.bodies import CompletionBody, RequestBody, RouteBody, decode_t
 from router.front.chat import ChatBody, chat_problem
 from router.front.hops import hop_refusal, next_hops
 from router.front.identity import context_of
-from router.front.proxy import WORKER_HEADER, ProxyResult, WorkersUnavailableError
+from router.front.proxy_contracts import ProxyResult, WorkersUnavailableError
 from router.front.request_context import session_key
 from router.front.route_answer import listed_candidates, requested_top_k
 from router.front.served import RequestTiming, ServedRequest
 from router.front.stream_usage import UsageStripper, ask_for_usage, usage_asked
 from router.front.tokenization import PromptError
+from router.front.worker_answers import WORKER_HEADER
 from router.workers.registry import WorkerRecord
 
 if TYPE_CHECKING:

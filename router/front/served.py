@@ -22,7 +22,7 @@ from events.identity import WorkerId
 from router.front.accuracy import RoutingAccuracy, expected_hit_tokens, reported_usage
 from router.front.metrics import RouterMetrics
 from router.front.model_labels import ModelLabels
-from router.front.proxy import AttemptObserver, AttemptOutcome, ProxyResult, ProxyTarget
+from router.front.proxy_contracts import AttemptObserver, AttemptOutcome, ProxyResult, ProxyTarget
 from router.routing.policies import Decision
 from router.routing.sessions import SessionTable
 

@@ -59,7 +59,7 @@ def ask_for_usage(raw: bytes, stream_options: Any = msgspec.UNSET) -> bytes:
 class UsageStripper:
     """Takes the usage the router asked for out of a stream the client gets.
 
-    A :class:`router.front.proxy.ResponseRewriter` for streams: a chunk with no choices
+    A :class:`router.front.proxy_contracts.ResponseRewriter` for streams: a chunk with no choices
     and a usage is dropped; other chunks lose their ``usage`` field. Everything else
     passes unchanged.
     """

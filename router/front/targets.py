@@ -12,7 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import overload
 
 from events.identity import WorkerId
-from router.front.proxy import ProxyTarget
+from router.front.proxy_contracts import ProxyTarget
 from router.routing.policies import Decision
 from router.workers.registry import WorkerRecord
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from router.front.proxy import ProxyConfig
+from router.front.proxy_contracts import ProxyConfig
 from tests.support.faults import (
     Load,
     complete,

@@ -19,7 +19,7 @@ from events.curve import CurveKeyPair
 from router.front.access import exposure_warning
 from router.front.app import guards
 from router.front.config import RouterConfig
-from router.front.proxy import ProxyConfig
+from router.front.proxy_contracts import ProxyConfig
 from router.front.service import RouterService
 from tests.support.router_app import JSON, EchoWorker, post, run, saved_ids
 

@@ -17,7 +17,7 @@ from events.identity import WorkerId
 from pool.worker.guards import AccessKeys
 from router.cli.index import main as index_main
 from router.front.config import RouterConfig
-from router.front.proxy import ProxyConfig
+from router.front.proxy_contracts import ProxyConfig
 from router.front.service import RouterService
 from router.workers.registry import WorkerRecord
 from tests.support.ingest import sample

@@ -23,7 +23,7 @@ from router.cli.router import (
 )
 from router.front.breaker import BreakerConfig
 from router.front.config import RouterConfig
-from router.front.proxy import ProxyConfig
+from router.front.proxy_contracts import ProxyConfig
 from router.routing.cost import CostWeights
 from router.workers.registry import WorkerRecord
 from tests.support.paths import REPO_ROOT as ROOT

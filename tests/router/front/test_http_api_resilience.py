@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.front.breaker import BreakerConfig
 from router.front.config import RequestLimits
-from router.front.proxy import ProxyConfig
+from router.front.proxy_contracts import ProxyConfig
 from router.front.service import RouterService
 from router.store.server import RedisServer, free_port
 from router.workers.registry import WorkerRecord

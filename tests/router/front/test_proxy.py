@@ -16,13 +16,13 @@ from aiohttp import web
 
 from events.identity import WorkerId
 from router.front.breaker import CircuitBreakers, CircuitState
-from router.front.proxy import (
+from router.front.proxy import WorkerProxy
+from router.front.proxy_contracts import (
     AttemptOutcome,
     ProxyConfig,
     ProxyResult,
     ProxyTarget,
     ResponseRewriter,
-    WorkerProxy,
     WorkersUnavailableError,
 )
 from router.front.stream_usage import UsageStripper
