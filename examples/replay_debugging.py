@@ -3,7 +3,8 @@
 1. Start two kvroute workers, ``kvroute record`` subscribed to both, and a router in front
    of them that writes a decision log (it starts its own embedded Redis).
 2. Send three prompts through the router: a question after a shared system prompt, a
-   document, a second question after the same system prompt (it follows the first).
+   document, a second question after the same system prompt (it follows the first), the
+   last once the router's view has caught up with the first two (see :func:`settled`).
    Note the moment, then reset the prefix cache of the worker holding the system prompt.
 3. ``kvroute replay`` the log at that moment and at the end; ``kvroute explain`` why the
    second question went where it did (the replayed state agrees with the router's
@@ -87,6 +88,34 @@ async def subscribed(
             await asyncio.sleep(0.2)  # give the probe time to land before the next one
 
 
+async def settled(
+    session: aiohttp.ClientSession, router: str, holder: str, prompt: str, timeout_s: float = 60.0
+) -> None:
+    """Wait until the router's view has caught up with the requests that finished.
+
+    Its index must confirm the prefix of ``prompt`` it predicted ``holder`` caches (the
+    worker's events reach the index a moment after its answer), and no worker may show
+    load (workers' own load reports are polled: one read mid-request lingers until the
+    next poll). Routing ``prompt`` earlier would record a decision that a replay of the
+    event log does not reproduce, for reasons of timing alone.
+    """
+    deadline = time.monotonic() + timeout_s
+    body = {"prompt": prompt, "dry_run": True}
+    while True:
+        async with session.post(f"{router}/v1/route", json=body) as resp:
+            resp.raise_for_status()
+            candidates = (await resp.json())["candidates"]
+        confirmed = any(
+            c["worker_id"] == holder and 0 < c["matched_tokens"] == c["predicted_tokens"]
+            for c in candidates
+        )
+        if confirmed and not any(any(c["load"].values()) for c in candidates):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router's view never caught up: {candidates}")
+        await asyncio.sleep(0.1)  # the router ingests and polls loads in the background
+
+
 async def drive(urls: dict[str, str], router: str, group: ProcessGroup, log: Path) -> float:
     """Run the scenario; returns the moment between the requests and the cache reset."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
@@ -97,6 +126,7 @@ async def drive(urls: dict[str, str], router: str, group: ProcessGroup, log: Pat
         await subscribed(session, urls, log)
         holder, _ = await complete(session, router, SYSTEM + "Question: what is a block?")
         await complete(session, router, DOCUMENT + "Summarise.")
+        await settled(session, router, holder, SECOND)
         again, cached = await complete(session, router, SECOND)
         print(f"the second question went to {again} ({cached} cached prompt tokens); the "
               f"first went to {holder}")  # fmt: skip

@@ -5,6 +5,11 @@ The router given ``--client-key`` and ``--worker ...,server_key=FILE`` indexes t
 blocks and routes a request sharing a cached prefix to the worker that holds it. A second
 router (its own namespace) presents a key the workers do not allow: its index stays empty
 (``kvroute index stats``), yet it still serves by load.
+
+The workers also guard their snapshots with an admin key that only the allowed router has:
+a router whose stream stays quiet resyncs from ``GET /v1/snapshot`` (the idle watchdog,
+30 s after its last batch), so with open snapshots the intruder's index would fill over
+plain HTTP once the test outlasted that watchdog on a loaded machine.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ def test_router_with_client_key_indexes_curve_workers_and_an_intruder_routes_by_
     keys = tmp_path / "keys"
     for name in ("w0", "w1", "router", "intruder"):
         assert keys_main(["--out", str(keys), "--name", name]) == 0
+    admin_key = keys / "worker-admin"
+    admin_key.write_text("worker-admin-0123456789\n")
     workers = {w: (free_port(), free_port(), free_port()) for w in ("w0", "w1")}
     urls = {w: f"http://127.0.0.1:{http}" for w, (http, _, _) in workers.items()}
     specs = [
@@ -80,6 +87,7 @@ def test_router_with_client_key_indexes_curve_workers_and_an_intruder_routes_by_
         for w, (_, ev, rp) in workers.items()
     ]
     routers = {"router": (free_port(), "router"), "intruder": (free_port(), "intruder")}
+    snapshot_access = {"router": ["--worker-admin-key-file", str(admin_key)], "intruder": []}
     namespaces = {name: f"{namespace}-{name}" for name in routers}
     router_urls = {name: f"http://127.0.0.1:{port}" for name, (port, _) in routers.items()}
 
@@ -92,6 +100,7 @@ def test_router_with_client_key_indexes_curve_workers_and_an_intruder_routes_by_
                         "--replay", f"tcp://127.0.0.1:{replay}",
                         "--curve-secret-key", str(keys / f"{w}.key_secret"),
                         "--curve-allow", str(keys / "router.key"),
+                        "--admin-key-file", str(admin_key),
                         "--num-blocks", "64", "--block-size", str(BLOCK_SIZE),
                         "--num-layers", "1", "--hidden-size", "16", "--num-heads", "2",
                         "--torch-threads", "1"),
@@ -115,7 +124,8 @@ def test_router_with_client_key_indexes_curve_workers_and_an_intruder_routes_by_
                         name,
                         kvroute("router", "--redis", redis_url, "--namespace", namespaces[name],
                                 "--port", str(port),
-                                "--client-key", str(keys / f"{key}.key_secret"), *worker_flags),
+                                "--client-key", str(keys / f"{key}.key_secret"),
+                                *snapshot_access[name], *worker_flags),
                     )  # fmt: skip
                 for url in router_urls.values():
                     await wait_healthy(session, url, group, deadline)
