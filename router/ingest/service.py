@@ -78,6 +78,7 @@ from events.subscriber import (
     WorkerCounters,
     WorkerStream,
 )
+from router.index.group_commit import GroupCommitIndex
 from router.ingest.bridged_index import BridgedIndex
 from router.ingest.capacity import CapacityError, FleetCapacity, fd_limit
 from router.ingest.lifetime_checks import LifetimeChecks
@@ -115,9 +116,9 @@ class IngestConfig:
         write_retry_max_s: While Redis refuses writes for lack of memory, the longest
             wait between two probes of whether it takes them again.
         snapshot_chunk_runs: Snapshot runs written per index batch.
-        group_commit: Turn on the index's group commit: a batch returns once folded, and
-            a worker's batches that arrive while its previous write is in flight go to
-            Redis together (see :mod:`router.index.group_commit`).
+        group_commit: Wrap the index's store in group commit: a batch returns once
+            folded, and a worker's batches that arrive while its previous write is in
+            flight go to Redis together (see :mod:`router.index.group_commit`).
         subscriber: Settings of the event subscriber.
         client_keys: The router's CURVE key pair, presented to workers registered with a
             ``server_key`` (a fresh one by default: admitted by workers without an allow-list).
@@ -158,8 +159,8 @@ class IndexIngest:
         self.index = index
         self.registry = registry
         self.config = config or IngestConfig()
-        index.store.group_commit = self.config.group_commit
-        index.store.on_write_error(self._write_failed)
+        if self.config.group_commit:  # wrapped before the index writes anything
+            index.store = GroupCommitIndex(index.store, on_error=self._write_failed)
         self.metrics = metrics or IngestMetrics()
         self._workers: dict[WorkerId, WorkerIngest] = {}
         # NOTE: held while the set of workers changes (add, remove, the maintenance's
