@@ -56,6 +56,7 @@ from benchmarks.environment import describe, native_text
 from events.hashing import BlockKey, RouterKeyer
 from events.identity import WorkerId
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
+from router.index.group_commit import GroupCommitIndex
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
 from router.ingest.handoff import decode_handoff, encode_handoff
@@ -175,7 +176,8 @@ async def writers(
 ) -> BridgedIndex:
     """An index of ``namespace`` holding a lease for every worker."""
     layout = KeyLayout(namespace)
-    index = BridgedIndex(RedisPrefixIndex(client, layout, group_commit=group_commit))
+    store = RedisPrefixIndex(client, layout)
+    index = BridgedIndex(GroupCommitIndex(store) if group_commit else store)
     registry = WorkerRegistry(client, layout, lease_ttl_ms=3_600_000)
     for worker in workers:
         lease = await registry.acquire(worker)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from router.front.config import RouterConfig
     from router.front.service import RouterService
     from router.index.base import IndexStats, PrefixIndex, PrefixMatch
+    from router.index.group_commit import GroupCommitIndex
     from router.index.memory import MemoryPrefixIndex
     from router.index.redis_index import RedisPrefixIndex
     from router.ingest.bridged_index import BridgedIndex
@@ -39,6 +40,7 @@ __all__ = [
     "Candidate",
     "CostWeights",
     "Decision",
+    "GroupCommitIndex",
     "IndexStats",
     "KeyLayout",
     "MemoryPrefixIndex",
@@ -66,6 +68,7 @@ _HOMES: Final[dict[str, str]] = {
     "Candidate": "router.routing.policies",
     "CostWeights": "router.routing.cost",
     "Decision": "router.routing.policies",
+    "GroupCommitIndex": "router.index.group_commit",
     "IndexStats": "router.index.base",
     "KeyLayout": "router.store.layout",
     "MemoryPrefixIndex": "router.index.memory",

@@ -4,13 +4,14 @@ An index maps router keys (chained per-block keys, see :mod:`events.hashing`) to
 workers that hold them and on which medium. A store writes :class:`~router.index.changes.Changes`
 and knows nothing of engine hashes: the ingest folds KV events into changes through its
 per-worker bridges (:mod:`router.ingest.bridged_index`). Stores: ``MemoryPrefixIndex``
-(simulator and tests) and ``RedisPrefixIndex`` (production). One contract test suite
-runs against both.
+(simulator and tests) and ``RedisPrefixIndex`` (production), either of which
+``GroupCommitIndex`` (:mod:`router.index.group_commit`: the ingest's writes, queued and
+sent together) can wrap. One contract test suite runs against all of them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -60,14 +61,7 @@ class PrefixIndex(Protocol):
     a store may find a match's depth by binary search. A shared store is fenced: only
     the holder of a worker's lease writes that worker's entries (:meth:`use_lease`); a
     store in one process has no other writer to fence off and takes any write.
-
-    Attributes:
-        group_commit: Queue writes and send every worker's queued changes together
-            while the previous write is in flight (see :mod:`router.index.group_commit`);
-            a store that writes at once ignores it.
     """
-
-    group_commit: bool
 
     def use_lease(self, worker_id: WorkerId, token: str) -> None:
         """Write the worker's entries under this lease token (``"<epoch>:<owner>"``)."""
@@ -79,33 +73,41 @@ class PrefixIndex(Protocol):
 
     def changes_for(self, worker_id: WorkerId) -> Changes:
         """The changes to fold the worker's next write into, then give to :meth:`write`:
-        new ones, or with group commit the worker's queued ones (valid until the caller's
-        next ``await``).
+        new ones, or from a store that queues writes the worker's queued ones (valid
+        until the caller's next ``await``).
 
         Raises:
             PrefixIndexError: The store does not write for the worker (no lease given).
-            Exception: With group commit, the worker's previous write failed (raised once).
+            Exception: A store that queues writes: the worker's previous write failed
+                (raised once).
         """
         ...
 
     async def write(self, worker_id: WorkerId, changes: Changes) -> None:
-        """Write changes got from :meth:`changes_for` (with group commit: send them soon).
+        """Write changes got from :meth:`changes_for` (a store that queues writes sends
+        them soon).
 
         Raises:
             StaleLeaseError: The store refused the write: the lease is lost.
         """
         ...
 
+    async def write_many(self, writes: Mapping[WorkerId, Changes]) -> Mapping[WorkerId, Exception]:
+        """Write several workers' changes, each got from :meth:`changes_for`, together
+        (one round trip where the store can); one worker's failure fails no other.
+
+        Returns:
+            The failure of each worker whose write failed (e.g. ``StaleLeaseError``).
+        """
+        ...
+
     async def flush(self, worker_id: WorkerId | None = None) -> None:
-        """Wait for the queued writes of a worker (or all); at once without group commit.
+        """Wait for the queued writes of a worker (or all); at once for a store that
+        writes at once.
 
         Raises:
             StaleLeaseError: A queued write was refused: the lease is lost.
         """
-        ...
-
-    def on_write_error(self, callback: Callable[[WorkerId, Exception], None] | None) -> None:
-        """With group commit, report a failed queued write to ``callback`` at once."""
         ...
 
     async def lookup(

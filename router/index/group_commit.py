@@ -1,16 +1,20 @@
-"""Group commit of index writes: while one write is in flight, every later change joins the next.
+"""Group commit of index writes: a store wrapper under which, while one write is in flight,
+every later change joins the next.
 
-The ingest folds batches as fast as they arrive; waiting for Redis after each one caps it
-at one round trip per batch, and a round trip per worker costs more client time than
-the write itself when many workers are busy. With group commit a batch is folded straight
-into its worker's pending changes (:meth:`GroupCommit.queued`: per router key the first
-old mask, the latest new mask) and one background task sends the pending sets of *all*
-workers in one ``send`` call whenever the previous one completed.
+The ingest folds batches as fast as they arrive; waiting for the store after each one caps
+it at one round trip per batch, and a round trip per worker costs more client time than
+the write itself when many workers are busy. :class:`GroupCommitIndex` wraps any
+``PrefixIndex`` store: a batch is folded straight into its worker's pending changes
+(:meth:`GroupCommit.queued`: per router key the first old mask, the latest new mask) and
+one background task hands the pending sets of *all* workers to the store's ``write_many``
+in one call whenever the previous one completed.
 
-Invariants: at most one ``send`` is in flight, so per worker, writes land in order; a
+Invariants: at most one ``write_many`` is in flight, so per worker, writes land in order; a
 worker whose write failed loses its pending changes too (they were folded on top of the
 lost write: the caller rebuilds the worker); the failure goes to ``on_error`` when one is
 given, else it is kept and raised once by the next ``queued`` or ``flush`` of that worker.
+A lookup reads the store as it is (queued changes not yet in it); a read of one worker's
+entries, a clear and ``stats`` wait for the queued writes first.
 """
 
 from __future__ import annotations
@@ -18,18 +22,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
+from events.hashing import BlockKey
 from events.identity import WorkerId
+from router.errors import PrefixIndexError
+from router.index.base import IndexStats, PrefixIndex, PrefixMatch
 from router.index.changes import Changes
 
-__all__ = ["GroupCommit", "Send"]
+__all__ = ["GroupCommit", "GroupCommitIndex", "Send"]
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[dict[WorkerId, Changes]], Awaitable[dict[WorkerId, Exception]]]
+Send = Callable[[dict[WorkerId, Changes]], Awaitable[Mapping[WorkerId, Exception]]]
 """Writes the changes of several workers; returns the failure of each worker that failed
-(raising fails them all)."""
+(raising fails them all): a store's ``write_many``."""
 
 
 class GroupCommit:
@@ -45,7 +52,7 @@ class GroupCommit:
         self, send: Send, on_error: Callable[[WorkerId, Exception], None] | None = None
     ) -> None:
         self._send = send
-        self.on_error = on_error
+        self._on_error = on_error
         self._pending: dict[WorkerId, Changes] = {}
         self._in_flight: frozenset[WorkerId] = frozenset()
         self._errors: dict[WorkerId, Exception] = {}
@@ -99,8 +106,8 @@ class GroupCommit:
 
     def _fail(self, worker_id: WorkerId, exc: Exception) -> None:
         self._pending.pop(worker_id, None)
-        if self.on_error is not None:
-            self.on_error(worker_id, exc)  # which says what it makes of it
+        if self._on_error is not None:
+            self._on_error(worker_id, exc)  # which says what it makes of it
         else:
             log.warning("worker %s: queued index write failed: %s", worker_id, exc)
             self._errors[worker_id] = exc
@@ -141,3 +148,104 @@ class GroupCommit:
         self._pending.clear()
         self._errors.clear()
         self._progress.set()
+
+
+class GroupCommitIndex:
+    """A ``PrefixIndex`` that commits the writes of all workers in groups to a wrapped store.
+
+    ``write`` only queues the changes (got from :meth:`changes_for`: the worker's queued
+    ones) and returns; the queued changes of every worker go to the store in one
+    ``write_many`` while the previous one is in flight. A failed write is reported to
+    ``on_error``, or raised by the worker's next :meth:`changes_for` or :meth:`flush`.
+
+    Args:
+        store: Where the changes are written and read.
+        on_error: Told of a worker's failed queued write at once (its queued changes are
+            lost: the caller rebuilds the worker).
+    """
+
+    def __init__(
+        self, store: PrefixIndex, on_error: Callable[[WorkerId, Exception], None] | None = None
+    ) -> None:
+        self.store = store
+        self._queues = GroupCommit(store.write_many, on_error)
+
+    def use_lease(self, worker_id: WorkerId, token: str) -> None:
+        """Write the worker's entries under this lease token (see ``PrefixIndex.use_lease``)."""
+        self.store.use_lease(worker_id, token)
+
+    def forget_lease(self, worker_id: WorkerId) -> None:
+        """Stop writing for the worker and drop its queued writes (one in flight completes)."""
+        self.store.forget_lease(worker_id)
+        self._queues.discard(worker_id)
+
+    def changes_for(self, worker_id: WorkerId) -> Changes:
+        """The worker's queued changes (see ``PrefixIndex.changes_for``).
+
+        Raises:
+            PrefixIndexError: The store does not write for the worker (no lease given).
+            Exception: The worker's previous write failed (raised once).
+        """
+        self.store.changes_for(worker_id)  # the store's own checks (its lease)
+        return self._queues.queued(worker_id)
+
+    async def write(self, worker_id: WorkerId, changes: Changes) -> None:
+        """Send the worker's queued changes soon (see ``PrefixIndex.write``).
+
+        Raises:
+            PrefixIndexError: ``changes`` are not the worker's queued ones.
+        """
+        if not self._queues.holds(worker_id, changes):
+            # Others would be dropped unwritten: refuse them instead.
+            raise PrefixIndexError(
+                f"changes for worker {worker_id!r} are not its queued ones: with group "
+                "commit, fold into what changes_for() gives and write it before any await"
+            )
+        self._queues.send_soon()
+
+    async def write_many(self, writes: Mapping[WorkerId, Changes]) -> dict[WorkerId, Exception]:
+        """Queue several workers' changes got from :meth:`changes_for` (see
+        ``PrefixIndex.write_many``); a failure comes later, as for :meth:`write`."""
+        failed: dict[WorkerId, Exception] = {}
+        for worker_id, changes in writes.items():
+            try:
+                await self.write(worker_id, changes)
+            except PrefixIndexError as exc:
+                failed[worker_id] = exc
+        return failed
+
+    async def flush(self, worker_id: WorkerId | None = None) -> None:
+        """Wait until the queued writes of a worker (or all) are in the store.
+
+        Raises:
+            Exception: A queued write failed (e.g. ``StaleLeaseError``: the lease is lost).
+        """
+        await self._queues.flush(worker_id)
+
+    async def lookup(
+        self, keys: Sequence[BlockKey], workers: Sequence[WorkerId] | None = None
+    ) -> Mapping[WorkerId, PrefixMatch]:
+        """The store's longest held prefix per candidate; queued changes are not seen."""
+        return await self.store.lookup(keys, workers)
+
+    async def clear_worker(self, worker_id: WorkerId) -> None:
+        """Drop every entry of one worker once its queued writes landed (see
+        ``PrefixIndex.clear_worker``)."""
+        # A failure among them is moot: the worker is emptied.
+        await self._queues.flush(worker_id, raise_errors=False)
+        await self.store.clear_worker(worker_id)
+
+    async def worker_entries(self, worker_id: WorkerId) -> dict[BlockKey, int]:
+        """Every entry of one worker once its queued writes landed (a failed one dropped)."""
+        await self._queues.flush(worker_id, raise_errors=False)
+        return await self.store.worker_entries(worker_id)
+
+    async def stats(self) -> IndexStats:
+        """The store's sizes once every queued write landed (a failed one dropped)."""
+        await self._queues.flush(raise_errors=False)
+        return await self.store.stats()
+
+    async def close(self) -> None:
+        """Stop the sender (queued writes are dropped), then the store."""
+        await self._queues.close()
+        await self.store.close()

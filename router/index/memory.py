@@ -2,12 +2,12 @@
 
 It writes the same :class:`~router.index.changes.Changes` as the Redis index; only the
 storage differs. Single-process and not shared between router replicas: no lease fences
-its writes and they land at once (no group commit).
+its writes and they land at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from events.hashing import BlockKey
 from events.identity import WorkerId
@@ -60,8 +60,6 @@ class MemoryPrefixIndex:
     entries by worker, so clearing one costs O(its entries).
     """
 
-    group_commit: bool = False  # writes land at once
-
     def __init__(self) -> None:
         self._holders: dict[BlockKey, dict[WorkerId, int]] = {}
         self._entries: dict[WorkerId, dict[BlockKey, int]] = {}
@@ -94,11 +92,15 @@ class MemoryPrefixIndex:
                 if not holders:
                     del self._holders[key]
 
+    async def write_many(self, writes: Mapping[WorkerId, Changes]) -> dict[WorkerId, Exception]:
+        """Write several workers' changes, one after the other; none fails (see
+        ``PrefixIndex.write_many``)."""
+        for worker_id, changes in writes.items():
+            await self.write(worker_id, changes)
+        return {}
+
     async def flush(self, worker_id: WorkerId | None = None) -> None:
         """Nothing is queued (see ``PrefixIndex.flush``)."""
-
-    def on_write_error(self, callback: Callable[[WorkerId, Exception], None] | None) -> None:
-        """Nothing is queued to fail later (see ``PrefixIndex.on_write_error``)."""
 
     async def lookup(
         self, keys: Sequence[BlockKey], workers: Sequence[WorkerId] | None = None

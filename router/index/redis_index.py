@@ -11,11 +11,11 @@ Costs: a lookup is one ``EVALSHA`` on the family's shard: one ``HKEYS``/``HMGET`
 the candidates, then, per candidate holding the family, a binary search of its matched
 depth with ``SISMEMBER`` (the bridge keeps each chain's entries prefix-closed), plus one
 ``SMISMEMBER`` for the tier split when the worker has CPU-tier entries there. A write is
-one ``EVALSHA`` on a single node, for any number of workers (group commit sends every
-worker's pending changes together, each fenced by its own lease; a burst is split between
-families every ``_MAX_WRITE_ARGS`` arguments); on a cluster, per
-worker, one call to the worker's shard (fencing + bookkeeping) followed by one call per
-family shard, all sent concurrently.
+one ``EVALSHA`` on a single node, for any number of workers (``write_many``, which group
+commit sends every worker's pending changes with, each fenced by its own lease; a burst is
+split between families every ``_MAX_WRITE_ARGS`` arguments); on a cluster, per worker, one
+call to the worker's shard (fencing + bookkeeping) followed by one call per family shard,
+all sent concurrently.
 
 NOTE: on a cluster the fencing check and the family writes are separate scripts, so a
 writer whose lease lapses between the two may write that one batch after a newer owner
@@ -36,7 +36,6 @@ from events.identity import WorkerId
 from router.errors import PrefixIndexError
 from router.index.base import IndexStats, PrefixMatch
 from router.index.changes import CPU_MASK, GPU_MASK, Changes, KeyLists
-from router.index.group_commit import GroupCommit
 from router.store.connection import RedisClient, arg_packer, gather_bounded, reply_bytes
 from router.store.layout import KeyLayout, check_name, decode_key, encode_keys_fixed, tag_text
 from router.store.scripts import (
@@ -95,56 +94,31 @@ class RedisPrefixIndex:
     Args:
         client: A connected client (see :func:`router.redis_conn.connect`).
         layout: Key names of the namespace.
-        group_commit: ``write`` queues the changes and returns; queued changes merge
-            while the previous write is in flight and all workers' go out in one write
-            (see :mod:`router.index.group_commit`). A failed write is raised by the
-            worker's next ``changes_for`` or ``flush``. Off: ``write`` returns once
-            Redis has the changes.
 
     NOTE: only the holder of a worker's lease writes that worker's entries; the lease
     token is given with :meth:`use_lease` before :meth:`write` or :meth:`clear_worker`.
     """
 
-    def __init__(
-        self,
-        client: RedisClient,
-        layout: KeyLayout | None = None,
-        *,
-        group_commit: bool = False,
-    ) -> None:
+    def __init__(self, client: RedisClient, layout: KeyLayout | None = None) -> None:
         self.client = client
         self.layout = layout if layout is not None else KeyLayout()
         self.is_cluster = isinstance(client, RedisCluster)
-        self.group_commit = group_commit
         self._tokens: dict[WorkerId, str] = {}
         self._pack = None if self.is_cluster else arg_packer(client)
-        self._queues = GroupCommit(self._send)
 
     def use_lease(self, worker_id: WorkerId, token: str) -> None:
         """Write the worker's entries under this lease token (``"<epoch>:<owner>"``)."""
         self._tokens[WorkerId(check_name("worker id", worker_id))] = token
 
     def forget_lease(self, worker_id: WorkerId) -> None:
-        """Stop writing for the worker and drop its queued writes."""
+        """Stop writing for the worker."""
         self._tokens.pop(worker_id, None)
-        self._queues.discard(worker_id)
-
-    def on_write_error(self, callback: Callable[[WorkerId, Exception], None] | None) -> None:
-        """With group commit, report a failed queued write to ``callback`` at once."""
-        self._queues.on_error = callback
 
     async def flush(self, worker_id: WorkerId | None = None) -> None:
-        """Wait for the queued writes of a worker (or all) with group commit on.
-
-        Raises:
-            StaleLeaseError: A queued write was refused: the lease is lost.
-            redis.exceptions.RedisError: A queued write failed.
-        """
-        await self._queues.flush(worker_id)
+        """Nothing is queued: a write returns once Redis has it (see ``PrefixIndex.flush``)."""
 
     async def close(self) -> None:
-        """Stop the group-commit senders (queued writes are dropped)."""
-        await self._queues.close()
+        """Nothing runs in the background (the client is the caller's to close)."""
 
     def _token(self, worker_id: WorkerId) -> str:
         token = self._tokens.get(worker_id)
@@ -160,39 +134,34 @@ class RedisPrefixIndex:
         return [lay.lease(worker_id), lay.worker(worker_id), lay.families(worker_id)]
 
     def changes_for(self, worker_id: WorkerId) -> Changes:
-        """New changes, or with group commit the worker's queued ones (see
-        ``PrefixIndex.changes_for``).
+        """New changes (see ``PrefixIndex.changes_for``).
 
         Raises:
             PrefixIndexError: No lease token was given for the worker.
-            Exception: With group commit, the worker's previous write failed.
         """
         self._token(worker_id)
-        return self._queues.queued(worker_id) if self.group_commit else Changes()
+        return Changes()
 
     async def write(self, worker_id: WorkerId, changes: Changes) -> None:
         """Write changes got from :meth:`changes_for` (see ``PrefixIndex.write``).
 
         Raises:
             StaleLeaseError: This router no longer holds the worker's lease.
-            PrefixIndexError: No lease token was given for the worker, or (group commit)
-                ``changes`` are not the worker's queued ones.
+            PrefixIndexError: No lease token was given for the worker.
         """
-        if self.group_commit:  # folded into the worker's queued changes
-            if not self._queues.holds(worker_id, changes):
-                # Others would be dropped unwritten: refuse them instead.
-                raise PrefixIndexError(
-                    f"changes for worker {worker_id!r} are not its queued ones: with group "
-                    "commit, fold into what changes_for() gives and write it before any await"
-                )
-            self._queues.send_soon()
-            return
-        failed = await self._send({worker_id: changes})
+        failed = await self.write_many({worker_id: changes})
         if worker_id in failed:
             raise failed[worker_id]
 
-    async def _send(self, writes: dict[WorkerId, Changes]) -> dict[WorkerId, Exception]:
-        """Write several workers' changes; returns the failure of each refused worker."""
+    async def write_many(self, writes: Mapping[WorkerId, Changes]) -> dict[WorkerId, Exception]:
+        """Write several workers' changes in one script call on a single node (see
+        ``PrefixIndex.write_many``); returns the failure of each refused worker
+        (``StaleLeaseError``, or ``PrefixIndexError`` without a lease token).
+
+        Raises:
+            redis.exceptions.RedisError: The write failed (every worker's, as far as
+                the caller knows).
+        """
         failed: dict[WorkerId, Exception] = {}
         fenced: list[tuple[WorkerId, str, Changes]] = []
         for worker_id, changes in writes.items():
@@ -311,8 +280,6 @@ class RedisPrefixIndex:
             StaleLeaseError: This router no longer holds the worker's lease.
         """
         token = self._token(worker_id)
-        # Queued writes land first (a failure among them is moot: the worker is emptied).
-        await self._queues.flush(worker_id, raise_errors=False)
         worker_keys = self._worker_keys(worker_id)
         # Fenced first: a router that lost the lease stops here (and an empty list resets
         # the entry count).
@@ -332,7 +299,6 @@ class RedisPrefixIndex:
 
     async def worker_entries(self, worker_id: WorkerId) -> dict[BlockKey, int]:
         """Every entry of one worker in Redis: router key -> tier mask (for checks)."""
-        await self._queues.flush(worker_id, raise_errors=False)
         lay = self.layout
         out: dict[BlockKey, int] = {}
         async for raw in self.client.sscan_iter(lay.families(worker_id), count=500):

@@ -29,9 +29,9 @@ class IngestConfig:
         write_retry_max_s: While Redis refuses writes for lack of memory, the longest
             wait between two probes of whether it takes them again.
         snapshot_chunk_runs: Snapshot runs written per index batch.
-        group_commit: Turn on the index's group commit: a batch returns once folded, and
-            a worker's batches that arrive while its previous write is in flight go to
-            Redis together (see :mod:`router.index.group_commit`).
+        group_commit: Wrap the index's store in group commit: a batch returns once
+            folded, and a worker's batches that arrive while its previous write is in
+            flight go to Redis together (see :mod:`router.index.group_commit`).
         subscriber: Settings of the event subscriber.
         client_keys: The router's CURVE key pair, presented to workers registered with a
             ``server_key`` (a fresh one by default: admitted by workers without an allow-list).

@@ -67,6 +67,7 @@ from redis.exceptions import RedisError
 from events.curve import CurveClientConfig
 from events.identity import WorkerId
 from events.subscriber import EventSubscriber, ReceivedBatch, WorkerCounters, WorkerStream
+from router.index.group_commit import GroupCommitIndex
 from router.ingest.bridged_index import BridgedIndex
 from router.ingest.capacity import FleetCapacity, fd_limit
 from router.ingest.config import IngestConfig
@@ -108,8 +109,8 @@ class IndexIngest:
         self.index = index
         self.registry = registry
         self.config = config or IngestConfig()
-        index.store.group_commit = self.config.group_commit
-        index.store.on_write_error(self._write_failed)
+        if self.config.group_commit:  # wrapped before the index writes anything
+            index.store = GroupCommitIndex(index.store, on_error=self._write_failed)
         self.metrics = metrics or IngestMetrics()
         self._workers: dict[WorkerId, WorkerIngest] = {}
         self._subscriber: EventSubscriber | None = None

@@ -11,13 +11,14 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from router.index.base import PrefixIndex
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import connect
 from router.store.layout import KeyLayout
 from router.workers.registry import WorkerRegistry
-from tests.support.index_env import IndexEnv, OpenIndex, drop_namespace
+from tests.support.index_env import IndexEnv, OpenIndex, SettledGroupCommit, drop_namespace
 from tests.support.redis_cluster import redis_cluster
 
 _CLUSTER = pytest.param("cluster", marks=pytest.mark.slow)
@@ -37,23 +38,25 @@ lease lapsed while a test of thousands of families ran under load), while the le
 
 
 def _opener(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
-    kind = request.param
+    kind: str = request.param
+    store_kind, _, wrapper = kind.partition("-")
     url = None
-    if kind in ("redis", "redis-group-commit"):
+    if store_kind == "redis":
         url = request.getfixturevalue("redis_url")
-    elif kind == "cluster":
+    elif store_kind == "cluster":
         url = request.getfixturevalue("redis_cluster_url")
+
+    def wrapped(store: PrefixIndex) -> PrefixIndex:
+        return SettledGroupCommit(store) if wrapper == "group-commit" else store
 
     @asynccontextmanager
     async def factory() -> AsyncIterator[IndexEnv]:
         if url is None:
-            yield IndexEnv(BridgedIndex(MemoryPrefixIndex()))
+            yield IndexEnv(BridgedIndex(wrapped(MemoryPrefixIndex())))
             return
         client = await connect(url)
         layout = KeyLayout(namespace)
-        index = BridgedIndex(
-            RedisPrefixIndex(client, layout, group_commit=kind == "redis-group-commit")
-        )
+        index = BridgedIndex(wrapped(RedisPrefixIndex(client, layout)))
         try:
             registry = WorkerRegistry(client, layout, lease_ttl_ms=CONTRACT_LEASE_TTL_MS)
             yield IndexEnv(index, registry)
@@ -65,13 +68,9 @@ def _opener(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
     return factory
 
 
-@pytest.fixture(params=["memory", "redis", _CLUSTER])
+@pytest.fixture(params=["memory", "redis", _CLUSTER, "memory-group-commit", "redis-group-commit"])
 def open_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
-    """Opens the index kind under test: in memory, Redis single node, Redis Cluster."""
-    return _opener(request, namespace)
-
-
-@pytest.fixture(params=["memory", "redis", _CLUSTER, "redis-group-commit"])
-def open_any_index(request: pytest.FixtureRequest, namespace: str) -> OpenIndex:
-    """Like ``open_index``, plus Redis with group commit (call ``IndexEnv.settle``)."""
+    """Opens the store under test behind the workers' bridges: in memory, Redis single
+    node, Redis Cluster, and memory and Redis wrapped in group commit (their lookups wait
+    for the queued writes: :class:`~tests.support.index_env.SettledGroupCommit`)."""
     return _opener(request, namespace)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 
+from events.hashing import BlockKey
 from events.identity import WorkerId
+from router.index.base import PrefixMatch
+from router.index.group_commit import GroupCommitIndex
 from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import RedisClient
 from router.store.layout import KeyLayout
@@ -32,6 +35,19 @@ class IndexEnv:
     async def settle(self) -> None:
         """Wait for queued writes (group commit) so reads see every applied batch."""
         await self.index.flush()
+
+
+class SettledGroupCommit(GroupCommitIndex):
+    """Group commit whose lookups wait for every queued write first, so the contract
+    tests, which look up right after a batch, run over it unchanged (the ingest's lookups
+    do not wait: :meth:`GroupCommitIndex.lookup`)."""
+
+    async def lookup(
+        self, keys: Sequence[BlockKey], workers: Sequence[WorkerId] | None = None
+    ) -> Mapping[WorkerId, PrefixMatch]:
+        """The store's longest held prefix per candidate once every queued write landed."""
+        await self.flush()
+        return await super().lookup(keys, workers)
 
 
 OpenIndex = Callable[[], AbstractAsyncContextManager[IndexEnv]]

@@ -1,4 +1,5 @@
-"""Contract of ``PrefixIndex``: the same suite over memory, Redis and Redis Cluster."""
+"""Contract of ``PrefixIndex``: the same suite over memory, Redis and Redis Cluster, and
+memory and Redis wrapped in group commit."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_chain_lookup_all_and_candidates(open_index: OpenIndex) -> None:
     run(open_index, body)
 
 
-def test_a_store_writes_router_key_changes(open_any_index: OpenIndex) -> None:
+def test_a_store_writes_router_key_changes(open_index: OpenIndex) -> None:
     """The store itself takes changes of router-key entries: no engine hash, no bridge."""
 
     async def body(env: IndexEnv) -> None:
@@ -107,11 +108,24 @@ def test_a_store_writes_router_key_changes(open_any_index: OpenIndex) -> None:
         await store.clear_worker(W1)
         assert await store.lookup(KEYS) == {}
 
-    run(open_any_index, body)
+    run(open_index, body)
+
+
+def test_a_store_writes_several_workers_at_once(open_index: OpenIndex) -> None:
+    async def body(env: IndexEnv) -> None:
+        store = env.index.store
+        writes = {worker: store.changes_for(worker) for worker in (W1, W2)}
+        writes[W1].add_new(KEYS[0], KEYS[:3], GPU_MASK)
+        writes[W2].add_new(KEYS[0], KEYS[:1], CPU_MASK)
+        assert await store.write_many(writes) == {}
+        await env.settle()
+        assert await store.lookup(KEYS) == {W1: m(3), W2: m(0, 1)}
+
+    run(open_index, body)
 
 
 def test_entries_the_store_lost_are_written_again_from_the_bridge(
-    open_any_index: OpenIndex,
+    open_index: OpenIndex,
 ) -> None:
     async def body(env: IndexEnv) -> None:
         idx = env.index
@@ -128,7 +142,7 @@ def test_entries_the_store_lost_are_written_again_from_the_bridge(
         await env.settle()
         assert await idx.lookup(KEYS) == {W1: m(1), W2: m(2)}
 
-    run(open_any_index, body)
+    run(open_index, body)
 
 
 def test_removal_cuts_the_prefix_and_duplicates_are_refcounted(open_index: OpenIndex) -> None:

@@ -1,5 +1,5 @@
 """Changes and group commit: folded per key while a write is in flight, in order, one send
-for all workers, errors surfaced per worker."""
+for all workers, errors surfaced per worker; the wrapper over a Redis store."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from events.hashing import BlockKey
 from events.identity import WorkerId
 from router.errors import PrefixIndexError
 from router.index.changes import Changes, transition
-from router.index.group_commit import GroupCommit
+from router.index.group_commit import GroupCommit, GroupCommitIndex
 from router.index.redis_index import RedisPrefixIndex
 from router.store.connection import connect
 from router.store.layout import KeyLayout
+from router.store.scripts import StaleLeaseError
 from router.workers.registry import WorkerRegistry
 from tests.support.index_env import drop_namespace
 
@@ -229,15 +230,13 @@ def test_only_the_queued_changes_are_held() -> None:
     asyncio.run(main())
 
 
-def test_the_redis_store_with_group_commit_refuses_changes_not_queued(
-    redis_url: str, namespace: str
-) -> None:
+def test_group_commit_over_redis_refuses_changes_not_queued(redis_url: str, namespace: str) -> None:
     """They would be dropped unwritten: the write raises instead."""
 
     async def main() -> None:
         client = await connect(redis_url)
         layout = KeyLayout(namespace)
-        store = RedisPrefixIndex(client, layout, group_commit=True)
+        store = GroupCommitIndex(RedisPrefixIndex(client, layout))
         try:
             lease = await WorkerRegistry(client, layout).acquire(W)
             assert lease is not None
@@ -251,6 +250,54 @@ def test_the_redis_store_with_group_commit_refuses_changes_not_queued(
             assert await store.worker_entries(W) == {2: 1}
         finally:
             await store.close()
+            await drop_namespace(client, layout)
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_group_commit_over_redis_fails_a_refused_worker_alone(
+    redis_url: str, namespace: str
+) -> None:
+    """Both workers' changes go in one write; the one Redis refuses (a lease it does not
+    hold) loses its queued changes, and its failure is raised by its flush, or reported."""
+
+    async def queue(store: GroupCommitIndex, worker: WorkerId, key: int) -> None:
+        queued = store.changes_for(worker)
+        queued.note(BlockKey(1), BlockKey(key), 0, 1)
+        await store.write(worker, queued)
+
+    async def main() -> None:
+        client = await connect(redis_url)
+        layout = KeyLayout(namespace)
+        seen: list[tuple[WorkerId, type[Exception]]] = []
+        raising = GroupCommitIndex(RedisPrefixIndex(client, layout))
+        reporting = GroupCommitIndex(
+            RedisPrefixIndex(client, layout), on_error=lambda w, exc: seen.append((w, type(exc)))
+        )
+        try:
+            lease = await WorkerRegistry(client, layout).acquire(W)
+            assert lease is not None
+            for store in (raising, reporting):
+                store.use_lease(W, lease.token)
+                store.use_lease(V, "7:nobody")
+            await queue(raising, W, 2)
+            await queue(raising, V, 3)
+            await raising.flush(W)
+            with pytest.raises(StaleLeaseError):
+                await raising.flush(V)
+            await raising.flush(V)  # raised once
+            assert await raising.worker_entries(W) == {2: 1}
+            assert await raising.worker_entries(V) == {}
+            await queue(reporting, W, 4)
+            await queue(reporting, V, 5)
+            await reporting.flush()
+            assert seen == [(V, StaleLeaseError)]
+            assert await reporting.worker_entries(W) == {2: 1, 4: 1}
+            assert not reporting.changes_for(V)  # nothing kept to raise, nothing left queued
+        finally:
+            await raising.close()
+            await reporting.close()
             await drop_namespace(client, layout)
             await client.aclose()
 

@@ -147,10 +147,10 @@ async def play(env: IndexEnv, steps: list[tuple[str, WorkerId, list[Any]]]) -> N
 )
 @given(steps=st.lists(step_st, min_size=1, max_size=12))
 def test_any_interleaving_equals_the_model(
-    open_any_index: OpenIndex, steps: list[tuple[str, WorkerId, list[Any]]]
+    open_index: OpenIndex, steps: list[tuple[str, WorkerId, list[Any]]]
 ) -> None:
     async def main() -> None:
-        async with open_any_index() as env:
+        async with open_index() as env:
             await play(env, steps)
 
     asyncio.run(main())

@@ -11,6 +11,7 @@ from events.hashing import RouterKeyer
 from events.identity import WorkerId
 from events.schema import BlockRemoved, BlockStored, KVEventBatch
 from router.index import redis_index
+from router.index.group_commit import GroupCommitIndex
 from router.index.redis_index import RedisPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
 from router.store.connection import connect
@@ -46,7 +47,8 @@ def test_write_split_over_calls_equals_one_call(
     async def main() -> None:
         client = await connect(redis_url)
         layout = KeyLayout(namespace)
-        index = BridgedIndex(RedisPrefixIndex(client, layout, group_commit=group_commit))
+        store = RedisPrefixIndex(client, layout)
+        index = BridgedIndex(GroupCommitIndex(store) if group_commit else store)
         registry = WorkerRegistry(client, layout)
         try:
             for worker in WORKERS:
