@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from events.cancellation import cancel_and_wait
 from events.curve import configure_client
 from events.delivery import StreamDelivery
 from events.framing import recv_frames
@@ -258,9 +259,7 @@ class EventSubscriber:
                 "call it from another task"
             )
         del self._workers[worker_id]
-        for task in worker.tasks:
-            task.cancel()
-        await asyncio.gather(*worker.tasks, return_exceptions=True)
+        await cancel_and_wait(worker.tasks)
         worker.sock.disable_monitor()
         worker.monitor.close(linger=0)
         worker.sock.close(linger=0)

@@ -20,10 +20,10 @@ entries, a clear and ``stats`` wait for the queued writes first.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
+from events.cancellation import cancel_and_wait
 from events.hashing import BlockKey
 from events.identity import WorkerId
 from router.errors import PrefixIndexError
@@ -142,9 +142,7 @@ class GroupCommit:
     async def close(self) -> None:
         """Cancel the sender (queued changes are lost)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait([self._task])
         self._pending.clear()
         self._errors.clear()
         self._progress.set()

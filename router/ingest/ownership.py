@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 from redis.exceptions import RedisError
 
+from events.cancellation import cancel_and_wait
 from events.identity import WorkerId
 from router.errors import PrefixIndexError
 from router.ingest.bridged_index import BridgedIndex
@@ -277,10 +278,7 @@ class LeaseKeeper:
     async def close(self) -> None:
         """Stop the steps run apart (a worker left half rebuilt is rebuilt by its next
         holder: its lease goes on without a handoff, as its state is not known)."""
-        tasks = list(self._apart.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._apart.values()))
 
     def run_apart(
         self,
@@ -301,12 +299,9 @@ class LeaseKeeper:
 
         async def run() -> None:
             try:
-                async with worker.lock.hold():
+                async with worker.changing():
                     if worker.lease is lease and not worker.is_waiting and when(worker):
                         await _guarded(worker, step)
-            except asyncio.CancelledError:
-                worker.needs_rebuild = True  # left half done: no handoff of this state
-                raise
             except Exception as exc:  # a bug: the worker is rebuilt later
                 log.exception("worker %s: a recovery step failed", wid)
                 worker.recovery.failed(exc)

@@ -35,6 +35,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
 
+from events.cancellation import cancel_and_wait
 from events.identity import WorkerId
 from events.subscriber import EventSubscriber
 from router.ingest.metrics import IngestMetrics
@@ -105,10 +106,7 @@ class IdleWatchdog:
 
     async def close(self) -> None:
         """Stop the checks in flight."""
-        tasks = list(self._inflight.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._inflight.values()))
 
     async def _run(self, worker: WorkerIngest, why: str) -> None:
         try:
