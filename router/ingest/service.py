@@ -303,7 +303,7 @@ class IndexIngest:
         if worker is None:
             self.metrics.batches.labels(received.worker_id, "unknown_worker").inc()
             return
-        async with worker.lock.hold():
+        async with worker.changing():
             outer = not worker.in_batch
             worker.in_batch = True
             try:
@@ -326,7 +326,7 @@ class IndexIngest:
         worker = self._workers.get(worker_id)
         if worker is None:
             return
-        async with worker.lock.hold():
+        async with worker.changing():
             if worker.note_restart(seq) or worker.lease is None:
                 return  # in order with the batches kept for a handoff, or not ours
             self.metrics.resets.labels(worker_id).inc()
@@ -341,7 +341,7 @@ class IndexIngest:
         worker = self._workers.get(worker_id)
         if worker is None:
             return
-        async with worker.lock.hold():
+        async with worker.changing():
             if worker.lease is None:
                 return
             try:

@@ -20,9 +20,11 @@ batches are dropped, counted, and the worker rebuilt once the gate opens.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, replace
+from types import TracebackType
 from typing import TypeVar
 
 import aiohttp
@@ -145,6 +147,13 @@ class WorkerIngest:
     def is_lock_set_down(self) -> bool:
         """Whether a network wait of its ingest holds the lock set down (see :meth:`unlocked`)."""
         return self._waits > 0
+
+    def changing(self) -> Changing:
+        """``async with worker.changing():`` around a step that changes the worker's
+        entries (a batch, a reset, a resync, a recovery step): holds :attr:`lock`, and a
+        step cut short by a cancellation (the router closing, the worker removed) marks
+        the worker for a rebuild, so what it left half done is never handed on."""
+        return Changing(self)
 
     @property
     def is_busy(self) -> bool:
@@ -379,3 +388,26 @@ class WorkerIngest:
         """Apply what was delivered during a network wait (outside a batch, up to the
         first batch that needs a replay; the rest go in before the next batch)."""
         await self._apply_kept(in_batch=self.in_batch)
+
+
+class Changing:
+    """One ``async with worker.changing()`` (a plain class: one is taken per batch)."""
+
+    __slots__ = ("_hold", "_worker")
+
+    def __init__(self, worker: WorkerIngest) -> None:
+        self._worker = worker
+        self._hold = worker.lock.hold()
+
+    async def __aenter__(self) -> None:
+        await self._hold.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is asyncio.CancelledError:
+            self._worker.needs_rebuild = True  # left half done: no handoff of this state
+        await self._hold.__aexit__(exc_type, exc, tb)
