@@ -118,12 +118,16 @@ def test_curve_and_http_credentials_between_hosts(tmp_path: Path) -> None:
             )
         anonymous = post("/v1/completions", {"prompt": prompts["w0"]}, None)
         unkeyed = cluster.call(post_json, f"{w0.url}/v1/completions", {"prompt": [1, 2]})
-        fresh = unique_prompts(5, num_blocks=6)
+        fresh = unique_prompts(5, num_blocks=2)
 
-        def poke() -> None:  # a batch that shows a gap if one went unseen meanwhile
+        def poke() -> None:
+            # A batch that shows a gap if one went unseen meanwhile; then the prompt to
+            # be routed again, so it stays the most recent thing in the worker's cache
+            # (a slow convergence makes many pokes, which would otherwise evict it).
             for w in (w0, w1):
-                body = {"prompt": next(fresh)}
-                cluster.call(post_json, f"{w.url}/v1/completions", body, to_worker)
+                for prompt in (next(fresh), prompts[w.worker_id]):
+                    body = {"prompt": prompt}
+                    cluster.call(post_json, f"{w.url}/v1/completions", body, to_worker)
 
         # Their events came over CURVE.
         wait_converged(cluster, workers, CONVERGE_BOUND_S, poke=poke)

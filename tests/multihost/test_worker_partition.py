@@ -93,7 +93,14 @@ def prompts_on(cluster: MultiHostCluster, router: str, worker: str) -> list[list
         answers = [cluster.call(post_json, f"{router}/v1/route", {"prompt": p}) for p in prompts]
         return all(answer[2]["worker_id"] == worker for answer in answers)
 
-    wait_until(routed_there, f"{worker}'s prompts to route to it", timeout_s=CONVERGE_BOUND_S)
+    fresh = unique_prompts(NUM_TARGETED, num_blocks=2)
+
+    def poke() -> None:  # a batch that shows a gap if the router joined the stream late
+        cluster.call(complete, url, next(fresh))
+
+    wait_until(
+        routed_there, f"{worker}'s prompts to route to it", timeout_s=CONVERGE_BOUND_S, poke=poke
+    )
     cluster.call(complete, router, prompts[0])
     return prompts
 
