@@ -24,8 +24,9 @@ from events.hashing import RouterKeyer
 from events.identity import WorkerId
 from events.recorder import EventLogError
 from events.tokenizer import TokenizerError, load_tokenizer
-from router.cli import router as router_cli
 from router.cli.replay import add_replay_arguments, run_offline
+from router.cli.router_config import config_from_args
+from router.cli.router_flags import build_parser
 from router.errors import RouterError
 from router.index.memory import MemoryPrefixIndex
 from router.ingest.bridged_index import BridgedIndex
@@ -269,8 +270,8 @@ async def _run(args: argparse.Namespace) -> int:
         if args.decisions is not None
         else None
     )
-    router = router_cli.config_from_args(
-        router_cli.build_parser().parse_args(shlex.split(args.router_args)), redis_url=""
+    router = config_from_args(
+        build_parser().parse_args(shlex.split(args.router_args)), redis_url=""
     )
     policy = args.policy or (recorded.policy if recorded is not None else router.policy)
     config = router.policy_config

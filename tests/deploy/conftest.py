@@ -30,7 +30,7 @@ def worker_routes() -> set[tuple[str, str]]:
     """``(method, path)`` of every route of a worker's application (a real engine, not run)."""
     pytest.importorskip("torch")
     from events.tokenizer import load_tokenizer
-    from pool.worker.cli import WorkerConfig
+    from pool.worker.config import WorkerConfig
     from pool.worker.http import WorkerHTTP, WorkerInfo
     from pool.worker.model import DecoderModel
     from tests.support.engine import make_engine

@@ -128,7 +128,8 @@ def test_embedded_redis_listens_on_loopback_only() -> None:
 
 def test_binding_defaults_are_loopback() -> None:
     pytest.importorskip("torch")
-    from pool.worker.cli import WorkerConfig, build_parser
+    from pool.worker.config import WorkerConfig
+    from pool.worker.flags import build_parser
 
     args = build_parser().parse_args([])
     assert args.host == "127.0.0.1" == WorkerConfig().host

@@ -16,7 +16,9 @@ from typing import Any
 import pytest
 
 from events.auth import BearerKey
-from pool.worker.cli import build_parser, config_from_args, exposure_warning, main
+from pool.worker.cli import exposure_warning, main
+from pool.worker.config import config_from_args
+from pool.worker.flags import build_parser
 from pool.worker.guards import AccessKeys
 from tests.support.paths import REPO_ROOT as REPO
 from tests.support.workers import TIMEOUT_S, RunningWorker

@@ -1,7 +1,7 @@
 """Reading the files under ``deploy/`` as kvroute itself would meet them.
 
 Each kvroute command line found in an image, compose file or manifest is parsed by the real
-parsers (:func:`router.cli.router.build_parser`, :func:`pool.worker.cli.build_parser`) and
+parsers (:func:`router.cli.router_flags.build_parser`, :func:`pool.worker.flags.build_parser`) and
 turned into the real configs, with the files the container would see mounted (secrets,
 config maps) mapped onto local copies. Routes are read from the real applications. Nothing
 here knows a flag of its own: ports, hosts and paths all come from those parsers.
@@ -103,11 +103,11 @@ class KvrouteCommand:
 def parser(role: str) -> argparse.ArgumentParser:
     """The real parser of ``kvroute ROLE``."""
     if role == "router":
-        from router.cli.router import build_parser
+        from router.cli.router_flags import build_parser
 
         return build_parser()
     assert role == "worker", f"not a kvroute role of deploy/: {role!r}"
-    from pool.worker.cli import build_parser as build_worker_parser
+    from pool.worker.flags import build_parser as build_worker_parser
 
     return build_worker_parser()
 
@@ -184,12 +184,12 @@ def interpolate(text: str, env: Mapping[str, str]) -> str:
 def registration_of(worker: KvrouteCommand, mounts: Mapping[str, Path]) -> Any:
     """The ``WorkerRecord`` a worker command registers, as the router would build it.
 
-    The worker's own config (:func:`pool.worker.cli.config_from_args`) gives the addresses
+    The worker's own config (:func:`pool.worker.config.config_from_args`) gives the addresses
     it announces before binding (its ports are fixed in ``deploy/``), the body is the one
     it sends, and the record is built the way the router's ``PUT /v1/workers/ID`` builds it.
     """
     from pool.worker.addresses import WorkerAddresses
-    from pool.worker.cli import config_from_args
+    from pool.worker.config import config_from_args
     from pool.worker.router_registration import registration_body
     from router.workers.registry import WorkerRecord
 
@@ -216,7 +216,8 @@ def registration_of(worker: KvrouteCommand, mounts: Mapping[str, Path]) -> Any:
 
 
 def router_config(router: KvrouteCommand, mounts: Mapping[str, Path], redis_url: str) -> Any:
-    """The ``RouterConfig`` a router command builds (:func:`router.cli.router.config_from_args`)."""
-    from router.cli.router import config_from_args
+    """The ``RouterConfig`` a router command builds
+    (:func:`router.cli.router_config.config_from_args`)."""
+    from router.cli.router_config import config_from_args
 
     return config_from_args(parser("router").parse_args(router.with_files(mounts)), redis_url)

@@ -15,7 +15,8 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from pool.worker.cli import WorkerConfig, serve
+from pool.worker.cli import serve
+from pool.worker.config import WorkerConfig
 
 BLOCK_SIZE = 4
 TIMEOUT_S = 60.0

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pool.worker.addresses import AddressError, WorkerAddresses, check_advertise_host
-from pool.worker.cli import WorkerConfig, build_parser, config_from_args
+from pool.worker.config import WorkerConfig, config_from_args
+from pool.worker.flags import build_parser
 from pool.worker.router_registration import RegistrationRefusedError, registration_body
 
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from events.liveness import SocketLiveness
-from pool.worker.cli import build_parser, config_from_args
+from pool.worker.config import config_from_args
+from pool.worker.flags import build_parser
 
 FLAGS = [
     "--event-heartbeat-interval-s", "2",

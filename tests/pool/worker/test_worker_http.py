@@ -33,7 +33,8 @@ from events.hashing import hash_blocks_sha256_cbor, wire_hash
 from events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from events.tokenizer import ByteTokenizer
 from pool.snapshot import CachedChains
-from pool.worker.cli import build_parser, config_from_args
+from pool.worker.config import config_from_args
+from pool.worker.flags import build_parser
 from pool.worker.model import DecoderModel, ModelConfig, greedy_reference
 from tests.support.paths import REPO_ROOT
 from tests.support.workers import BLOCK_SIZE, JSON_HEADERS, TIMEOUT_S, RunningWorker

@@ -16,8 +16,8 @@ from setuptools import find_packages
 
 from events.cli.flags import add_flag, dest_of, help_text, renamed_dests
 from router.cli.main import COMMANDS, main
-from router.cli.router import build_parser as router_parser
-from router.cli.router import config_from_args
+from router.cli.router_config import config_from_args
+from router.cli.router_flags import build_parser as router_parser
 from router.store.server import RedisServer
 from router.workers.registry import WorkerRecord
 from tests.support.paths import REPO_ROOT as ROOT

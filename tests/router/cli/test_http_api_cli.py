@@ -14,13 +14,9 @@ import pytest
 
 from events.curve import CurveKeyError, CurveKeyPair, load_public_key, write_keypair
 from router.cli.main import COMMANDS
-from router.cli.router import (
-    RouterCliError,
-    build_parser,
-    config_from_args,
-    main,
-    parse_worker_flag,
-)
+from router.cli.router import main
+from router.cli.router_config import RouterCliError, config_from_args, parse_worker_flag
+from router.cli.router_flags import build_parser
 from router.front.breaker import BreakerConfig
 from router.front.config import RouterConfig
 from router.front.proxy_contracts import ProxyConfig

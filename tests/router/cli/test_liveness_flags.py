@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from events.liveness import SocketLiveness
-from router.cli.router import RouterCliError, config_from_args
-from router.cli.router import build_parser as router_parser
+from router.cli.router_config import RouterCliError, config_from_args
+from router.cli.router_flags import build_parser as router_parser
 from router.ingest.watchdog import DEFAULT_IDLE_CHECK_S
 
 FLAGS = [

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from router.cli.router import RouterCliError, build_parser, config_from_args
+from router.cli.router_config import RouterCliError, config_from_args
+from router.cli.router_flags import build_parser
 from router.front.config import RouterConfig
 
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from events.hashing import BlockKey
 from events.identity import WorkerId
-from router.cli.router import build_parser, config_from_args
+from router.cli.router_config import config_from_args
+from router.cli.router_flags import build_parser
 from router.front.service import RouterService
 from router.routing.cost import CostConfigError
 from router.routing.predicted import PredictedEntries

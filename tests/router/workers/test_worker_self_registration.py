@@ -21,7 +21,8 @@ import pytest
 
 from events.auth import BearerKey, SentKey
 from events.curve import CurveKeyPair, load_public_key, write_keypair
-from pool.worker.cli import WorkerConfig, serve
+from pool.worker.cli import serve
+from pool.worker.config import WorkerConfig
 from pool.worker.router_registration import RegistrationRefusedError
 from router.front.config import RouterConfig
 from router.front.service import RouterService
