@@ -170,9 +170,11 @@ class RouterService:
         self._client: RedisClient = await connect(cfg.redis_url)
         stack.push_async_callback(self._client.aclose)
         # Routing reads go through a client that fails fast: a slow Redis must not stall
-        # requests (the ingest's client retries patiently instead).
+        # requests (the ingest's client retries patiently instead); a connection found
+        # dead (Redis restarted since it was pooled) is replaced at once, not a failure.
         self._fast_client: RedisClient = await connect(
-            cfg.redis_url, RedisOptions(socket_timeout_s=cfg.lookup_timeout_s, retries=0)
+            cfg.redis_url,
+            RedisOptions(socket_timeout_s=cfg.lookup_timeout_s, retries=1, retry_timeouts=False),
         )
         stack.push_async_callback(self._fast_client.aclose)
         logger.info("connected to Redis %s", redact_url(cfg.redis_url))

@@ -64,6 +64,10 @@ class RedisOptions:
         tls_verify: Verify the server certificate (turn off only for tests).
         socket_timeout_s: Timeout of every socket operation.
         retries: Retries of a command that failed on a connection error or timeout.
+        retry_timeouts: Whether a timeout is retried too. Off, only a connection error
+            is, which costs no wait: a client whose commands must fail fast still gets a
+            fresh connection for one that found its pooled connection dead (a restarted
+            server), where a timeout would double the wait.
         max_connections: Connections per Redis node. Past it, on a single node a command
             waits (up to ``socket_timeout_s``) for one to come free; a cluster client
             fails the command. Every fan-out of the index stays far below it
@@ -75,6 +79,7 @@ class RedisOptions:
     tls_verify: bool = True
     socket_timeout_s: float = 5.0
     retries: int = 3
+    retry_timeouts: bool = True
     max_connections: int = 256
 
 
@@ -135,7 +140,8 @@ def _kwargs(url: str, options: RedisOptions) -> dict[str, Any]:
         "decode_responses": False,
         # A restarted server leaves dead pooled connections: retry on a fresh one.
         "retry": Retry(ExponentialBackoff(cap=0.5, base=0.01), options.retries),
-        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        "retry_on_error": [RedisConnectionError]
+        + ([RedisTimeoutError] if options.retry_timeouts else []),
     }
     if scheme == "rediss":
         if options.tls_ca_file is not None:

@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from events.hashing import RouterKeyer
 from events.identity import WorkerId
@@ -157,3 +158,30 @@ def _c_module_built() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_a_fail_fast_client_replaces_connections_a_restarted_server_left_dead() -> None:
+    """The router's routing reads fail fast (no retry of a timeout), yet a pooled
+    connection that a Redis restart left dead is replaced at once instead of failing the
+    read (each would have put the router in degraded mode)."""
+    fail_fast = RedisOptions(socket_timeout_s=1.0, retries=1, retry_timeouts=False)
+    no_retry = RedisOptions(socket_timeout_s=1.0, retries=0)
+    port = free_port()
+
+    async def main() -> None:
+        server = RedisServer(port=port).start()
+        clients = [await connect(server.url, fail_fast), await connect(server.url, no_retry)]
+        try:
+            for client in clients:
+                await client.set(b"k", b"v")  # a pooled connection to this server
+            server.stop()
+            server = RedisServer(port=port).start()  # same address, new process
+            assert await clients[0].get(b"k") is None  # answered: the empty new server
+            with pytest.raises(RedisConnectionError):
+                await clients[1].get(b"k")  # the dead connection, not replaced
+        finally:
+            for client in clients:
+                await client.aclose()
+            server.stop()
+
+    asyncio.run(main())
