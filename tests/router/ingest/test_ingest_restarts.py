@@ -14,14 +14,15 @@ batches reach the router.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import msgspec
 import pytest
 from aiohttp import web
 
-from router.workers.registry import WorkerRecord
 from tests.support.ingest import (
     BY_HAND,
     FakeWorker,
@@ -40,6 +41,9 @@ from tests.support.live_relay import EverySeq, LiveRelay
 from tests.support.polling import eventually
 
 Kind = Literal["kvroute", "vllm"]
+
+PERIODIC = {"maintain_interval_s": 0.2}
+"""A maintenance pass (and its lifetime check) every 0.2 s."""
 
 
 class VllmWorker(FakeWorker):
@@ -80,11 +84,6 @@ def make_worker(kind: Kind) -> FakeWorker:
     return VllmWorker("k1", skip_live_seqs=EverySeq())
 
 
-async def start(s: Stack, record: WorkerRecord) -> None:
-    s.ingest.config = dataclasses.replace(s.ingest.config, lifetime_timeout_s=0.5)
-    await s.ingest.start([record])
-
-
 async def old_lifetime(s: Stack, k1: FakeWorker, relay: LiveRelay) -> None:
     """Seqs 0..2 of the old lifetime, relayed and ingested (prompts 1 and 3)."""
     await asyncio.to_thread(relay.wait_subscribed)
@@ -93,6 +92,24 @@ async def old_lifetime(s: Stack, k1: FakeWorker, relay: LiveRelay) -> None:
     await eventually(lookup_is(s.index, 1, {"k1": match(4)}), what="the old lifetime")
     await eventually(lookup_is(s.index, 3, {"k1": match(1)}), what="the old lifetime")
     assert k1.publisher.next_seq == 3
+
+
+@contextlib.asynccontextmanager
+async def after_old_lifetime(
+    redis_url: str, namespace: str, kind: Kind, **settings: Any
+) -> AsyncIterator[tuple[Stack, FakeWorker, LiveRelay]]:
+    """A router ingesting one worker whose live stream goes through a relay, once the
+    worker's old lifetime (:func:`old_lifetime`) is in the index."""
+    with LiveRelay() as relay:
+        async with (
+            fake_workers(make_worker(kind)) as (k1,),
+            stack(redis_url, namespace, **settings) as s,
+        ):
+            record = msgspec.structs.replace(k1.record(), events_endpoint=relay.address)
+            s.ingest.config = dataclasses.replace(s.ingest.config, lifetime_timeout_s=0.5)
+            await s.ingest.start([record])
+            await old_lifetime(s, k1, relay)
+            yield s, k1, relay
 
 
 def restart_losing_first_batches(k1: FakeWorker, relay: LiveRelay) -> None:
@@ -111,30 +128,23 @@ def test_a_restart_that_looks_continuous_is_a_reset(
     """First seen after the restart: seq 3, the next after the old lifetime's last."""
 
     async def main() -> None:
-        with LiveRelay() as relay:
-            async with (
-                fake_workers(make_worker(kind)) as (k1,),
-                stack(redis_url, namespace, **BY_HAND) as s,
-            ):
-                record = msgspec.structs.replace(k1.record(), events_endpoint=relay.address)
-                await start(s, record)
-                await old_lifetime(s, k1, relay)
-                # (A vLLM engine taken over is replayed from seq 0 at its first batch.)
-                replayed = stream_count(s, "replayed_batches", "k1")
-                restart_losing_first_batches(k1, relay)
-                await asyncio.to_thread(relay.wait_subscribed)  # reconnected
-                relay.send(k1.publish(), k1.last_batch)  # seq 3
-                await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="new lifetime")
-                assert dict(await s.index.lookup(keys(1))) == {}
-                assert dict(await s.index.lookup(keys(3))) == {}
-                if kind == "kvroute":
-                    assert await divergent(s.index, k1) == 0
-                assert stream_count(s, "resets", "k1") == 1
-                assert s.count("resets", worker="k1") == 1
-                assert stream_count(s, "gaps", "k1") == 1  # the new lifetime from seq 0
-                # 0..3: the replay reaches the batch that revealed the restart too.
-                assert stream_count(s, "replayed_batches", "k1") == replayed + 4
-                assert stream_count(s, "resyncs", "k1") == 0
+        async with after_old_lifetime(redis_url, namespace, kind, **BY_HAND) as (s, k1, relay):
+            # (A vLLM engine taken over is replayed from seq 0 at its first batch.)
+            replayed = stream_count(s, "replayed_batches", "k1")
+            restart_losing_first_batches(k1, relay)
+            await asyncio.to_thread(relay.wait_subscribed)  # reconnected
+            relay.send(k1.publish(), k1.last_batch)  # seq 3
+            await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="new lifetime")
+            assert dict(await s.index.lookup(keys(1))) == {}
+            assert dict(await s.index.lookup(keys(3))) == {}
+            if kind == "kvroute":
+                assert await divergent(s.index, k1) == 0
+            assert stream_count(s, "resets", "k1") == 1
+            assert s.count("resets", worker="k1") == 1
+            assert stream_count(s, "gaps", "k1") == 1  # the new lifetime from seq 0
+            # 0..3: the replay reaches the batch that revealed the restart too.
+            assert stream_count(s, "replayed_batches", "k1") == replayed + 4
+            assert stream_count(s, "resyncs", "k1") == 0
 
     asyncio.run(main())
 
@@ -149,29 +159,22 @@ def test_a_quiet_restart_is_found_by_the_periodic_check(
     (claiming too little is safe) and replayed from seq 0 at its next batch."""
 
     async def main() -> None:
-        with LiveRelay() as relay:
-            async with (
-                fake_workers(make_worker(kind)) as (k1,),
-                stack(redis_url, namespace, maintain_interval_s=0.2) as s,
-            ):
-                record = msgspec.structs.replace(k1.record(), events_endpoint=relay.address)
-                await start(s, record)
-                await old_lifetime(s, k1, relay)
-                replays = s.count("replays", worker="k1", outcome="ok")
-                restart_losing_first_batches(k1, relay)
-                await eventually(lookup_is(s.index, 1, {}), what="old lifetime dropped")
-                assert dict(await s.index.lookup(keys(3))) == {}
-                if kind == "kvroute":
-                    await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="snapshot")
-                    assert await divergent(s.index, k1) == 0
-                    assert s.count("snapshots", worker="k1", outcome="ok") == 2
-                else:
-                    await asyncio.to_thread(relay.wait_subscribed)
-                    relay.send(k1.publish(), k1.last_batch)  # seq 3: replayed from 0
-                    await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="replayed")
-                    assert s.count("replays", worker="k1", outcome="ok") == replays + 1
-                assert s.count("resets", worker="k1") == 1
-                assert stream_count(s, "resyncs", "k1") == 0
+        async with after_old_lifetime(redis_url, namespace, kind, **PERIODIC) as (s, k1, relay):
+            replays = s.count("replays", worker="k1", outcome="ok")
+            restart_losing_first_batches(k1, relay)
+            await eventually(lookup_is(s.index, 1, {}), what="old lifetime dropped")
+            assert dict(await s.index.lookup(keys(3))) == {}
+            if kind == "kvroute":
+                await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="snapshot")
+                assert await divergent(s.index, k1) == 0
+                assert s.count("snapshots", worker="k1", outcome="ok") == 2
+            else:
+                await asyncio.to_thread(relay.wait_subscribed)
+                relay.send(k1.publish(), k1.last_batch)  # seq 3: replayed from 0
+                await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="replayed")
+                assert s.count("replays", worker="k1", outcome="ok") == replays + 1
+            assert s.count("resets", worker="k1") == 1
+            assert stream_count(s, "resyncs", "k1") == 0
 
     asyncio.run(main())
 
@@ -187,28 +190,21 @@ def test_a_restart_found_first_by_the_periodic_check_is_reset_once(
     handled: counted and reset once, nothing reset for it is cleared again."""
 
     async def main() -> None:
-        with LiveRelay() as relay:
-            async with (
-                fake_workers(make_worker(kind)) as (k1,),
-                stack(redis_url, namespace, maintain_interval_s=0.2) as s,
-            ):
-                record = msgspec.structs.replace(k1.record(), events_endpoint=relay.address)
-                await start(s, record)
-                await old_lifetime(s, k1, relay)  # seqs 0..2
-                relay.restart()
-                k1.restart_publisher()
-                k1.publish(stored(2, 0, 3))  # seq 0 of the new lifetime, lost on the way
-                await eventually(lookup_is(s.index, 1, {}), what="old lifetime dropped")
-                if kind == "kvroute":
-                    await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="snapshot")
-                await asyncio.to_thread(relay.wait_subscribed)
-                seq = k1.publish(stored(4, 0, 1))
-                assert seq == 1  # below the old lifetime's last seq: a drop
-                relay.send(seq, k1.last_batch)
-                await eventually(lookup_is(s.index, 4, {"k1": match(1)}), what="seq 1")
-                await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="seq 0")
-                assert s.count("resets", worker="k1") == 1
-                assert stream_count(s, "resets", "k1") == 1
-                assert stream_count(s, "resyncs", "k1") == 0
+        async with after_old_lifetime(redis_url, namespace, kind, **PERIODIC) as (s, k1, relay):
+            relay.restart()  # after seqs 0..2
+            k1.restart_publisher()
+            k1.publish(stored(2, 0, 3))  # seq 0 of the new lifetime, lost on the way
+            await eventually(lookup_is(s.index, 1, {}), what="old lifetime dropped")
+            if kind == "kvroute":
+                await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="snapshot")
+            await asyncio.to_thread(relay.wait_subscribed)
+            seq = k1.publish(stored(4, 0, 1))
+            assert seq == 1  # below the old lifetime's last seq: a drop
+            relay.send(seq, k1.last_batch)
+            await eventually(lookup_is(s.index, 4, {"k1": match(1)}), what="seq 1")
+            await eventually(lookup_is(s.index, 2, {"k1": match(3)}), what="seq 0")
+            assert s.count("resets", worker="k1") == 1
+            assert stream_count(s, "resets", "k1") == 1
+            assert stream_count(s, "resyncs", "k1") == 0
 
     asyncio.run(main())
